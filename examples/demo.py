@@ -1,0 +1,118 @@
+"""The zero-setup demo: a real ``celery worker`` runs three OJS JSON jobs; events print live.
+
+    python examples/demo.py
+
+One job completes, one times out (soft signal, checkpoint, hard stop, retry, discard), one fails
+and retries with backoff until it succeeds. Everything lives in a temporary folder: filesystem
+broker, SQLite job store, SQLite result backend.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEADLINE = 50.0
+
+JOBS: list[dict[str, Any]] = [
+    {"type": "demo.greet", "args": ["world"]},
+    {
+        "type": "demo.report",
+        "args": [20],
+        "timeout": 2,
+        "grace_period": 1,
+        "retry": {"max_attempts": 2, "initial_interval": "PT1S", "jitter": False},
+    },
+    {
+        "type": "demo.flaky",
+        "args": [3],
+        "retry": {"max_attempts": 5, "initial_interval": "PT1S", "backoff_coefficient": 2.0},
+    },
+]
+
+
+def describe(event: dict[str, Any], started: float) -> str:
+    data = event["data"]
+    extra = []
+    for key in ("attempt", "timeout_kind", "limit_seconds", "elapsed_seconds", "delay_seconds",
+                "worker_id", "duration_ms"):
+        if key in data and data[key] is not None:
+            value = data[key]
+            if key == "worker_id":
+                value = str(value)[:15] + "…"
+            extra.append(f"{key}={value}")
+    if "error" in data:
+        extra.append(f"error={data['error'].get('code')}: {data['error'].get('message')}")
+    if "last_error" in data:
+        extra.append(f"last_error={data['last_error'].get('code')}")
+    return (f"{time.monotonic() - started:6.2f}s  {event['type']:<18} "
+            f"{data.get('job_type', ''):<12} {' '.join(extra)}")
+
+
+def main() -> int:
+    base = pathlib.Path(tempfile.mkdtemp(prefix="ojs-demo-"))
+    os.environ["OJS_DEMO_DIR"] = str(base)
+    sys.path.insert(0, str(ROOT))
+    from examples.demo_app import app  # noqa: PLC0415 - needs OJS_DEMO_DIR first
+
+    from ojs_celery import enqueue, get_job
+    from ojs_celery.events import listen
+
+    started = time.monotonic()
+    ready = threading.Event()
+
+    def show(event: dict[str, Any]) -> None:
+        print(describe(event, started), flush=True)
+
+    threading.Thread(target=listen, args=(app, show), kwargs={"ready": ready},
+                     daemon=True).start()
+    ready.wait(10)
+    print(f"ojs_celery demo (filesystem broker, SQLite store in {base})\n", flush=True)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "examples.demo_app", "worker", "--pool",
+         "prefork", "--concurrency", "3", "--loglevel", os.environ.get("OJS_DEMO_LOGLEVEL", "WARNING"), "--without-gossip",
+         "--without-mingle", "--hostname", "demo@%h"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        ids = []
+        for envelope in JOBS:
+            job = enqueue(envelope, app=app)
+            ids.append(job.id)
+            print(f"enqueued {job.type:<12} id={job.id}", flush=True)
+        print()
+        while time.monotonic() - started < DEADLINE:
+            jobs = [get_job(i, app=app) for i in ids]
+            if all(j is not None and j.terminal for j in jobs):
+                break
+            time.sleep(0.2)
+        time.sleep(0.5)  # let the last events arrive
+        print("\nfinal states:")
+        ok = True
+        for job_id in ids:
+            job = get_job(job_id, app=app)
+            assert job is not None
+            errors = ", ".join(f"#{e['attempt']} {e['type']}" for e in job.errors)
+            print(f"  {job.type:<12} {job.state:<10} attempts={job.attempt} "
+                  f"result={job.result!r} last_checkpoint={job.last_checkpoint!r} "
+                  f"errors=[{errors}]")
+            ok = ok and job.terminal
+        return 0 if ok else 1
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(15)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""``ojs-celery``: enqueue, inspect and follow OJS jobs from the shell.
+
+It feels like ``celery``: ``-A/--app`` (or ``CELERY_APP``) names the Celery app, and the same
+commands are available as ``celery -A proj ojs ...``. Output is compact JSON, one line per item;
+invalid input prints the violations on stderr and exits with status 2, with nothing stored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import click
+from celery import Celery
+from celery.app.utils import find_app
+
+from .api import JobNotFound, cancel, enqueue_batch, get_job
+from .envelope import InvalidJob
+from .events import listen
+from .install import install
+from .producer import BrokerUnavailable, enqueue
+
+EXIT_INVALID = 2
+
+
+def load_app(name: str | None) -> Celery:
+    """Import the app like ``celery -A`` does, import its tasks and install OJS."""
+    if not name:
+        raise click.UsageError("no app given: pass -A/--app module[:attribute] or set CELERY_APP")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        app = find_app(name)
+    except Exception as exc:  # noqa: BLE001 - any import error is a usage error here
+        raise click.BadParameter(f"cannot load app {name!r}: {exc}", param_hint="-A/--app") from exc
+    if not isinstance(app, Celery):
+        raise click.BadParameter(f"{name!r} is not a Celery app", param_hint="-A/--app")
+    app.loader.import_default_modules()
+    install(app)
+    return app
+
+
+def _app(ctx: click.Context) -> Celery:
+    obj = ctx.find_root().obj
+    if isinstance(obj, Celery):
+        return obj
+    celery_app = getattr(obj, "app", None)  # inside `celery -A proj ojs ...`
+    if isinstance(celery_app, Celery):
+        celery_app.loader.import_default_modules()
+        install(celery_app)
+        return celery_app
+    raise click.UsageError("no app given: pass -A/--app")
+
+
+def _line(data: Any) -> None:
+    click.echo(json.dumps(data, separators=(",", ":"), ensure_ascii=False))
+    sys.stdout.flush()
+
+
+def _invalid(exc: InvalidJob) -> None:
+    click.echo(str(exc), err=True)
+    sys.exit(EXIT_INVALID)
+
+
+@click.group(name="ojs", help="Enqueue and inspect Open Job Spec jobs on a Celery app.")
+def commands() -> None:
+    """The subcommands shared by ``ojs-celery`` and ``celery ojs``."""
+
+
+@commands.command(name="enqueue")
+@click.argument("source", type=click.File("r"), default="-")
+@click.option("--batch", is_flag=True, help="SOURCE holds a JSON array of envelopes.")
+@click.pass_context
+def enqueue_command(ctx: click.Context, source: Any, batch: bool) -> None:
+    """Enqueue the OJS envelope in SOURCE (a file, or - for stdin); print the stored job."""
+    app = _app(ctx)
+    text = source.read()
+    try:
+        jobs = enqueue_batch(text, app=app) if batch else [enqueue(text, app=app)]
+    except InvalidJob as exc:
+        _invalid(exc)
+        return
+    except BrokerUnavailable as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    for job in jobs:
+        _line(job.to_dict())
+
+
+@commands.command(name="get")
+@click.argument("job_id")
+@click.pass_context
+def get_command(ctx: click.Context, job_id: str) -> None:
+    """Print the job JOB_ID as JSON (exit status 1 if there is none)."""
+    job = get_job(job_id, app=_app(ctx))
+    if job is None:
+        click.echo(f"error: no job with id {job_id}", err=True)
+        sys.exit(1)
+    _line(job.to_dict())
+
+
+@commands.command(name="cancel")
+@click.argument("job_id")
+@click.pass_context
+def cancel_command(ctx: click.Context, job_id: str) -> None:
+    """Cancel JOB_ID and print it (exit status 1 if unknown or already ended)."""
+    try:
+        job = cancel(job_id, app=_app(ctx))
+    except JobNotFound as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    except ValueError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    _line(job.to_dict())
+
+
+@commands.command(name="events")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Stop after N events.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Stop after this many seconds without an event.")
+@click.pass_context
+def events_command(ctx: click.Context, limit: int | None, timeout: float | None) -> None:
+    """Print every OJS event from every process, one compact JSON line each, as they happen."""
+    app = _app(ctx)
+    try:
+        listen(app, _line, limit=limit, timeout=timeout)
+    except KeyboardInterrupt:
+        pass
+
+
+@click.group(name="ojs-celery", help=commands.help)
+@click.option("-A", "--app", "app_name", envvar="CELERY_APP", help="The Celery app (module:attr).")
+@click.pass_context
+def cli(ctx: click.Context, app_name: str | None) -> None:
+    if ctx.resilient_parsing:
+        return
+    if ctx.invoked_subcommand is not None and "--help" not in sys.argv[1:]:
+        ctx.obj = load_app(app_name)
+
+
+for _command in list(commands.commands.values()):
+    cli.add_command(_command)
+
+#: ``celery -A proj ojs ...`` (entry point ``celery.commands``).
+celery_command = commands
+
+
+def main() -> None:
+    cli(prog_name="ojs-celery")

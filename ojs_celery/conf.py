@@ -1,0 +1,97 @@
+"""Settings, read from ``app.conf.ojs`` (Django: ``CELERY_OJS = {...}``) and validated once.
+
+Celery does not validate unknown keys, so a typo would pass silently; here every key is checked
+and a bad one raises Celery's ``ImproperlyConfigured`` naming ``ojs.<key>`` and the rule.
+Durations are seconds and accept floats (tests use short intervals).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.exceptions import ImproperlyConfigured
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .envelope import TYPE_PATTERN
+from .lifecycle import DAY, Policy
+
+PositiveSeconds = float
+
+
+class Retention(BaseModel):
+    """How long terminal jobs are kept before the sweeper prunes them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    completed: float = Field(7 * DAY, gt=0)
+    cancelled: float = Field(30 * DAY, gt=0)
+    discarded: float = Field(30 * DAY, gt=0)
+    dead_letter: float = Field(180 * DAY, gt=0)
+
+
+class Settings(BaseModel):
+    """Every ``ojs`` setting with its default (see the README's settings table)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    store_url: str = "sqlite:///ojs.sqlite3"
+    store_prefix: str = Field("ojs", pattern=r"^[A-Za-z][A-Za-z0-9_]*$", max_length=40)
+    type_map: dict[str, str] = {}
+    events: bool = True
+    amqp_max_priority: int = Field(10, ge=1, le=255)
+    dispatch_grace: float = Field(10.0, gt=0)
+    schedule_horizon: float = Field(60.0, gt=0)
+    sweep_interval: float = Field(2.0, gt=0)
+    sweep_queue: str = "ojs.sweep"
+    sweep_batch: int = Field(500, ge=1)
+    execution_tolerance: float = Field(1.5, ge=1.5)
+    heartbeat_interval: float = Field(5.0, gt=0)
+    worker_heartbeat_timeout: float = Field(30.0, gt=0)
+    shutdown_grace_period: float = Field(25.0, ge=0)
+    labels: list[str] = []
+    retention: Retention = Retention()
+
+    @field_validator("type_map")
+    @classmethod
+    def _types(cls, value: dict[str, str]) -> dict[str, str]:
+        import re
+
+        for ojs_type, task_name in value.items():
+            if not re.match(TYPE_PATTERN, ojs_type):
+                raise ValueError(
+                    f"key {ojs_type!r} is not a valid OJS type (dot-separated lowercase "
+                    "segments, each [a-z][a-z0-9_]*)"
+                )
+            if not isinstance(task_name, str) or not task_name:
+                raise ValueError(f"value for {ojs_type!r} must be a Celery task name")
+        return value
+
+    @property
+    def policy(self) -> Policy:
+        return Policy(
+            dispatch_grace=self.dispatch_grace,
+            schedule_horizon=self.schedule_horizon,
+            retention_completed=self.retention.completed,
+            retention_cancelled=self.retention.cancelled,
+            retention_discarded=self.retention.discarded,
+            retention_dead_letter=self.retention.dead_letter,
+        )
+
+
+def read_settings(raw: Any) -> Settings:
+    """Validate the raw ``ojs`` setting; raise ``ImproperlyConfigured`` naming each bad key."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ImproperlyConfigured(f"ojs: must be a dict of settings, got {type(raw).__name__}")
+    try:
+        return Settings.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        for item in exc.errors():
+            path = ".".join(str(p) for p in ("ojs", *item["loc"]))
+            message = item["msg"].removeprefix("Value error, ")
+            if item["type"] == "extra_forbidden":
+                message = "unknown setting"
+            problems.append(f"{path}: {message}")
+        raise ImproperlyConfigured("invalid OJS settings:\n  " + "\n  ".join(problems)) from None

@@ -1,0 +1,112 @@
+"""The handler's view of its job: ``ojs_celery.current_job()`` or ``self.ojs`` in a bound task."""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextvars import ContextVar
+from typing import TYPE_CHECKING
+
+from .envelope import Job, JsonValue
+from .lifecycle import Record
+from .store import StoreError
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+_current: ContextVar[JobContext | None] = ContextVar("ojs_current_job", default=None)
+
+
+class NoCurrentJob(RuntimeError):
+    """``current_job()`` was called outside an OJS task."""
+
+
+class JobContext:
+    """The running attempt: its job, heartbeats, progress, checkpoints and cancellation.
+
+    ``cancelled`` becomes True when the attempt's execution timeout fires (the soft time limit,
+    at the start of the grace period) or the worker shuts down: save a checkpoint with
+    ``progress(..., checkpoint=...)`` and return; the next attempt sees it as
+    ``last_checkpoint``.
+    """
+
+    def __init__(self, runtime: Runtime, record: Record, worker_id: str) -> None:
+        self._runtime = runtime
+        self._record = record
+        self.worker_id = worker_id
+        self.job: Job = record.job
+        self.attempt: int = record.job.attempt
+        self.last_checkpoint: JsonValue = record.job.last_checkpoint
+        self.cancelled = False
+        self.started = time.monotonic()
+
+    @property
+    def job_id(self) -> str:
+        return self.job.id
+
+    @property
+    def record(self) -> Record:
+        return self._record
+
+    def _update(self, record: Record | None) -> None:
+        if record is not None:
+            self._record = record
+
+    def heartbeat(self) -> bool:
+        """Tell the store this attempt is alive (resets the stall and visibility clocks).
+
+        Returns False if the store rejected it (the attempt is no longer ours) or is
+        unreachable; a heartbeat never raises.
+        """
+        return self._beat()
+
+    def progress(
+        self, value: float | None, data: JsonValue = None, checkpoint: JsonValue = None
+    ) -> bool:
+        """Report progress in [0, 1] (clamped, never decreasing), optional data and a checkpoint.
+
+        Counts as a heartbeat. A checkpoint is what the next attempt gets as ``last_checkpoint``.
+        """
+        return self._beat(progress=value, data=data, checkpoint=checkpoint)
+
+    def _beat(
+        self,
+        progress: float | None = None,
+        data: JsonValue = None,
+        checkpoint: JsonValue = None,
+    ) -> bool:
+        try:
+            transition = self._runtime.store.heartbeat(
+                self.job.id,
+                self.attempt,
+                self.worker_id,
+                progress=progress,
+                data=data,
+                checkpoint=checkpoint,
+                hint=self._record,
+            )
+        except StoreError as exc:
+            logger.warning("ojs_celery: heartbeat for job %s failed: %s", self.job.id, exc)
+            return False
+        if not transition.applied:
+            logger.warning(
+                "ojs_celery: heartbeat for job %s attempt %s rejected (%s)",
+                self.job.id, self.attempt, transition.reason,
+            )
+            return False
+        self._update(transition.record)
+        return True
+
+
+def current_job() -> JobContext:
+    """The context of the OJS job running in this task; raises outside of one."""
+    ctx = _current.get()
+    if ctx is None:
+        raise NoCurrentJob("current_job() is only available inside a running OJS task")
+    return ctx
+
+
+def maybe_current_job() -> JobContext | None:
+    return _current.get()

@@ -1,0 +1,68 @@
+"""The zero-setup default: a filesystem broker and SQLite files in one folder, no server.
+
+kombu's filesystem transport writes a message file in place, and a consumer that lists the
+folder in between may read it half-written: the message is then lost (it shows as a JSON error).
+:class:`Transport` writes to a temporary name and renames, which is atomic, so consumers only
+ever see whole messages. It is registered as the ``ojsfs://`` transport.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import uuid
+from time import monotonic
+from typing import Any
+
+from kombu.exceptions import ChannelError
+from kombu.transport import TRANSPORT_ALIASES, filesystem
+from kombu.utils.encoding import str_to_bytes
+from kombu.utils.json import dumps
+
+SCHEME = "ojsfs"
+
+
+class Channel(filesystem.Channel):  # type: ignore[misc]
+    """Filesystem channel whose writes are atomic (temp file + rename)."""
+
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+        name = f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
+        final = os.path.join(self.data_folder_out, name)
+        temporary = os.path.join(self.data_folder_out, f".{name}.tmp")
+        try:
+            with open(temporary, "wb") as handle:
+                handle.write(str_to_bytes(dumps(payload)))
+            os.replace(temporary, final)
+        except OSError as exc:
+            raise ChannelError(f"Cannot add file {final!r} to directory") from exc
+
+
+class Transport(filesystem.Transport):  # type: ignore[misc]
+    Channel = Channel
+
+
+TRANSPORT_ALIASES[SCHEME] = f"{__name__}:Transport"
+
+
+def embedded_settings(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Celery settings for the embedded default, everything under ``directory``.
+
+    Broker: atomic filesystem transport; results: SQLite; OJS job store: SQLite. Use
+    ``app.conf.update(embedded_settings(path))``.
+    """
+    base = pathlib.Path(directory).resolve()
+    for folder in ("broker", "processed", "control"):
+        (base / folder).mkdir(parents=True, exist_ok=True)
+    return {
+        "broker_url": f"{SCHEME}://localhost/",
+        "broker_transport_options": {
+            "data_folder_in": str(base / "broker"),
+            "data_folder_out": str(base / "broker"),
+            "processed_folder": str(base / "processed"),
+            "control_folder": str(base / "control"),
+            "polling_interval": 0.1,
+        },
+        "result_backend": f"db+sqlite:///{base / 'results.sqlite3'}",
+        "broker_connection_retry_on_startup": True,
+        "ojs": {"store_url": f"sqlite:///{base / 'store.sqlite3'}"},
+    }

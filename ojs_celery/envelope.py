@@ -1,0 +1,393 @@
+"""The OJS job envelope: pydantic models, validation and (de)serialisation.
+
+One model, :class:`Job`, carries both the client-settable attributes of the OJS envelope (with the
+timeouts extension's fields) and the system-managed ones (state, attempt, timestamps, errors,
+result). Client input goes through :func:`parse_envelope`, which ignores system fields, fills the
+defaults and turns every violation into one :class:`InvalidJob` that names each field path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timezone
+from typing import Annotated, Any, Final, Literal
+
+import uuid6
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+)
+from pydantic import JsonValue as JsonValue  # explicit re-export: the package's JSON type
+from pydantic_core import PydanticSerializationError, to_jsonable_python
+
+SPEC_VERSION: Final = "1.0"
+MAX_ENVELOPE_BYTES = 1024 * 1024
+TYPE_PATTERN = r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$"
+QUEUE_PATTERN = r"^[a-z0-9][a-z0-9\-\.]*$"
+UUID7_PATTERN = re.compile(
+    r"^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$"
+)
+_DURATION = re.compile(
+    r"^P(?!$)(?:(?P<y>\d+)Y)?(?:(?P<mo>\d+)M)?(?:(?P<w>\d+)W)?(?:(?P<d>\d+)D)?"
+    r"(?:T(?=\d)(?:(?P<h>\d+)H)?(?:(?P<mi>\d+)M)?(?:(?P<s>\d+(?:\.\d+)?)S)?)?$"
+)
+
+#: Fields the system manages: a client's values for them are ignored (OJS core).
+SYSTEM_FIELDS = frozenset(
+    {
+        "state",
+        "attempt",
+        "created_at",
+        "enqueued_at",
+        "started_at",
+        "completed_at",
+        "cancelled_at",
+        "discarded_at",
+        "next_retry_at",
+        "error",
+        "errors",
+        "result",
+        "last_checkpoint",
+        "progress",
+    }
+)
+
+State = Literal[
+    "scheduled", "available", "pending", "active", "completed", "retryable", "cancelled", "discarded"
+]
+
+
+class InvalidJob(ValueError):
+    """An envelope broke one or more rules; ``violations`` holds ``(field path, rule)`` pairs."""
+
+    def __init__(self, violations: list[tuple[str, str]]) -> None:
+        self.violations = violations
+        lines = "\n".join(f"  {path}: {rule}" for path, rule in violations)
+        super().__init__(f"invalid OJS job ({len(violations)} violation(s)):\n{lines}")
+
+
+def new_job_id() -> str:
+    """A fresh lowercase UUIDv7 (time-ordered, as OJS recommends)."""
+    return str(uuid6.uuid7())
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def from_epoch(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, timezone.utc)
+
+
+def format_timestamp(value: datetime) -> str:
+    """RFC 3339 with microseconds; UTC is written ``Z``, other offsets are kept."""
+    text = value.isoformat(timespec="microseconds")
+    return text[:-6] + "Z" if text.endswith("+00:00") else text
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in an ISO 8601 duration (``PT1S``, ``PT5M``, ``P1DT2H``); years 365 d, months 30 d."""
+    match = _DURATION.match(text)
+    if match is None:
+        raise ValueError(f"must be an ISO 8601 duration such as PT1S or PT5M, got {text!r}")
+    parts = {k: float(v) if v else 0.0 for k, v in match.groupdict().items()}
+    days = parts["y"] * 365 + parts["mo"] * 30 + parts["w"] * 7 + parts["d"]
+    return days * 86400 + parts["h"] * 3600 + parts["mi"] * 60 + parts["s"]
+
+
+def _duration(text: str) -> str:
+    parse_duration(text)
+    return text
+
+
+Duration = Annotated[str, Field(json_schema_extra={"format": "duration"})]
+JobType = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=TYPE_PATTERN)]
+QueueName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=QUEUE_PATTERN)]
+
+
+class RetryPolicy(BaseModel):
+    """OJS retry policy; partial policies are merged with these defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_attempts: StrictInt = Field(default=3, ge=0)
+    initial_interval: Duration = "PT1S"
+    backoff_coefficient: StrictFloat = Field(default=2.0, ge=1.0)
+    max_interval: Duration = "PT5M"
+    jitter: StrictBool = True
+    non_retryable_errors: list[Annotated[str, StringConstraints(min_length=1)]] = []
+    on_exhaustion: Literal["discard", "dead_letter"] = "discard"
+
+    @field_validator("initial_interval", "max_interval")
+    @classmethod
+    def _valid_duration(cls, value: str) -> str:
+        return _duration(value)
+
+    # Field validators (not a model validator), so that each violation names its field path.
+    @field_validator("initial_interval")
+    @classmethod
+    def _initial_positive(cls, value: str) -> str:
+        if parse_duration(value) <= 0:
+            raise ValueError("must be greater than zero")
+        return value
+
+    @field_validator("max_interval")
+    @classmethod
+    def _max_not_below_initial(cls, value: str, info: ValidationInfo) -> str:
+        initial = info.data.get("initial_interval")
+        if initial is not None and parse_duration(value) < parse_duration(initial):
+            raise ValueError(f"must be greater than or equal to initial_interval ({initial})")
+        return value
+
+    @field_validator("non_retryable_errors")
+    @classmethod
+    def _unique_entries(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("must not repeat an entry")
+        return value
+
+    @property
+    def initial_seconds(self) -> float:
+        return parse_duration(self.initial_interval)
+
+    @property
+    def max_seconds(self) -> float:
+        return parse_duration(self.max_interval)
+
+
+class Job(BaseModel):
+    """An OJS job: the envelope a producer sent plus the state the system keeps for it.
+
+    Unknown top-level fields (``x_*`` extensions and anything else) are kept and written back.
+    """
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, validate_assignment=False)
+
+    specversion: Literal["1.0"] = SPEC_VERSION
+    id: str = Field(default_factory=new_job_id)
+    type: JobType
+    queue: QueueName = "default"
+    args: list[JsonValue]
+    meta: dict[str, JsonValue] | None = None
+    priority: StrictInt = Field(default=0, ge=-100, le=100)
+    timeout: StrictInt = Field(default=1800, gt=0)
+    scheduled_at: AwareDatetime | None = None
+    expires_at: AwareDatetime | None = None
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    unique: dict[str, JsonValue] | None = None
+    schema_uri: str | None = Field(None, alias="schema")
+    visibility_timeout: StrictInt = Field(default=1800, ge=1)
+    total_timeout: StrictInt | None = Field(default=None, gt=0)
+    enqueue_ttl: StrictInt | None = Field(default=None, gt=0)
+    grace_period: StrictInt = Field(default=30, ge=0)
+    heartbeat_timeout: StrictInt = Field(default=60, gt=0)
+
+    # System-managed attributes.
+    state: State = "available"
+    attempt: int = 0
+    created_at: AwareDatetime | None = None
+    enqueued_at: AwareDatetime | None = None
+    started_at: AwareDatetime | None = None
+    completed_at: AwareDatetime | None = None
+    cancelled_at: AwareDatetime | None = None
+    discarded_at: AwareDatetime | None = None
+    next_retry_at: AwareDatetime | None = None
+    error: dict[str, JsonValue] | None = None
+    errors: list[dict[str, JsonValue]] = []
+    result: JsonValue = None
+    last_checkpoint: JsonValue = None
+    progress: dict[str, JsonValue] | None = None
+
+    @field_validator("id", mode="before")
+    @classmethod
+    def _uuid7(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            raise ValueError("must be a string")
+        lowered = value.lower()
+        if not UUID7_PATTERN.match(lowered):
+            raise ValueError("must be a UUIDv7 (8-4-4-4-12 hex digits, version 7)")
+        return lowered
+
+    @field_validator("scheduled_at", "expires_at", mode="before")
+    @classmethod
+    def _rfc3339(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, (str, datetime)):
+            raise ValueError("must be an RFC 3339 timestamp string with a time zone")
+        return value
+
+    @field_validator("total_timeout")
+    @classmethod
+    def _total_not_below_timeout(cls, value: int | None, info: ValidationInfo) -> int | None:
+        timeout = info.data.get("timeout")
+        if value is not None and timeout is not None and value < timeout:
+            raise ValueError(f"must be greater than or equal to timeout ({timeout})")
+        return value
+
+    @field_serializer(
+        "scheduled_at",
+        "expires_at",
+        "created_at",
+        "enqueued_at",
+        "started_at",
+        "completed_at",
+        "cancelled_at",
+        "discarded_at",
+        "next_retry_at",
+    )
+    def _timestamp(self, value: datetime | None) -> str | None:
+        return None if value is None else format_timestamp(value)
+
+    @property
+    def extensions(self) -> dict[str, Any]:
+        """The unknown top-level fields, as sent."""
+        return dict(self.model_extra or {})
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in ("completed", "cancelled", "discarded")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The job as OJS JSON data: absent optional fields are omitted."""
+        data = self.model_dump(mode="json", by_alias=True, exclude_none=True)
+        if self.result is None and "result" in data:
+            del data["result"]
+        return data
+
+    def to_json(self) -> str:
+        """Compact one-line JSON."""
+        return json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False)
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("function-after[_intervals(), RetryPolicy]",)]
+    text = ""
+    for part in parts:
+        if part.isdigit():
+            text += f"[{part}]"
+        else:
+            text += ("." if text else "") + part
+    return text or "(envelope)"
+
+
+_PATTERN_RULES = {
+    "type": "must be dot-separated lowercase segments, each [a-z][a-z0-9_]* (e.g. email.send)",
+    "queue": "must match [a-z0-9][a-z0-9.-]* (lowercase letters, digits, dots and hyphens)",
+}
+
+
+#: ``loc`` parts before a JSON value, per field. Inside the value pydantic tags each nested
+#: container with "list" or "dict" before its index or key: those tags are not field paths.
+_JSON_VALUE_DEPTH = {"args": 2, "meta": 2, "unique": 2, "error": 2, "progress": 2, "errors": 3}
+
+
+def _json_value_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    depth = _JSON_VALUE_DEPTH.get(str(loc[0]), 1) if loc else 0
+    return loc[:depth] + loc[depth + 1 :: 2]
+
+
+def _violations(error: ValidationError) -> list[tuple[str, str]]:
+    found: list[tuple[str, str]] = []
+    for item in error.errors():
+        loc = tuple(p for p in item["loc"] if not str(p).startswith(("function-", "json-or-python")))
+        if item["type"] == "invalid-json-value":
+            loc = _json_value_loc(loc)
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "missing":
+            message = "is required"
+        elif item["type"] == "literal_error" and loc == ("specversion",):
+            message = f'must be "{SPEC_VERSION}"'
+        elif item["type"] == "string_pattern_mismatch" and loc and loc[-1] in _PATTERN_RULES:
+            message = _PATTERN_RULES[str(loc[-1])]
+        found.append((_path(loc), message))
+    return found
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        to_jsonable_python(value)
+    except PydanticSerializationError:
+        return False
+    return True
+
+
+def parse_envelope(data: dict[str, Any] | str | bytes | Job) -> Job:
+    """Validate client input and return a new job (state unset; system fields ignored).
+
+    Raises :class:`InvalidJob` listing every violation; nothing else is touched.
+    """
+    if isinstance(data, Job):
+        data = data.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if isinstance(data, (str, bytes)):
+        if len(data) > MAX_ENVELOPE_BYTES:
+            raise InvalidJob([("(envelope)", "must not exceed 1 MiB")])
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise InvalidJob([("(envelope)", f"is not valid JSON: {exc}")]) from None
+    if not isinstance(data, dict):
+        raise InvalidJob([("(envelope)", "must be a JSON object")])
+    clean = {k: v for k, v in data.items() if k not in SYSTEM_FIELDS and v is not None}
+    violations: list[tuple[str, str]] = []
+    if "args" in clean and not isinstance(clean["args"], list):
+        violations.append(("args", "must be a JSON array"))
+        clean["args"] = []  # placeholder: check the other fields without a bogus "is required"
+    try:
+        job = Job.model_validate(clean)
+    except ValidationError as exc:
+        violations.extend(_violations(exc))
+        raise InvalidJob(violations) from None
+    if violations:
+        raise InvalidJob(violations)
+    try:
+        size = len(job.to_json().encode())
+    except PydanticSerializationError:
+        bad = [key for key, value in job.extensions.items() if not _is_json(value)]
+        raise InvalidJob([(key, "must be JSON data") for key in bad or ["(envelope)"]]) from None
+    if size > MAX_ENVELOPE_BYTES:
+        raise InvalidJob([("(envelope)", f"must not exceed 1 MiB (is {size} bytes)")])
+    return job
+
+
+def parse_batch(data: str | bytes | list[Any]) -> list[Job]:
+    """Validate a JSON array (or ``{"jobs": [...]}``) of envelopes; every job must be valid."""
+    if isinstance(data, (str, bytes)):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise InvalidJob([("(batch)", f"is not valid JSON: {exc}")]) from None
+    if isinstance(data, dict) and isinstance(data.get("jobs"), list):
+        data = data["jobs"]
+    if not isinstance(data, list) or not data:
+        raise InvalidJob([("(batch)", "must be a non-empty JSON array of job envelopes")])
+    jobs: list[Job] = []
+    violations: list[tuple[str, str]] = []
+    first_index: dict[str, int] = {}
+    for index, item in enumerate(data):
+        try:
+            job = parse_envelope(item)
+        except InvalidJob as exc:
+            violations.extend(
+                (f"[{index}]" if path == "(envelope)" else f"[{index}].{path}", rule)
+                for path, rule in exc.violations
+            )
+            continue
+        if job.id in first_index:
+            violations.append(
+                (f"[{index}].id", f"duplicates the id of job [{first_index[job.id]}] ({job.id})")
+            )
+        first_index.setdefault(job.id, index)
+        jobs.append(job)
+    if violations:
+        raise InvalidJob(violations)
+    return jobs

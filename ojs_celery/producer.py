@@ -1,0 +1,178 @@
+"""From a job to a Celery message: enqueue, and the publish options of every attempt.
+
+A message is only a request to run one attempt: it carries the job id as Celery task id (for
+every attempt, so ``AsyncResult(job_id)`` follows the job) and an ``ojs`` header with the
+dispatch token and the deadlines. OJS never uses Celery's ``expires`` or revoke-by-id for its
+jobs: both would make Celery drop every later message with the same task id, retries included.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Any
+
+from celery import Celery
+from kombu.exceptions import OperationalError
+
+from .envelope import Job, from_epoch, parse_envelope
+from .lifecycle import Publish
+from .runtime import Runtime, get_runtime
+
+#: Publish retries: fail fast enough that ``enqueue`` can report a broker that is down.
+PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.5,
+                        "interval_max": 1.0}
+DEFAULT_QUEUE = "default"
+
+
+class BrokerUnavailable(RuntimeError):
+    """The job is stored but its message could not be published (it stays in the outbox)."""
+
+
+def celery_queue(app: Celery, ojs_queue: str) -> str:
+    """OJS ``default`` is the app's default queue; other names are used as they are."""
+    if ojs_queue == DEFAULT_QUEUE:
+        return str(app.conf.task_default_queue)
+    return ojs_queue
+
+
+def ojs_queue_of(app: Celery, celery_queue_name: str | None) -> str:
+    if not celery_queue_name or celery_queue_name == app.conf.task_default_queue:
+        return DEFAULT_QUEUE
+    return celery_queue_name
+
+
+def broker_priority(app: Celery, priority: int, amqp_max: int) -> int | None:
+    """Map OJS priority (−100..100, higher first) to the broker's range and direction.
+
+    RabbitMQ: 0..``amqp_max_priority``, higher first (the queue needs ``x-max-priority``).
+    Redis: 0..9 where 0 is served first. Other transports ignore priorities.
+    """
+    driver = broker_driver(app)
+    fraction = (priority + 100) / 200
+    if driver == "amqp":
+        return round(fraction * amqp_max)
+    if driver == "redis":
+        return round((1 - fraction) * 9)
+    return None
+
+
+def broker_driver(app: Celery) -> str:
+    """The broker's kind (``amqp``, ``redis``, ``filesystem``...), asked of kombu without
+    connecting; cached per app."""
+    cached = getattr(app, "_ojs_broker_driver", None)
+    if cached is None:
+        try:
+            with app.connection_for_write() as connection:
+                cached = str(connection.transport.driver_type)
+        except ImportError:  # a transport whose client library is missing: no priorities
+            cached = "unknown"
+        app._ojs_broker_driver = cached
+    return str(cached)
+
+
+def time_limits(job: Job, start_at: float) -> tuple[float | None, float]:
+    """``(soft, hard)`` for an attempt starting at ``start_at``, clamped to the total deadline."""
+    hard = float(job.timeout + job.grace_period)
+    soft: float | None = float(job.timeout) if job.grace_period > 0 else None
+    if job.total_timeout is not None and job.created_at is not None:
+        remaining = job.created_at.timestamp() + job.total_timeout - start_at
+        hard = max(min(hard, remaining), 1.0)
+        if soft is not None:
+            soft = min(soft, hard)
+    if soft is not None and soft >= hard:
+        soft = None
+    return soft, hard
+
+
+def ojs_header(job: Job, token: int) -> dict[str, Any]:
+    created = job.created_at.timestamp() if job.created_at else time.time()
+    return {
+        "token": token,
+        "created_at": created,
+        "ttl_deadline": created + job.enqueue_ttl if job.enqueue_ttl else None,
+        "total_deadline": created + job.total_timeout if job.total_timeout else None,
+    }
+
+
+def publish(runtime: Runtime, job: Job, request: Publish, now: float | None = None) -> None:
+    """Send the message for ``request`` and clear its outbox entry.
+
+    Raises :class:`BrokerUnavailable` if the broker cannot be reached; the outbox entry stays,
+    so the sweeper publishes it later.
+    """
+    app = runtime.app
+    at = time.time() if now is None else now
+    start_at = max(at, request.eta or at)
+    soft, hard = time_limits(job, start_at)
+    options: dict[str, Any] = {
+        "task_id": job.id,
+        "queue": celery_queue(app, job.queue),
+        "headers": {"ojs": ojs_header(job, request.token)},
+        "time_limit": hard,
+        "retry": True,
+        "retry_policy": PUBLISH_RETRY_POLICY,
+    }
+    if soft is not None:
+        options["soft_time_limit"] = soft
+    priority = broker_priority(app, job.priority, runtime.settings.amqp_max_priority)
+    if priority is not None:
+        options["priority"] = priority
+    if request.eta is not None and request.eta > at:
+        options["eta"] = from_epoch(request.eta)
+    extensions = job.extensions
+    if extensions.get("x_celery_link"):
+        options["link"] = extensions["x_celery_link"]
+    if extensions.get("x_celery_link_error"):
+        options["link_error"] = extensions["x_celery_link_error"]
+    kwargs = extensions.get("x_celery_kwargs") or {}
+    try:
+        app.send_task(
+            runtime.task_name_for(job.type), args=list(job.args), kwargs=kwargs, **options
+        )
+    except OperationalError as exc:
+        raise BrokerUnavailable(
+            f"job {job.id} is stored but the broker is unreachable ({exc}); it stays in the "
+            "outbox and the sweeper publishes it when the broker is back"
+        ) from exc
+    runtime.store.ack_dispatch(job.id, request.token)
+
+
+def enqueue(envelope: dict[str, Any] | str | bytes | Job, *, app: Celery | None = None) -> Job:
+    """Validate an OJS envelope, store it and publish it; return the stored job.
+
+    Raises :class:`~ojs_celery.InvalidJob` (nothing stored or published) for a bad envelope,
+    an unknown type or a duplicate id, and :class:`BrokerUnavailable` if the broker is down.
+    """
+    runtime = get_runtime(app)
+    job = parse_envelope(envelope)
+    return enqueue_job(runtime, job)
+
+
+def enqueue_job(runtime: Runtime, job: Job) -> Job:
+    """Store and publish a job that is already valid."""
+    from .envelope import InvalidJob
+    from .runtime import UnknownType
+    from .store import DuplicateJob
+
+    try:
+        runtime.task_name_for(job.type)
+    except UnknownType as exc:
+        raise InvalidJob([("type", str(exc).removeprefix("type: "))]) from None
+    try:
+        transition = runtime.store.create(job)
+    except DuplicateJob as exc:
+        raise InvalidJob([("id", str(exc).removeprefix("id: "))]) from None
+    assert transition.record is not None
+    runtime.emit(transition)
+    if transition.publish is not None:
+        publish(runtime, transition.record.job, transition.publish)
+    return transition.record.job
+
+
+def scheduled_at_from(eta: datetime | None, countdown: float | None) -> datetime | None:
+    if eta is not None:
+        return eta
+    if countdown:
+        return from_epoch(time.time() + float(countdown))
+    return None

@@ -1,0 +1,122 @@
+"""The worker main process's side of an OJS attempt: hard time limits and lost children.
+
+When billiard kills a child at the hard time limit, or a child dies, the child cannot report.
+The main process fails the attempt in the store instead, once per attempt although Celery 5.7
+reports a hard timeout up to three times (the compare-and-set on the attempt rejects the
+repeats), and tells Celery's result backend only what the store accepted: RETRY when the job
+will run again (no errbacks), FAILURE when it was discarded, nothing for a stale attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from billiard.einfo import ExceptionWithTraceback
+from billiard.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.worker.request import Request
+from celery.worker.state import task_ready
+
+from . import lifecycle
+from .identity import current_worker_id
+from .lifecycle import Transition
+from .producer import BrokerUnavailable, publish
+from .runtime import get_runtime
+from .store import StoreError
+
+logger = logging.getLogger(__name__)
+
+
+class OJSRequest(Request):  # type: ignore[misc]
+    """Celery ``Request`` for OJS tasks (``OJSTask.Request``)."""
+
+    _ojs_settled: str | None = None
+
+    def _ojs_token(self) -> int | None:
+        header = self._request_dict.get("ojs") if self._request_dict else None
+        if isinstance(header, dict) and "token" in header:
+            return int(header["token"])
+        return None
+
+    def _ojs_fail(self, error: dict[str, Any]) -> str:
+        """Fail this message's attempt in the store; returns 'retried', 'discarded' or 'stale'."""
+        if self._ojs_settled is not None:
+            return "stale"
+        token = self._ojs_token()
+        if token is None:
+            self._ojs_settled = "plain"
+            return "plain"
+        runtime = get_runtime(self.task.app)
+        try:
+            done: Transition = runtime.store.fail_token(self.id, token, current_worker_id(), error)
+        except StoreError as exc:
+            logger.error("ojs_celery: cannot record the failure of job %s: %s", self.id, exc)
+            self._ojs_settled = "stale"
+            return "stale"
+        if done.record is None:
+            logger.info("ojs_celery: late failure of job %s ignored (%s)", self.id, done.reason)
+            self._ojs_settled = "stale"
+            return "stale"
+        runtime.emit(done)
+        if done.publish is not None:
+            try:
+                publish(runtime, done.record.job, done.publish)
+            except BrokerUnavailable as exc:
+                logger.error("ojs_celery: %s", exc)
+        self._ojs_settled = "retried" if done.record.job.state == "retryable" else "discarded"
+        return self._ojs_settled
+
+    def _elapsed(self) -> float:
+        started = self.time_start or time.time()
+        return max(time.time() - started, 0.0)
+
+    def _settle_quietly(self, outcome: str, exc: BaseException) -> None:
+        """Close the message for an outcome Celery must not report as a failure."""
+        task_ready(self)
+        if outcome == "retried":
+            self.task.backend.mark_as_retry(self.id, exc, request=self._context)
+        self.acknowledge()
+
+    def _hard_timeout(self, timeout: float) -> None:
+        timeout_limit = self._ojs_limit()
+        error = lifecycle.timeout_error(
+            "timeout", timeout_limit, self._elapsed(),
+            f"execution timeout of {timeout_limit}s exceeded; the attempt was killed at the "
+            "end of its grace period",
+        )
+        first = self._ojs_settled is None
+        outcome = self._ojs_fail(error)
+        if outcome in ("discarded", "plain") and first:
+            super().on_timeout(False, timeout)
+        else:
+            self._settle_quietly(outcome, TimeLimitExceeded(timeout))
+
+    def _ojs_limit(self) -> int:
+        hard, soft = self.time_limits
+        if soft:
+            return int(round(soft))
+        return int(round(hard or 0))
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        if soft or self._ojs_token() is None:
+            return super().on_timeout(soft, timeout)  # type: ignore[no-any-return]
+        self._hard_timeout(timeout)
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> None:
+        exc = exc_info.exception
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        if self._ojs_token() is not None:
+            if isinstance(exc, TimeLimitExceeded):
+                self._hard_timeout(float(exc.args[0]) if exc.args else 0.0)
+                return
+            if isinstance(exc, WorkerLostError):
+                error = lifecycle.make_error("WorkerLostError", str(exc))
+                outcome = self._ojs_fail(error)
+                if outcome != "discarded":
+                    self._settle_quietly(outcome, exc)
+                    return
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)

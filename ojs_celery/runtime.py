@@ -1,0 +1,95 @@
+"""Per-app OJS state: validated settings, the job store and the event bus.
+
+``install(app)`` attaches one :class:`Runtime` to the Celery app; everything else finds it with
+:func:`get_runtime`. The store is opened lazily so that importing a project never connects.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery, current_app
+
+from .conf import Settings, read_settings
+from .events import EventBus
+from .store import JobStore, open_store
+
+if TYPE_CHECKING:
+    from .lifecycle import Transition
+
+_ATTR = "_ojs_runtime"
+
+
+class NotInstalled(RuntimeError):
+    """The app was not set up with ``ojs_celery.install(app)``."""
+
+
+class UnknownType(ValueError):
+    """An OJS type that no OJS task or ``type_map`` entry handles."""
+
+
+class Runtime:
+    """What ``ojs_celery`` keeps for one Celery app."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self.settings: Settings = read_settings(app.conf.get("ojs"))
+        self._store: JobStore | None = None
+        self._lock = threading.Lock()
+        self.bus = EventBus(app, enabled=self.settings.events)
+
+    @property
+    def store(self) -> JobStore:
+        if self._store is None:
+            with self._lock:
+                if self._store is None:
+                    self._store = open_store(
+                        self.settings.store_url,
+                        policy=self.settings.policy,
+                        prefix=self.settings.store_prefix,
+                    )
+        return self._store
+
+    def emit(self, transition: Transition) -> None:
+        self.bus.emit_all(transition.events)
+
+    def task_name_for(self, ojs_type: str) -> str:
+        """The Celery task that runs ``ojs_type``; raises :class:`UnknownType` otherwise.
+
+        Only OJS tasks and explicit ``type_map`` entries qualify, so that an envelope can never
+        invoke an arbitrary Celery task.
+        """
+        mapped = self.settings.type_map.get(ojs_type)
+        if mapped is not None:
+            return mapped
+        for name, task in self.app.tasks.items():
+            if getattr(task, "__ojs_task__", False) and (getattr(task, "ojs_type", None) or name) == ojs_type:
+                return str(name)
+        raise UnknownType(
+            f"type: {ojs_type!r} is not an OJS task (register it with "
+            f"@app.task(name={ojs_type!r}, base=OJSTask) or map it in ojs.type_map)"
+        )
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+def attach(app: Celery) -> Runtime:
+    runtime = getattr(app, _ATTR, None)
+    if runtime is None:
+        runtime = Runtime(app)
+        setattr(app, _ATTR, runtime)
+    return runtime
+
+
+def get_runtime(app: Celery | None = None) -> Runtime:
+    target: Any = app or current_app
+    runtime = getattr(target, _ATTR, None)
+    if runtime is None:
+        raise NotInstalled(
+            f"the Celery app {target.main!r} has no OJS runtime: call ojs_celery.install(app)"
+        )
+    return runtime  # type: ignore[no-any-return]

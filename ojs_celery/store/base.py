@@ -1,0 +1,315 @@
+"""The job store protocol, and the rules every backend shares.
+
+A backend implements a handful of atomic primitives (insert, load, compare-and-set write,
+outbox acknowledgement, due-by-clock queries, workers). Every state change goes through
+:meth:`JobStore.apply`: load the record, apply a pure rule from :mod:`ojs_celery.lifecycle`,
+write it back only if nobody wrote in between (the record's ``version``), else start over. So the
+rules live in one place and the backends only guarantee atomicity and indexing.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import lifecycle
+from ..envelope import Job, JsonValue
+from ..lifecycle import Policy, Record, Transition
+
+Rule = Callable[[Record], Transition]
+
+
+class StoreError(RuntimeError):
+    """The store could not be reached or refused an operation."""
+
+
+class DuplicateJob(ValueError):
+    """A job with this id exists already."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        super().__init__(f"id: a job with id {job_id} exists already (ids must be unique)")
+
+
+@dataclass
+class WorkerInfo:
+    """A registered worker process (OJS worker protocol registration)."""
+
+    worker_id: str
+    hostname: str
+    pid: int
+    nodename: str = ""
+    queues: list[str] = field(default_factory=list)
+    concurrency: int = 1
+    labels: list[str] = field(default_factory=list)
+    started_at: float = 0.0
+    state: str = "running"
+    directive: str | None = None
+    last_beat: float = 0.0
+    active_job_ids: list[str] = field(default_factory=list)
+    reserved_job_ids: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerInfo:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+class JobStore(ABC):
+    """Where the OJS state of every job lives; see the module docstring."""
+
+    #: How many times :meth:`apply` re-reads after losing a compare-and-set race.
+    max_conflicts = 50
+
+    def __init__(self, policy: Policy | None = None) -> None:
+        self.policy = policy or Policy()
+
+    # ------------------------------------------------------------------ primitives (backends)
+
+    @abstractmethod
+    def _insert(self, record: Record, deadlines: dict[str, float | None]) -> bool:
+        """Write a new record with version 1; False if the id exists."""
+
+    @abstractmethod
+    def _load(self, job_id: str) -> Record | None:
+        """The record with its current version, or None."""
+
+    @abstractmethod
+    def _cas(self, record: Record, expected: int, deadlines: dict[str, float | None]) -> bool:
+        """Replace the record (and its deadline index entries) if its version is ``expected``;
+        the stored version becomes ``expected + 1``."""
+
+    @abstractmethod
+    def _ack_dispatch(self, job_id: str, token: int) -> bool:
+        """Clear the outbox entry if the record still owes a message for ``token``."""
+
+    @abstractmethod
+    def due(self, clock: str, now: float, limit: int) -> list[tuple[str, float]]:
+        """``(job id, deadline)`` pairs whose ``clock`` deadline is ``<= now``, earliest first,
+        at most ``limit``; costs O(log n + k)."""
+
+    @abstractmethod
+    def _delete(self, job_id: str, expected: int) -> bool:
+        """Delete the record if its version is ``expected`` (pruning)."""
+
+    @abstractmethod
+    def register_worker(self, info: WorkerInfo) -> None: ...
+
+    @abstractmethod
+    def get_worker(self, worker_id: str) -> WorkerInfo | None: ...
+
+    @abstractmethod
+    def save_worker(self, info: WorkerInfo) -> None:
+        """Write a worker's record as it is (last writer wins; one writer per worker)."""
+
+    @abstractmethod
+    def deregister_worker(self, worker_id: str) -> bool: ...
+
+    @abstractmethod
+    def list_workers(self) -> list[WorkerInfo]: ...
+
+    @abstractmethod
+    def set_meta(self, key: str, value: str) -> None: ...
+
+    @abstractmethod
+    def get_meta(self, key: str) -> str | None: ...
+
+    @abstractmethod
+    def ping(self) -> None:
+        """Raise :class:`StoreError` when the store cannot be reached."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Delete everything this store holds (tests, demos)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+    # ------------------------------------------------------------------ shared rules
+
+    def _deadlines(self, record: Record) -> dict[str, float | None]:
+        return lifecycle.deadlines(record, self.policy)
+
+    def create(self, job: Job, now: float | None = None) -> Transition:
+        """Store a new job (``available`` or ``scheduled``) with its outbox entry."""
+        transition = lifecycle.create(job, time.time() if now is None else now, self.policy)
+        assert transition.record is not None
+        if not self._insert(transition.record, self._deadlines(transition.record)):
+            raise DuplicateJob(job.id)
+        transition.record.version = 1
+        return transition
+
+    def get(self, job_id: str) -> Job | None:
+        record = self._load(job_id)
+        return None if record is None else record.job
+
+    def get_record(self, job_id: str) -> Record | None:
+        return self._load(job_id)
+
+    def apply(self, job_id: str, rule: Rule, hint: Record | None = None) -> Transition:
+        """Apply ``rule`` with compare-and-set, re-reading on conflict.
+
+        ``hint`` is a record the caller already holds (saves a read when nobody wrote since).
+        """
+        record = hint
+        for _ in range(self.max_conflicts):
+            if record is None:
+                record = self._load(job_id)
+                if record is None:
+                    return lifecycle.rejected("unknown_job")
+            transition = rule(record)
+            if transition.record is None:
+                if hint is not None and record is hint:
+                    record = None  # a stale hint may be why: decide on fresh data
+                    hint = None
+                    continue
+                return transition
+            if self._cas(transition.record, record.version, self._deadlines(transition.record)):
+                transition.record.version = record.version + 1
+                return transition
+            record = None
+            hint = None
+        raise StoreError(f"job {job_id}: too many concurrent writers, gave up")
+
+    def ack_dispatch(self, job_id: str, token: int) -> bool:
+        return self._ack_dispatch(job_id, token)
+
+    def start(
+        self, job_id: str, token: int, worker_id: str, now: float | None = None
+    ) -> Transition:
+        at = time.time() if now is None else now
+        return self.apply(job_id, lambda r: lifecycle.start(r, token, worker_id, at, self.policy))
+
+    def heartbeat(
+        self,
+        job_id: str,
+        attempt: int,
+        worker_id: str,
+        *,
+        stall: bool = True,
+        progress: float | None = None,
+        data: JsonValue = None,
+        checkpoint: JsonValue = None,
+        now: float | None = None,
+        hint: Record | None = None,
+    ) -> Transition:
+        at = time.time() if now is None else now
+        return self.apply(
+            job_id,
+            lambda r: lifecycle.heartbeat(
+                r, attempt, worker_id, at, stall=stall, progress=progress, data=data,
+                checkpoint=checkpoint,
+            ),
+            hint,
+        )
+
+    def complete(
+        self,
+        job_id: str,
+        attempt: int,
+        worker_id: str,
+        result: JsonValue,
+        now: float | None = None,
+        hint: Record | None = None,
+    ) -> Transition:
+        at = time.time() if now is None else now
+        return self.apply(
+            job_id, lambda r: lifecycle.complete(r, attempt, worker_id, result, at), hint
+        )
+
+    def fail(
+        self,
+        job_id: str,
+        attempt: int,
+        worker_id: str | None,
+        error: dict[str, JsonValue],
+        *,
+        delay: float | None = None,
+        retryable: bool = True,
+        now: float | None = None,
+        hint: Record | None = None,
+    ) -> Transition:
+        at = time.time() if now is None else now
+        return self.apply(
+            job_id,
+            lambda r: lifecycle.fail(
+                r, attempt, worker_id, error, at, delay=delay, retryable=retryable,
+                policy=self.policy,
+            ),
+            hint,
+        )
+
+    def fail_token(
+        self,
+        job_id: str,
+        token: int,
+        worker_id: str,
+        error: dict[str, JsonValue],
+        now: float | None = None,
+    ) -> Transition:
+        """Fail the attempt that ``token`` started on ``worker_id`` (the main process knows the
+        message, not the attempt number)."""
+        at = time.time() if now is None else now
+
+        def rule(record: Record) -> Transition:
+            if record.token != token:
+                return lifecycle.rejected("stale")
+            return lifecycle.fail(
+                record, record.job.attempt, worker_id, error, at, policy=self.policy
+            )
+
+        return self.apply(job_id, rule)
+
+    def cancel(self, job_id: str, now: float | None = None) -> Transition:
+        at = time.time() if now is None else now
+        return self.apply(job_id, lambda r: lifecycle.cancel(r, at))
+
+    def expire_ttl(self, job_id: str, now: float | None = None) -> Transition:
+        at = time.time() if now is None else now
+        return self.apply(job_id, lambda r: lifecycle.expire_ttl(r, at, self.policy))
+
+    def expire_total(self, job_id: str, now: float | None = None) -> Transition:
+        at = time.time() if now is None else now
+        return self.apply(job_id, lambda r: lifecycle.expire_total(r, at, self.policy))
+
+    def prune(self, now: float | None = None, limit: int = 500) -> int:
+        """Delete terminal jobs whose retention has passed; returns how many."""
+        at = time.time() if now is None else now
+        removed = 0
+        for job_id, _ in self.due("retention", at, limit):
+            record = self._load(job_id)
+            if record is None:
+                continue
+            deadline = self._deadlines(record)["retention"]
+            if deadline is not None and deadline <= at and self._delete(job_id, record.version):
+                removed += 1
+        return removed
+
+
+# ---------------------------------------------------------------------- row codec (all backends)
+
+RECORD_FIELDS = (
+    "version",
+    "token",
+    "worker_id",
+    "heartbeat_at",
+    "extended_at",
+    "dispatch_due",
+    "promote_at",
+    "dead_letter",
+)
+
+
+def encode_job(job: Job) -> str:
+    """The job as stored: compact OJS JSON (system fields included)."""
+    return job.to_json()
+
+
+def decode_job(text: str | bytes) -> Job:
+    return Job.model_validate_json(text)

@@ -1,0 +1,287 @@
+"""The job store on Redis: one hash per job, one sorted set per clock, one Lua script per write.
+
+Layout (``P`` is the prefix): ``P:job:{id}`` is a hash with ``data`` (the job's JSON), ``state``
+and the fields of :data:`~ojs_celery.store.base.RECORD_FIELDS` (``""`` stands for None);
+``P:due:{clock}`` is a sorted set of job ids scored by that clock's deadline; ``P:worker:{id}``
+is a hash whose ``data`` is the worker's JSON, ``P:workers`` a sorted set of worker ids by last
+beat, and ``P:meta`` a hash. Every write is one ``EVALSHA``, so the hash and the deadline index
+change together, atomically, in one round trip; reads are one command.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from ..lifecycle import CLOCKS, Policy, Record
+from .base import RECORD_FIELDS, JobStore, StoreError, WorkerInfo, decode_job, encode_job
+
+__all__ = ["RedisStore"]
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+#: Record fields written by every write script, in ARGV order (``version`` is managed in Lua).
+_FIELDS = tuple(name for name in RECORD_FIELDS if name != "version")
+#: ARGV layout shared by the insert and CAS scripts: id, version, data, state, the fields, then
+#: one deadline per clock (KEYS[2..] are the clocks' sorted sets, in CLOCKS order).
+_FIRST_FIELD = 5
+_FIRST_DEADLINE = _FIRST_FIELD + len(_FIELDS)
+
+
+def _hset_fields() -> str:
+    return ", ".join(f"'{name}', ARGV[{_FIRST_FIELD + i}]" for i, name in enumerate(_FIELDS))
+
+
+_INSERT = f"""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'data', ARGV[3], 'state', ARGV[4], 'version', '1', {_hset_fields()})
+for i = 2, #KEYS do
+  local deadline = ARGV[{_FIRST_DEADLINE} + i - 2]
+  if deadline ~= '' then redis.call('ZADD', KEYS[i], deadline, ARGV[1]) end
+end
+return 1
+"""
+
+_CAS = f"""
+if redis.call('HGET', KEYS[1], 'version') ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], 'data', ARGV[3], 'state', ARGV[4], {_hset_fields()})
+redis.call('HINCRBY', KEYS[1], 'version', 1)
+for i = 2, #KEYS do
+  local deadline = ARGV[{_FIRST_DEADLINE} + i - 2]
+  if deadline == '' then
+    redis.call('ZREM', KEYS[i], ARGV[1])
+  else
+    redis.call('ZADD', KEYS[i], deadline, ARGV[1])
+  end
+end
+return 1
+"""
+
+# KEYS: job hash, dispatch zset; ARGV: id, token. No version bump: see JobStore._ack_dispatch.
+_ACK_DISPATCH = """
+local current = redis.call('HMGET', KEYS[1], 'token', 'dispatch_due')
+if current[1] ~= ARGV[2] or not current[2] or current[2] == '' then return 0 end
+redis.call('HSET', KEYS[1], 'dispatch_due', '')
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+"""
+
+# KEYS: job hash, every clock's zset; ARGV: id, expected version.
+_DELETE = """
+if redis.call('HGET', KEYS[1], 'version') ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[1])
+for i = 2, #KEYS do redis.call('ZREM', KEYS[i], ARGV[1]) end
+return 1
+"""
+
+# KEYS: the workers zset; ARGV: the worker hash key prefix. All records in one round trip.
+_LIST_WORKERS = """
+local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+local out = {}
+for _, id in ipairs(ids) do
+  local data = redis.call('HGET', ARGV[1] .. id, 'data')
+  if data then out[#out + 1] = data end
+end
+return out
+"""
+
+
+def _wrap_errors(method: Callable[_P, _T]) -> Callable[_P, _T]:
+    """Turn "cannot reach Redis" into :class:`StoreError` (cause kept), as every backend does."""
+
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return method(*args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise StoreError(f"job store unavailable: {type(exc).__name__}: {exc}") from exc
+
+    return wrapper
+
+
+def _num(value: float | None) -> str:
+    """A float as Redis stores it exactly (``repr`` round-trips); None as ``""``."""
+    return "" if value is None else repr(float(value))
+
+
+def _float(value: str | None) -> float | None:
+    return None if value is None or value == "" else float(value)
+
+
+def _escape_glob(text: str) -> str:
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
+
+class RedisStore(JobStore):
+    """Job store on Redis; see the module docstring.
+
+    redis-py's connection pool notices a fork (it compares pids) and opens fresh connections in
+    the child, so a store used before Celery's prefork pool forks keeps working after.
+    """
+
+    def __init__(self, url: str, policy: Policy | None = None, prefix: str = "ojs") -> None:
+        super().__init__(policy)
+        self.url = url
+        self.prefix = prefix
+        # Few, quick retries: a store call should fail fast (StoreError) when Redis is down.
+        self.client: redis.Redis = redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.2), retries=2),
+        )
+        self._job_prefix = f"{prefix}:job:"
+        self._worker_prefix = f"{prefix}:worker:"
+        self._workers_key = f"{prefix}:workers"
+        self._meta_key = f"{prefix}:meta"
+        self._due_keys = {clock: f"{prefix}:due:{clock}" for clock in CLOCKS}
+        self._all_due_keys = [self._due_keys[clock] for clock in CLOCKS]
+        self._insert_script = self.client.register_script(_INSERT)
+        self._cas_script = self.client.register_script(_CAS)
+        self._ack_script = self.client.register_script(_ACK_DISPATCH)
+        self._delete_script = self.client.register_script(_DELETE)
+        self._list_workers_script = self.client.register_script(_LIST_WORKERS)
+
+    def close(self) -> None:
+        self.client.close()
+
+    # ------------------------------------------------------------------ record codec
+
+    def _args(self, record: Record, version: int, deadlines: dict[str, float | None]) -> list[str]:
+        job = record.job
+        args = [job.id, str(version), encode_job(job), job.state]
+        args.append(str(record.token))
+        args.append(record.worker_id or "")
+        args.append(_num(record.heartbeat_at))
+        args.append(_num(record.extended_at))
+        args.append(_num(record.dispatch_due))
+        args.append(_num(record.promote_at))
+        args.append("1" if record.dead_letter else "0")
+        args.extend(_num(deadlines.get(clock)) for clock in CLOCKS)
+        return args
+
+    # ------------------------------------------------------------------ job primitives
+
+    @_wrap_errors
+    def _insert(self, record: Record, deadlines: dict[str, float | None]) -> bool:
+        keys = [self._job_prefix + record.job.id, *self._all_due_keys]
+        return bool(self._insert_script(keys, self._args(record, 1, deadlines)))
+
+    @_wrap_errors
+    def _load(self, job_id: str) -> Record | None:
+        fields: dict[str, str] = self.client.hgetall(self._job_prefix + job_id)  # type: ignore[assignment]
+        if not fields or "data" not in fields:
+            return None
+        return Record(
+            job=decode_job(fields["data"]),
+            token=int(fields.get("token") or 1),
+            version=int(fields.get("version") or 0),
+            worker_id=fields.get("worker_id") or None,
+            heartbeat_at=_float(fields.get("heartbeat_at")),
+            extended_at=_float(fields.get("extended_at")),
+            dispatch_due=_float(fields.get("dispatch_due")),
+            promote_at=_float(fields.get("promote_at")),
+            dead_letter=fields.get("dead_letter") == "1",
+        )
+
+    @_wrap_errors
+    def _cas(self, record: Record, expected: int, deadlines: dict[str, float | None]) -> bool:
+        keys = [self._job_prefix + record.job.id, *self._all_due_keys]
+        return bool(self._cas_script(keys, self._args(record, expected, deadlines)))
+
+    @_wrap_errors
+    def _ack_dispatch(self, job_id: str, token: int) -> bool:
+        keys = [self._job_prefix + job_id, self._due_keys["dispatch"]]
+        return bool(self._ack_script(keys, [job_id, str(token)]))
+
+    @_wrap_errors
+    def due(self, clock: str, now: float, limit: int) -> list[tuple[str, float]]:
+        try:
+            key = self._due_keys[clock]
+        except KeyError:
+            raise ValueError(f"clock: unknown clock {clock!r} (one of {CLOCKS})") from None
+        rows: list[tuple[str, float]] = self.client.zrangebyscore(  # type: ignore[assignment]
+            key, "-inf", _num(now), start=0, num=int(limit), withscores=True
+        )
+        return [(str(job_id), float(score)) for job_id, score in rows]
+
+    @_wrap_errors
+    def _delete(self, job_id: str, expected: int) -> bool:
+        keys = [self._job_prefix + job_id, *self._all_due_keys]
+        return bool(self._delete_script(keys, [job_id, str(expected)]))
+
+    # ------------------------------------------------------------------ workers and meta
+
+    @_wrap_errors
+    def register_worker(self, info: WorkerInfo) -> None:
+        self.save_worker(info)
+
+    @_wrap_errors
+    def get_worker(self, worker_id: str) -> WorkerInfo | None:
+        data: str | None = self.client.hget(self._worker_prefix + worker_id, "data")  # type: ignore[assignment]
+        return None if data is None else WorkerInfo.from_dict(json.loads(data))
+
+    @_wrap_errors
+    def save_worker(self, info: WorkerInfo) -> None:
+        """The record and its index entry in one MULTI/EXEC round trip."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(
+            self._worker_prefix + info.worker_id,
+            "data",
+            json.dumps(info.to_dict(), separators=(",", ":")),
+        )
+        pipe.zadd(self._workers_key, {info.worker_id: float(info.last_beat)})
+        pipe.execute()
+
+    @_wrap_errors
+    def deregister_worker(self, worker_id: str) -> bool:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self._worker_prefix + worker_id)
+        pipe.zrem(self._workers_key, worker_id)
+        deleted, _ = pipe.execute()
+        return bool(deleted)
+
+    @_wrap_errors
+    def list_workers(self) -> list[WorkerInfo]:
+        rows: list[str] = self._list_workers_script([self._workers_key], [self._worker_prefix])
+        workers = [WorkerInfo.from_dict(json.loads(data)) for data in rows]
+        return sorted(workers, key=lambda w: w.worker_id)
+
+    @_wrap_errors
+    def set_meta(self, key: str, value: str) -> None:
+        self.client.hset(self._meta_key, key, value)
+
+    @_wrap_errors
+    def get_meta(self, key: str) -> str | None:
+        value: str | None = self.client.hget(self._meta_key, key)  # type: ignore[assignment]
+        return value
+
+    # ------------------------------------------------------------------ admin
+
+    @_wrap_errors
+    def ping(self) -> None:
+        self.client.ping()
+
+    @_wrap_errors
+    def clear(self) -> None:
+        """Delete every key under ``{prefix}:`` (SCAN, never KEYS: the server is shared)."""
+        pattern = _escape_glob(self.prefix) + ":*"
+        batch: list[Any] = []
+        for key in self.client.scan_iter(match=pattern, count=1000):
+            batch.append(key)
+            if len(batch) >= 500:
+                self.client.unlink(*batch)
+                batch.clear()
+        if batch:
+            self.client.unlink(*batch)
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self.url!r}, prefix={self.prefix!r})"

@@ -1,0 +1,435 @@
+"""The job store on SQL: SQLite (the zero-setup default) and PostgreSQL, via SQLAlchemy Core.
+
+Every primitive is ONE statement on a connection in driver autocommit mode. A single
+``UPDATE ... WHERE id = :id AND version = :expected`` is atomic by itself, so wrapping it in
+``BEGIN``/``COMMIT`` would only add round trips (PostgreSQL) and, on SQLite, nothing: a lone
+write statement takes the write lock when it starts (waiting on the busy timeout), exactly like
+``BEGIN IMMEDIATE``, so there is no read-then-upgrade step that could fail with ``SQLITE_BUSY``.
+
+Each clock of :data:`ojs_celery.lifecycle.CLOCKS` has its own nullable deadline column with a
+partial index (``WHERE col IS NOT NULL``), so :meth:`SQLStore.due` is an index range scan:
+O(log n + k), and jobs without that deadline cost nothing in the index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import threading
+import zlib
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.pool import StaticPool
+
+from ..lifecycle import CLOCKS, Policy, Record
+from .base import RECORD_FIELDS, JobStore, StoreError, WorkerInfo, decode_job, encode_job
+
+__all__ = ["SQLStore", "normalise_url"]
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+#: SQLite waits this long for another process's write lock before giving up.
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def _unreachable(exc: sa_exc.SQLAlchemyError) -> StoreError:
+    """A short message (no SQL text or parameters: they may hold a whole job)."""
+    detail = getattr(exc, "orig", None) or exc
+    return StoreError(f"job store unavailable: {type(detail).__name__}: {detail}".strip())
+
+
+def _wrap_errors(method: Callable[_P, _T]) -> Callable[_P, _T]:
+    """Turn connection-level database errors into :class:`StoreError` (cause kept), so callers
+    handle one exception type whatever the backend."""
+
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return method(*args, **kwargs)
+        except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError) as exc:
+            raise _unreachable(exc) from exc
+        except sa_exc.DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise _unreachable(exc) from exc
+            raise
+
+    return wrapper
+
+
+def normalise_url(url: str) -> URL:
+    """Parse ``url``; a PostgreSQL URL without a driver gets psycopg 3 (``postgres://`` too)."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    elif parsed.drivername.startswith("postgres+"):
+        parsed = parsed.set(drivername="postgresql+" + parsed.drivername.split("+", 1)[1])
+    return parsed
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    """WAL lets readers run beside one writer across processes; the busy timeout makes writers
+    queue instead of failing; NORMAL sync is durable across process crashes in WAL mode."""
+    dbapi_connection.isolation_level = None  # driver autocommit: no implicit BEGIN
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = NORMAL")
+    finally:
+        cursor.close()
+
+
+def _deadline_column(clock: str) -> str:
+    return f"due_{clock}"
+
+
+def build_metadata(prefix: str) -> sa.MetaData:
+    """The three tables of one store (``{prefix}_jobs``, ``_workers``, ``_meta``)."""
+    metadata = sa.MetaData()
+    jobs = sa.Table(
+        f"{prefix}_jobs",
+        metadata,
+        sa.Column("id", sa.Text, primary_key=True),
+        sa.Column("data", sa.Text, nullable=False),
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("version", sa.Integer, nullable=False),
+        sa.Column("token", sa.Integer, nullable=False),
+        sa.Column("worker_id", sa.Text, nullable=True),
+        sa.Column("heartbeat_at", sa.Double, nullable=True),
+        sa.Column("extended_at", sa.Double, nullable=True),
+        sa.Column("dispatch_due", sa.Double, nullable=True),
+        sa.Column("promote_at", sa.Double, nullable=True),
+        sa.Column("dead_letter", sa.Boolean, nullable=False, default=False),
+        *(sa.Column(_deadline_column(clock), sa.Double, nullable=True) for clock in CLOCKS),
+    )
+    missing = set(RECORD_FIELDS) - set(jobs.c.keys())
+    assert not missing, f"jobs table lacks record fields {missing}"
+    for clock in CLOCKS:
+        column = jobs.c[_deadline_column(clock)]
+        sa.Index(
+            f"ix_{prefix}_jobs_due_{clock}",
+            column,
+            postgresql_where=column.is_not(None),
+            sqlite_where=column.is_not(None),
+        )
+    workers = sa.Table(
+        f"{prefix}_workers",
+        metadata,
+        sa.Column("worker_id", sa.Text, primary_key=True),
+        sa.Column("data", sa.Text, nullable=False),
+        sa.Column("last_beat", sa.Double, nullable=False),
+    )
+    sa.Index(f"ix_{prefix}_workers_last_beat", workers.c.last_beat)
+    sa.Table(
+        f"{prefix}_meta",
+        metadata,
+        sa.Column("key", sa.Text, primary_key=True),
+        sa.Column("value", sa.Text, nullable=False),
+    )
+    return metadata
+
+
+class SQLStore(JobStore):
+    """Job store on SQLite or PostgreSQL; see the module docstring.
+
+    The engine is created on first use, and re-created (without closing the parent's
+    connections) in a process forked after it was used: Celery's prefork pool forks late.
+    """
+
+    def __init__(self, url: str, policy: Policy | None = None, prefix: str = "ojs") -> None:
+        super().__init__(policy)
+        self.url = normalise_url(url)
+        self.prefix = prefix
+        backend = self.url.get_backend_name()
+        if backend not in ("sqlite", "postgresql"):
+            raise ValueError(f"store_url: unsupported SQL backend {backend!r} (sqlite, postgresql)")
+        self._sqlite = backend == "sqlite"
+        self.metadata = build_metadata(prefix)
+        self._engine: Engine | None = None
+        self._ready = False
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._prepare_statements()
+
+    # ------------------------------------------------------------------ engine and schema
+
+    def _prepare_statements(self) -> None:
+        """Build every statement once; SQLAlchemy then reuses their compiled form."""
+        jobs = self.jobs = self.metadata.tables[f"{self.prefix}_jobs"]
+        workers = self.workers = self.metadata.tables[f"{self.prefix}_workers"]
+        meta = self.meta = self.metadata.tables[f"{self.prefix}_meta"]
+        insert = sqlite_dialect.insert if self._sqlite else pg_dialect.insert
+        c = jobs.c
+        self._record_columns = ("data", *RECORD_FIELDS)
+        self._select_record = sa.select(*(c[name] for name in self._record_columns)).where(
+            c.id == sa.bindparam("k_id")
+        )
+        # rowcount of an INSERT is only kept on request (0 when the id existed).
+        self._insert_job = (
+            insert(jobs)
+            .on_conflict_do_nothing(index_elements=[c.id])
+            .execution_options(preserve_rowcount=True)
+        )
+        self._update_job = sa.update(jobs).where(
+            c.id == sa.bindparam("k_id"), c.version == sa.bindparam("k_expected")
+        )
+        self._ack = (
+            sa.update(jobs)
+            .where(
+                c.id == sa.bindparam("k_id"),
+                c.token == sa.bindparam("k_token"),
+                c.dispatch_due.is_not(None),
+            )
+            .values({c.dispatch_due: None, c[_deadline_column("dispatch")]: None})
+        )
+        self._delete_job = sa.delete(jobs).where(
+            c.id == sa.bindparam("k_id"), c.version == sa.bindparam("k_expected")
+        )
+        self._due: dict[str, sa.Select[Any]] = {}
+        for clock in CLOCKS:
+            column = c[_deadline_column(clock)]
+            self._due[clock] = (
+                sa.select(c.id, column)
+                .where(column <= sa.bindparam("k_now", type_=sa.Double))
+                .order_by(column)
+                .limit(sa.bindparam("k_limit", type_=sa.Integer))
+            )
+        upsert_worker = insert(workers)
+        self._upsert_worker = upsert_worker.on_conflict_do_update(
+            index_elements=[workers.c.worker_id],
+            set_={
+                "data": upsert_worker.excluded.data,
+                "last_beat": upsert_worker.excluded.last_beat,
+            },
+        )
+        self._get_worker = sa.select(workers.c.data).where(
+            workers.c.worker_id == sa.bindparam("k_id")
+        )
+        self._list_workers = sa.select(workers.c.data).order_by(workers.c.worker_id)
+        self._delete_worker = sa.delete(workers).where(workers.c.worker_id == sa.bindparam("k_id"))
+        upsert_meta = insert(meta)
+        self._upsert_meta = upsert_meta.on_conflict_do_update(
+            index_elements=[meta.c.key], set_={"value": upsert_meta.excluded.value}
+        )
+        self._get_meta = sa.select(meta.c.value).where(meta.c.key == sa.bindparam("k_key"))
+
+    @property
+    def engine(self) -> Engine:
+        """The engine for this process, with the tables created (first use does both)."""
+        if self._ready and self._pid == os.getpid():
+            assert self._engine is not None
+            return self._engine
+        return self._setup()
+
+    def _setup(self) -> Engine:
+        pid = os.getpid()
+        if pid != self._pid:
+            # Forked: the parent's pooled connections (and maybe its lock) are not ours. The
+            # SQLAlchemy recipe: drop the pool without closing them, then connect afresh.
+            self._lock = threading.Lock()
+            if self._engine is not None:
+                self._engine.dispose(close=False)
+            self._pid = pid
+        with self._lock:
+            if self._engine is None:
+                self._engine = self._create_engine()
+            if not self._ready:
+                self._create_tables(self._engine)
+                self._ready = True
+            return self._engine
+
+    def _create_engine(self) -> Engine:
+        if self._sqlite:
+            kwargs: dict[str, Any] = {"isolation_level": "AUTOCOMMIT"}
+            if self.url.database in (None, "", ":memory:"):
+                # One shared connection, else every pooled connection sees its own database.
+                kwargs["poolclass"] = StaticPool
+                kwargs["connect_args"] = {"check_same_thread": False}
+            engine = sa.create_engine(self.url, **kwargs)
+            event.listen(engine, "connect", _sqlite_on_connect)
+            return engine
+        return sa.create_engine(self.url, isolation_level="AUTOCOMMIT")
+
+    def _create_tables(self, engine: Engine) -> None:
+        """``create_all`` under a lock, so processes starting together do not both try."""
+        with engine.connect() as conn:
+            if self._sqlite:
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            else:
+                conn.exec_driver_sql("BEGIN")
+                key = zlib.crc32(f"ojs_celery:{self.prefix}".encode())
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
+            try:
+                self.metadata.create_all(conn, checkfirst=True)
+            except BaseException:
+                with contextlib.suppress(sa_exc.SQLAlchemyError):
+                    conn.exec_driver_sql("ROLLBACK")
+                raise
+            conn.exec_driver_sql("COMMIT")
+
+    @_wrap_errors
+    def drop_tables(self) -> None:
+        """Drop this prefix's tables (tests, uninstall)."""
+        self.metadata.drop_all(self.engine, checkfirst=True)
+        self._ready = False
+
+    def close(self) -> None:
+        if self._engine is not None:
+            if self._pid == os.getpid():
+                self._engine.dispose()
+            else:
+                self._engine.dispose(close=False)
+            self._engine = None
+            self._ready = False
+
+    # ------------------------------------------------------------------ record codec
+
+    def _values(self, record: Record, deadlines: dict[str, float | None]) -> dict[str, Any]:
+        job = record.job
+        values: dict[str, Any] = {
+            "data": encode_job(job),
+            "state": job.state,
+            "token": record.token,
+            "worker_id": record.worker_id,
+            "heartbeat_at": record.heartbeat_at,
+            "extended_at": record.extended_at,
+            "dispatch_due": record.dispatch_due,
+            "promote_at": record.promote_at,
+            "dead_letter": bool(record.dead_letter),
+        }
+        for clock in CLOCKS:
+            values[_deadline_column(clock)] = deadlines.get(clock)
+        return values
+
+    # ------------------------------------------------------------------ job primitives
+
+    @_wrap_errors
+    def _insert(self, record: Record, deadlines: dict[str, float | None]) -> bool:
+        values = self._values(record, deadlines)
+        values["id"] = record.job.id
+        values["version"] = 1
+        try:
+            with self.engine.connect() as conn:
+                return conn.execute(self._insert_job, values).rowcount == 1
+        except sa_exc.IntegrityError:
+            return False
+
+    @_wrap_errors
+    def _load(self, job_id: str) -> Record | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(self._select_record, {"k_id": job_id}).first()
+        if row is None:
+            return None
+        fields = dict(zip(self._record_columns, row, strict=True))
+        return Record(
+            job=decode_job(fields["data"]),
+            token=int(fields["token"]),
+            version=int(fields["version"]),
+            worker_id=fields["worker_id"],
+            heartbeat_at=fields["heartbeat_at"],
+            extended_at=fields["extended_at"],
+            dispatch_due=fields["dispatch_due"],
+            promote_at=fields["promote_at"],
+            dead_letter=bool(fields["dead_letter"]),
+        )
+
+    @_wrap_errors
+    def _cas(self, record: Record, expected: int, deadlines: dict[str, float | None]) -> bool:
+        values = self._values(record, deadlines)
+        values["version"] = expected + 1
+        values["k_id"] = record.job.id
+        values["k_expected"] = expected
+        with self.engine.connect() as conn:
+            return conn.execute(self._update_job, values).rowcount == 1
+
+    @_wrap_errors
+    def _ack_dispatch(self, job_id: str, token: int) -> bool:
+        with self.engine.connect() as conn:
+            return conn.execute(self._ack, {"k_id": job_id, "k_token": token}).rowcount == 1
+
+    @_wrap_errors
+    def due(self, clock: str, now: float, limit: int) -> list[tuple[str, float]]:
+        try:
+            statement = self._due[clock]
+        except KeyError:
+            raise ValueError(f"clock: unknown clock {clock!r} (one of {CLOCKS})") from None
+        with self.engine.connect() as conn:
+            rows = conn.execute(statement, {"k_now": float(now), "k_limit": int(limit)}).all()
+        return [(str(job_id), float(deadline)) for job_id, deadline in rows]
+
+    @_wrap_errors
+    def _delete(self, job_id: str, expected: int) -> bool:
+        with self.engine.connect() as conn:
+            result = conn.execute(self._delete_job, {"k_id": job_id, "k_expected": expected})
+            return result.rowcount == 1
+
+    # ------------------------------------------------------------------ workers and meta
+
+    @_wrap_errors
+    def register_worker(self, info: WorkerInfo) -> None:
+        self.save_worker(info)
+
+    @_wrap_errors
+    def get_worker(self, worker_id: str) -> WorkerInfo | None:
+        with self.engine.connect() as conn:
+            data = conn.execute(self._get_worker, {"k_id": worker_id}).scalar()
+        return None if data is None else WorkerInfo.from_dict(json.loads(data))
+
+    @_wrap_errors
+    def save_worker(self, info: WorkerInfo) -> None:
+        values = {
+            "worker_id": info.worker_id,
+            "data": json.dumps(info.to_dict(), separators=(",", ":")),
+            "last_beat": float(info.last_beat),
+        }
+        with self.engine.connect() as conn:
+            conn.execute(self._upsert_worker, values)
+
+    @_wrap_errors
+    def deregister_worker(self, worker_id: str) -> bool:
+        with self.engine.connect() as conn:
+            return conn.execute(self._delete_worker, {"k_id": worker_id}).rowcount > 0
+
+    @_wrap_errors
+    def list_workers(self) -> list[WorkerInfo]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(self._list_workers).scalars().all()
+        return [WorkerInfo.from_dict(json.loads(data)) for data in rows]
+
+    @_wrap_errors
+    def set_meta(self, key: str, value: str) -> None:
+        with self.engine.connect() as conn:
+            conn.execute(self._upsert_meta, {"key": key, "value": value})
+
+    @_wrap_errors
+    def get_meta(self, key: str) -> str | None:
+        with self.engine.connect() as conn:
+            value = conn.execute(self._get_meta, {"k_key": key}).scalar()
+        return None if value is None else str(value)
+
+    # ------------------------------------------------------------------ admin
+
+    @_wrap_errors
+    def ping(self) -> None:
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1").scalar()
+
+    @_wrap_errors
+    def clear(self) -> None:
+        with self.engine.connect() as conn:
+            for table in (self.jobs, self.workers, self.meta):
+                conn.execute(sa.delete(table))
+
+    def __repr__(self) -> str:
+        url = self.url.render_as_string(hide_password=True)
+        return f"SQLStore({url!r}, prefix={self.prefix!r})"

@@ -1,0 +1,122 @@
+"""Shared fixtures: a client app, a real worker subprocess and an event collector per broker."""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from ojs_celery import Job, get_job
+from ojs_celery.events import listen
+from tests import services
+from tests.e2eapp import make_app
+from tests.workers import (
+    Worker,
+    amqp_config,
+    filesystem_config,
+    lines,
+    redis_config,
+    wait_for,
+)
+
+BROKERS = ("filesystem", "redis", "amqp")
+
+
+def broker_config(kind: str, tmp: pathlib.Path) -> dict[str, Any]:
+    if kind == "filesystem":
+        return filesystem_config(tmp)
+    if kind == "redis":
+        return redis_config(tmp, services.redis_url())
+    if kind == "amqp":
+        return amqp_config(tmp, services.amqp_url(), services.postgres_url())
+    raise ValueError(kind)
+
+
+@dataclass
+class Events:
+    """Every OJS event seen on the bus since the collector started."""
+
+    items: list[dict[str, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, event: dict[str, Any]) -> None:
+        with self.lock:
+            self.items.append(event)
+
+    def of(self, job_id: str, type_: str | None = None) -> list[dict[str, Any]]:
+        with self.lock:
+            return [e for e in self.items
+                    if e.get("subject") == job_id and (type_ is None or e["type"] == type_)]
+
+    def types(self, job_id: str) -> list[str]:
+        return [e["type"] for e in self.of(job_id)]
+
+
+@dataclass
+class Env:
+    kind: str
+    config: dict[str, Any]
+    app: Celery
+    worker: Worker
+    events: Events
+
+    def job(self, job_id: str) -> Job:
+        job = get_job(job_id, app=self.app)
+        assert job is not None, f"job {job_id} not in the store"
+        return job
+
+    def wait_state(self, job_id: str, *states: str, timeout: float = 30.0) -> Job:
+        def reached() -> Job | None:
+            job = get_job(job_id, app=self.app)
+            return job if job is not None and job.state in states else None
+
+        try:
+            return wait_for(reached, timeout, f"job {job_id} to reach {states}")
+        except AssertionError:
+            job = get_job(job_id, app=self.app)
+            print(self.worker.log()[-6000:])
+            raise AssertionError(
+                f"job {job_id} is {job.state if job else None}, wanted {states}"
+            ) from None
+
+    def wait_events(self, job_id: str, predicate: Callable[[list[str]], bool],
+                    timeout: float = 15.0) -> list[str]:
+        return wait_for(lambda: (t := self.events.types(job_id)) and predicate(t) and t,
+                        timeout, f"events of {job_id}")
+
+    def lines(self, name: str) -> list[str]:
+        return lines(self.config["dir"], name)
+
+
+def start_env(kind: str, tmp: pathlib.Path, **worker_options: Any) -> Iterator[Env]:
+    config = broker_config(kind, tmp)
+    config.update(worker_options.pop("config", {}))
+    app = make_app(config)
+    events = Events()
+    ready = threading.Event()
+    threading.Thread(target=listen, args=(app, events.add), kwargs={"ready": ready},
+                     daemon=True).start()
+    assert ready.wait(15), "event listener did not start"
+    worker = Worker(config, tmp / "worker.log", **worker_options)
+    try:
+        worker.wait_ready()
+        yield Env(kind, config, app, worker, events)
+    finally:
+        worker.stop()
+        store = app._ojs_runtime.store  # noqa: SLF001 - test cleanup
+        store.clear()
+        drop = getattr(store, "drop_tables", None)
+        if drop is not None:
+            drop()
+
+
+@pytest.fixture(scope="module", params=BROKERS)
+def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """A prefork worker (concurrency 3) on each broker, shared by a module's tests."""
+    tmp = tmp_path_factory.mktemp(f"e2e-{request.param}")
+    yield from start_env(request.param, tmp, concurrency=3)

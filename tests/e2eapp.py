@@ -1,0 +1,141 @@
+"""The Celery app that end-to-end tests run in real ``celery worker`` subprocesses.
+
+The test process builds the same app with :func:`make_app` from a config dict, and passes that
+dict to the worker as ``OJS_E2E_CONFIG`` (JSON). Handlers record what they did in files under
+``config["dir"]`` so that tests can count runs across processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+from typing import Any
+
+from billiard.exceptions import SoftTimeLimitExceeded
+from celery import Celery, signals
+from celery.exceptions import Ignore, Reject
+
+from ojs_celery import JobError, OJSTask, current_job, install
+
+
+def record(directory: str, name: str, line: str) -> None:
+    """Append one line to a log file (atomic for short lines with O_APPEND)."""
+    with open(pathlib.Path(directory) / name, "a") as handle:
+        handle.write(line + "\n")
+
+
+def make_app(config: dict[str, Any]) -> Celery:
+    app = Celery(f"e2e_{config['queue']}", set_as_current=False)
+    app.conf.update(
+        broker_url=config["broker_url"],
+        result_backend=config["result_backend"],
+        broker_transport_options=config.get("broker_transport_options", {}),
+        task_default_queue=config["queue"],
+        task_default_exchange=config["queue"],
+        task_default_routing_key=config["queue"],
+        event_exchange=config.get("event_exchange", "celeryev"),
+        broker_connection_retry_on_startup=True,
+        worker_prefetch_multiplier=1,
+        result_extended=False,
+        ojs=config["ojs"],
+        **config.get("celery", {}),
+    )
+    install(app)
+    directory = config["dir"]
+
+    @app.task(name="e2e.add", base=OJSTask)
+    def add(a: int, b: int) -> int:
+        record(directory, "runs", f"add {current_job().job_id}")
+        return a + b
+
+    @app.task(name="e2e.noop", base=OJSTask)
+    def noop() -> None:
+        return None
+
+    @app.task(name="e2e.echo_kwargs", base=OJSTask)
+    def echo_kwargs(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return {"args": list(args), "kwargs": kwargs}
+
+    @app.task(name="e2e.sleep", base=OJSTask)
+    def sleep(seconds: float, tag: str = "") -> str:
+        ctx = current_job()
+        record(directory, "runs", f"sleep {ctx.job_id} attempt={ctx.attempt} pid={os.getpid()}")
+        time.sleep(seconds)
+        record(directory, "finished", f"sleep {ctx.job_id} attempt={ctx.attempt}")
+        return tag or "slept"
+
+    @app.task(name="e2e.fail_until", base=OJSTask)
+    def fail_until(succeed_on: int) -> str:
+        ctx = current_job()
+        if ctx.attempt < succeed_on:
+            raise ConnectionError(f"attempt {ctx.attempt} fails")
+        return f"ok on {ctx.attempt}"
+
+    @app.task(name="e2e.job_error", base=OJSTask)
+    def job_error(error_type: str, retryable: bool) -> None:
+        raise JobError("domain failure", type=error_type, retryable=retryable)
+
+    @app.task(name="e2e.checkpointing", base=OJSTask)
+    def checkpointing(mode: str) -> Any:
+        """mode: 'overrun' (checkpoint, then overrun the grace), 'return' (return in grace),
+        'escape' (let SoftTimeLimitExceeded escape)."""
+        ctx = current_job()
+        record(directory, "runs", f"checkpointing {ctx.job_id} attempt={ctx.attempt} "
+               f"last_checkpoint={json.dumps(ctx.last_checkpoint)}")
+        try:
+            time.sleep(60)
+        except SoftTimeLimitExceeded:
+            record(directory, "cancelled", f"{ctx.job_id} attempt={ctx.attempt} "
+                   f"cancelled={ctx.cancelled}")
+            if mode == "escape":
+                raise
+            ctx.progress(0.5, checkpoint={"attempt": ctx.attempt})
+            if mode == "return":
+                return "finished in grace"
+            time.sleep(60)
+        return "unreachable"
+
+    @app.task(name="e2e.self_retry", base=OJSTask, bind=True)
+    def self_retry(self: OJSTask, succeed_on: int) -> str:
+        ctx = current_job()
+        if ctx.attempt < succeed_on:
+            raise self.retry(exc=ValueError(f"not yet ({ctx.attempt})"), countdown=0.2)
+        return f"ok on {ctx.attempt}"
+
+    @app.task(name="e2e.autoretry", base=OJSTask, autoretry_for=(KeyError,))
+    def autoretry(succeed_on: int) -> str:
+        ctx = current_job()
+        if ctx.attempt < succeed_on:
+            raise KeyError(f"missing on {ctx.attempt}")
+        return f"ok on {ctx.attempt}"
+
+    @app.task(name="e2e.reject", base=OJSTask)
+    def reject(requeue: bool) -> None:
+        raise Reject("no thanks", requeue=requeue)
+
+    @app.task(name="e2e.ignore", base=OJSTask)
+    def ignore() -> None:
+        raise Ignore()
+
+    @app.task(name="e2e.callback")
+    def callback(result: Any, tag: str = "") -> None:
+        record(directory, "callbacks", f"{tag} {json.dumps(result)}")
+
+    @app.task(name="e2e.plain")
+    def plain(x: int) -> int:
+        return x
+
+    def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+        if request is None or request.task.app is not app:
+            return
+        info = request.delivery_info or {}
+        record(directory, "received",
+               f"{request.id} redelivered={bool(info.get('redelivered'))}")
+
+    signals.task_received.connect(on_received, weak=False)
+    return app
+
+
+app = make_app(json.loads(os.environ["OJS_E2E_CONFIG"])) if "OJS_E2E_CONFIG" in os.environ else None

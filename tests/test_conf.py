@@ -1,0 +1,180 @@
+"""Settings: defaults, and every bad key reported as ImproperlyConfigured naming ``ojs.<key>``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery.exceptions import ImproperlyConfigured
+
+from ojs_celery.conf import Retention, Settings, read_settings
+from ojs_celery.lifecycle import DAY, Policy
+
+
+def bad(raw: Any) -> str:
+    with pytest.raises(ImproperlyConfigured) as info:
+        read_settings(raw)
+    return str(info.value)
+
+
+def test_defaults() -> None:
+    s = read_settings({})
+    assert s.store_url == "sqlite:///ojs.sqlite3"
+    assert s.store_prefix == "ojs"
+    assert s.type_map == {}
+    assert s.events is True
+    assert s.amqp_max_priority == 10
+    assert s.dispatch_grace == 10.0
+    assert s.schedule_horizon == 60.0
+    assert s.sweep_interval == 2.0
+    assert s.sweep_queue == "ojs.sweep"
+    assert s.sweep_batch == 500
+    assert s.execution_tolerance == 1.5
+    assert s.heartbeat_interval == 5.0
+    assert s.worker_heartbeat_timeout == 30.0
+    assert s.shutdown_grace_period == 25.0
+    assert s.labels == []
+    assert s.retention == Retention(
+        completed=7 * DAY, cancelled=30 * DAY, discarded=30 * DAY, dead_letter=180 * DAY
+    )
+
+
+def test_none_means_defaults() -> None:
+    assert read_settings(None) == read_settings({}) == Settings.model_validate({})
+
+
+def test_default_policy_matches_lifecycle_defaults() -> None:
+    assert read_settings({}).policy == Policy()
+
+
+def test_policy_from_settings() -> None:
+    s = read_settings(
+        {
+            "dispatch_grace": 3,
+            "schedule_horizon": 0.5,
+            "retention": {"completed": 1, "cancelled": 2, "discarded": 3, "dead_letter": 4},
+        }
+    )
+    assert s.policy == Policy(
+        dispatch_grace=3.0,
+        schedule_horizon=0.5,
+        retention_completed=1.0,
+        retention_cancelled=2.0,
+        retention_discarded=3.0,
+        retention_dead_letter=4.0,
+    )
+
+
+def test_partial_retention_keeps_other_defaults() -> None:
+    r = read_settings({"retention": {"completed": 60}}).retention
+    assert r.completed == 60
+    assert r.cancelled == 30 * DAY
+    assert r.dead_letter == 180 * DAY
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "sweep_interval",
+        "heartbeat_interval",
+        "worker_heartbeat_timeout",
+        "dispatch_grace",
+        "schedule_horizon",
+        "shutdown_grace_period",
+    ],
+)
+def test_floats_accepted_for_intervals(key: str) -> None:
+    assert getattr(read_settings({key: 0.05}), key) == 0.05
+    assert getattr(read_settings({key: 3}), key) == 3.0
+
+
+def test_zero_shutdown_grace_allowed() -> None:
+    assert read_settings({"shutdown_grace_period": 0}).shutdown_grace_period == 0
+
+
+@pytest.mark.parametrize(
+    "typo", ["sweep_intervall", "store", "heartbeat_timeout", "SWEEP_INTERVAL"]
+)
+def test_unknown_key_names_ojs_key(typo: str) -> None:
+    message = bad({typo: 1})
+    assert f"ojs.{typo}" in message
+    assert "unknown setting" in message
+
+
+def test_unknown_nested_retention_key() -> None:
+    message = bad({"retention": {"complete": 10}})
+    assert "ojs.retention.complete" in message
+    assert "unknown setting" in message
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"sweep_interval": 0}, "ojs.sweep_interval"),
+        ({"sweep_interval": -1.5}, "ojs.sweep_interval"),
+        ({"sweep_interval": "often"}, "ojs.sweep_interval"),
+        ({"sweep_interval": None}, "ojs.sweep_interval"),
+        ({"heartbeat_interval": 0}, "ojs.heartbeat_interval"),
+        ({"worker_heartbeat_timeout": 0}, "ojs.worker_heartbeat_timeout"),
+        ({"dispatch_grace": 0}, "ojs.dispatch_grace"),
+        ({"schedule_horizon": 0}, "ojs.schedule_horizon"),
+        ({"shutdown_grace_period": -1}, "ojs.shutdown_grace_period"),
+        ({"execution_tolerance": 1.0}, "ojs.execution_tolerance"),
+        ({"amqp_max_priority": 0}, "ojs.amqp_max_priority"),
+        ({"amqp_max_priority": 256}, "ojs.amqp_max_priority"),
+        ({"sweep_batch": 0}, "ojs.sweep_batch"),
+        ({"sweep_batch": 1.5}, "ojs.sweep_batch"),
+        ({"store_prefix": "1abc"}, "ojs.store_prefix"),
+        ({"store_prefix": "a" * 41}, "ojs.store_prefix"),
+        ({"events": "maybe"}, "ojs.events"),
+        ({"labels": "gpu"}, "ojs.labels"),
+        ({"type_map": ["email.send"]}, "ojs.type_map"),
+        ({"retention": {"completed": 0}}, "ojs.retention.completed"),
+        ({"retention": {"completed": -1}}, "ojs.retention.completed"),
+        ({"retention": {"dead_letter": "long"}}, "ojs.retention.dead_letter"),
+        ({"retention": 5}, "ojs.retention"),
+    ],
+)
+def test_bad_values_name_the_key(raw: dict[str, Any], key: str) -> None:
+    message = bad(raw)
+    assert f"{key}:" in message
+
+
+def test_range_message_states_rule() -> None:
+    assert "greater than 0" in bad({"sweep_interval": 0})
+    assert "greater than 0" in bad({"retention": {"completed": -1}})
+
+
+def test_several_problems_reported_together() -> None:
+    message = bad({"sweep_interval": 0, "typo": 1, "retention": {"completed": -1}})
+    for key in ("ojs.sweep_interval", "ojs.typo", "ojs.retention.completed"):
+        assert key in message
+
+
+@pytest.mark.parametrize("raw", [[1], "sweep_interval=1", 5])
+def test_settings_must_be_a_dict(raw: Any) -> None:
+    assert bad(raw).startswith("ojs:")
+
+
+def test_type_map_valid() -> None:
+    s = read_settings({"type_map": {"email.send": "proj.tasks.send_email", "report": "r"}})
+    assert s.type_map == {"email.send": "proj.tasks.send_email", "report": "r"}
+
+
+@pytest.mark.parametrize("key", ["Email.Send", "email-send", "1email", "email.", ""])
+def test_type_map_key_must_be_ojs_type(key: str) -> None:
+    message = bad({"type_map": {key: "proj.tasks.x"}})
+    assert "ojs.type_map" in message
+    assert repr(key) in message
+    assert "OJS type" in message
+
+
+def test_type_map_value_must_be_task_name() -> None:
+    assert "ojs.type_map" in bad({"type_map": {"email.send": ""}})
+    assert "ojs.type_map" in bad({"type_map": {"email.send": 3}})
+
+
+def test_settings_frozen() -> None:
+    s = read_settings({})
+    with pytest.raises(ValueError):
+        s.sweep_interval = 1.0

@@ -1,0 +1,723 @@
+"""Envelope validation: every rule of the OJS envelope and the timeouts extension, by field path."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+from ojs_celery.envelope import (
+    MAX_ENVELOPE_BYTES,
+    SYSTEM_FIELDS,
+    UUID7_PATTERN,
+    InvalidJob,
+    Job,
+    RetryPolicy,
+    parse_batch,
+    parse_duration,
+    parse_envelope,
+)
+
+UUID7 = "0190a5b2-7c3d-7e4f-8a9b-0c1d2e3f4a5b"
+UUID7_B = "0190a5b2-7c3d-7e4f-8a9b-0c1d2e3f4a5c"
+
+
+def env(**fields: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {"type": "email.send", "args": ["a@example.com"]}
+    data.update(fields)
+    return data
+
+
+def violations(data: Any) -> list[tuple[str, str]]:
+    with pytest.raises(InvalidJob) as info:
+        parse_envelope(data)
+    return info.value.violations
+
+
+def paths(data: Any) -> list[str]:
+    return [path for path, _ in violations(data)]
+
+
+def rule_for(data: Any, path: str) -> str:
+    found = [rule for p, rule in violations(data) if p == path]
+    assert found, f"no violation at {path!r}"
+    return found[0]
+
+
+# --------------------------------------------------------------------------- minimal / defaults
+
+
+def test_minimal_envelope_gets_defaults() -> None:
+    job = parse_envelope(env())
+    assert job.specversion == "1.0"
+    assert job.queue == "default"
+    assert job.priority == 0
+    assert job.timeout == 1800
+    assert job.grace_period == 30
+    assert job.heartbeat_timeout == 60
+    assert job.visibility_timeout == 1800
+    assert job.total_timeout is None
+    assert job.enqueue_ttl is None
+    assert job.args == ["a@example.com"]
+    assert job.retry == RetryPolicy()
+
+
+def test_invalid_job_is_a_value_error() -> None:
+    assert issubclass(InvalidJob, ValueError)
+    with pytest.raises(ValueError, match="type"):
+        parse_envelope({"args": []})
+
+
+def test_invalid_job_message_lists_paths_and_rules() -> None:
+    with pytest.raises(InvalidJob) as info:
+        parse_envelope(env(type="Bad", priority=500))
+    text = str(info.value)
+    assert "2 violation(s)" in text
+    assert "type:" in text
+    assert "priority:" in text
+
+
+# --------------------------------------------------------------------------- specversion
+
+
+def test_specversion_optional_defaults_to_1_0() -> None:
+    assert parse_envelope(env()).specversion == "1.0"
+    assert parse_envelope(env(specversion="1.0")).specversion == "1.0"
+
+
+@pytest.mark.parametrize("version", ["2.0", "1", "1.0.0", ""])
+def test_specversion_other_values_rejected(version: str) -> None:
+    assert violations(env(specversion=version)) == [("specversion", 'must be "1.0"')]
+
+
+# --------------------------------------------------------------------------- type
+
+
+@pytest.mark.parametrize(
+    "value", ["email.send", "email", "a", "billing.invoice_2.create", "x1.y_z", "a" * 255]
+)
+def test_type_valid(value: str) -> None:
+    assert parse_envelope(env(type=value)).type == value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "Email.Send",
+        "email.Send",
+        "1abc",
+        "a-b",
+        "email..send",
+        "email.",
+        ".email",
+        "_a",
+        "a.1b",
+        "a b",
+        "",
+    ],
+)
+def test_type_invalid(value: str) -> None:
+    assert paths(env(type=value)) == ["type"]
+
+
+def test_type_pattern_violation_explains_rule() -> None:
+    assert "email.send" in rule_for(env(type="Email.Send"), "type")
+
+
+def test_type_max_length_255() -> None:
+    assert paths(env(type="a" * 256)) == ["type"]
+    assert "255" in rule_for(env(type="a" * 256), "type")
+
+
+def test_type_required() -> None:
+    data = env()
+    del data["type"]
+    assert violations(data) == [("type", "is required")]
+
+
+def test_type_must_be_string() -> None:
+    assert paths(env(type=5)) == ["type"]
+
+
+# --------------------------------------------------------------------------- queue
+
+
+def test_queue_defaults_to_default() -> None:
+    assert parse_envelope(env()).queue == "default"
+    assert parse_envelope(env(queue=None)).queue == "default"  # explicit null = absent
+
+
+@pytest.mark.parametrize("value", ["default", "critical", "emails.high", "q-1", "0", "a" * 128])
+def test_queue_valid(value: str) -> None:
+    assert parse_envelope(env(queue=value)).queue == value
+
+
+@pytest.mark.parametrize("value", ["Default", "-q", ".q", "q_1", "q 1", "q/1", ""])
+def test_queue_invalid_pattern(value: str) -> None:
+    assert paths(env(queue=value)) == ["queue"]
+
+
+def test_queue_max_length_128() -> None:
+    assert paths(env(queue="a" * 129)) == ["queue"]
+    assert "128" in rule_for(env(queue="a" * 129), "queue")
+
+
+# --------------------------------------------------------------------------- id
+
+
+def test_id_generated_as_uuid7_when_absent() -> None:
+    job = parse_envelope(env())
+    assert UUID7_PATTERN.match(job.id)
+    assert uuid.UUID(job.id).version == 7
+    assert parse_envelope(env()).id != job.id
+
+
+def test_id_kept_when_given() -> None:
+    assert parse_envelope(env(id=UUID7)).id == UUID7
+
+
+def test_id_uppercase_accepted_and_lowercased() -> None:
+    job = parse_envelope(env(id=UUID7.upper()))
+    assert job.id == UUID7
+    assert UUID7 in job.to_json()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        str(uuid.uuid4()),  # version 4
+        "550e8400-e29b-11d4-a716-446655440000",  # version 1
+        "0190a5b2-7c3d-7e4f-ca9b-0c1d2e3f4a5b",  # bad variant
+        "0190a5b27c3d7e4f8a9b0c1d2e3f4a5b",  # no hyphens
+        "not-a-uuid",
+        "",
+    ],
+)
+def test_id_non_uuid7_rejected(value: str) -> None:
+    assert paths(env(id=value)) == ["id"]
+    assert "UUIDv7" in rule_for(env(id=value), "id")
+
+
+def test_id_must_be_string() -> None:
+    assert violations(env(id=7)) == [("id", "must be a string")]
+
+
+# --------------------------------------------------------------------------- args
+
+
+def test_args_required() -> None:
+    data = env()
+    del data["args"]
+    assert violations(data) == [("args", "is required")]
+
+
+def test_args_empty_array_ok() -> None:
+    assert parse_envelope(env(args=[])).args == []
+
+
+def test_args_null_rejected() -> None:
+    assert paths(env(args=None)) == ["args"]
+
+
+@pytest.mark.parametrize("value", [{"to": "x"}, "a string", 5, True])
+def test_args_non_array_rejected_once(value: Any) -> None:
+    assert violations(env(args=value)) == [("args", "must be a JSON array")]
+
+
+def test_args_json_native_values_accepted() -> None:
+    args = ["s", 1, -2.5, True, None, [1, [2]], {"k": {"n": [None]}}]
+    assert parse_envelope(env(args=args)).args == args
+
+
+@pytest.mark.parametrize("bad", [{1, 2}, object(), b"bytes", datetime.now(timezone.utc)])
+def test_args_non_json_values_rejected(bad: Any) -> None:
+    assert paths(env(args=["ok", bad])) == ["args[1]"]
+
+
+def test_args_nested_non_json_value_path() -> None:
+    assert paths(env(args=[{"a": [1, {3}]}])) == ["args[0].a[1]"]
+
+
+def test_meta_non_json_value_rejected() -> None:
+    assert paths(env(meta={"tags": {1, 2}})) == ["meta.tags"]
+
+
+# --------------------------------------------------------------------------- priority
+
+
+@pytest.mark.parametrize("value", [-100, -1, 0, 10, 100])
+def test_priority_range_accepted(value: int) -> None:
+    assert parse_envelope(env(priority=value)).priority == value
+
+
+@pytest.mark.parametrize("value", [-101, 101, 1000])
+def test_priority_out_of_range(value: int) -> None:
+    assert paths(env(priority=value)) == ["priority"]
+
+
+@pytest.mark.parametrize("value", [1.0, "5", True])
+def test_priority_strict_int(value: Any) -> None:
+    assert paths(env(priority=value)) == ["priority"]
+
+
+# --------------------------------------------------------------------------- timestamps
+
+
+def test_timestamp_with_zone_accepted_and_offset_preserved() -> None:
+    job = parse_envelope(env(scheduled_at="2030-01-02T03:04:05+02:00"))
+    assert job.scheduled_at == datetime(2030, 1, 2, 1, 4, 5, tzinfo=timezone.utc)
+    assert job.scheduled_at is not None
+    assert job.scheduled_at.utcoffset() == timedelta(hours=2)
+    assert job.to_dict()["scheduled_at"] == "2030-01-02T03:04:05.000000+02:00"
+
+
+def test_timestamp_utc_written_with_z() -> None:
+    job = parse_envelope(env(expires_at="2030-01-02T03:04:05.123Z"))
+    assert job.to_dict()["expires_at"] == "2030-01-02T03:04:05.123000Z"
+
+
+@pytest.mark.parametrize("field", ["scheduled_at", "expires_at"])
+@pytest.mark.parametrize("value", ["2030-01-02T03:04:05", "2030-01-02", "tomorrow", 1700000000])
+def test_timestamp_needs_zone(field: str, value: Any) -> None:
+    assert paths(env(**{field: value})) == [field]
+
+
+# --------------------------------------------------------------------------- timeout fields
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "good"),
+    [
+        ("timeout", 0, 1),
+        ("timeout", -5, 1),
+        ("grace_period", -1, 0),
+        ("heartbeat_timeout", 0, 1),
+        ("enqueue_ttl", 0, 1),
+        ("visibility_timeout", 0, 1),
+        ("total_timeout", 0, 1800),
+    ],
+)
+def test_timeout_field_bounds(field: str, bad: int, good: int) -> None:
+    assert paths(env(**{field: bad})) == [field]
+    assert getattr(parse_envelope(env(**{field: good})), field) == good
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "timeout",
+        "grace_period",
+        "heartbeat_timeout",
+        "enqueue_ttl",
+        "visibility_timeout",
+        "total_timeout",
+    ],
+)
+def test_timeout_fields_are_integers(field: str) -> None:
+    assert paths(env(**{field: 30.5})) == [field]
+    assert paths(env(**{field: "30"})) == [field]
+
+
+def test_total_timeout_at_least_timeout() -> None:
+    assert parse_envelope(env(timeout=30, total_timeout=30)).total_timeout == 30
+    found = violations(env(timeout=30, total_timeout=29))
+    assert [p for p, _ in found] == ["total_timeout"]
+    assert "timeout" in found[0][1]
+
+
+def test_total_timeout_compared_with_default_timeout() -> None:
+    assert paths(env(total_timeout=1000)) == ["total_timeout"]  # default timeout 1800
+
+
+# --------------------------------------------------------------------------- retry policy
+
+
+def test_retry_defaults() -> None:
+    policy = parse_envelope(env()).retry
+    assert policy.max_attempts == 3
+    assert policy.initial_interval == "PT1S"
+    assert policy.backoff_coefficient == 2.0
+    assert policy.max_interval == "PT5M"
+    assert policy.jitter is True
+    assert policy.non_retryable_errors == []
+    assert policy.on_exhaustion == "discard"
+    assert policy.initial_seconds == 1.0
+    assert policy.max_seconds == 300.0
+
+
+def test_retry_partial_policy_merged_with_defaults() -> None:
+    policy = parse_envelope(env(retry={"max_attempts": 5, "jitter": False})).retry
+    assert policy.max_attempts == 5
+    assert policy.jitter is False
+    assert policy.initial_interval == "PT1S"
+    assert policy.backoff_coefficient == 2.0
+    assert policy.max_interval == "PT5M"
+    assert policy.on_exhaustion == "discard"
+
+
+def test_retry_max_attempts_zero_ok_negative_rejected() -> None:
+    assert parse_envelope(env(retry={"max_attempts": 0})).retry.max_attempts == 0
+    assert paths(env(retry={"max_attempts": -1})) == ["retry.max_attempts"]
+    assert paths(env(retry={"max_attempts": 2.0})) == ["retry.max_attempts"]
+
+
+def test_retry_backoff_coefficient_at_least_one() -> None:
+    assert parse_envelope(env(retry={"backoff_coefficient": 1})).retry.backoff_coefficient == 1
+    assert paths(env(retry={"backoff_coefficient": 0.99})) == ["retry.backoff_coefficient"]
+
+
+@pytest.mark.parametrize("value", [True, "2.0"])
+def test_retry_backoff_coefficient_is_a_number(value: Any) -> None:
+    assert paths(env(retry={"backoff_coefficient": value})) == ["retry.backoff_coefficient"]
+
+
+def test_retry_max_interval_not_below_initial() -> None:
+    ok = parse_envelope(env(retry={"initial_interval": "PT10S", "max_interval": "PT10S"}))
+    assert ok.retry.max_seconds == 10
+    found = violations(env(retry={"initial_interval": "PT10S", "max_interval": "PT9S"}))
+    assert [p for p, _ in found] == ["retry.max_interval"]
+    assert "initial_interval" in found[0][1]
+
+
+def test_retry_initial_interval_positive() -> None:
+    assert paths(env(retry={"initial_interval": "PT0S"})) == ["retry.initial_interval"]
+
+
+@pytest.mark.parametrize(
+    "value", ["1s", "300s", "P", "PT", "P1DT", "PT1.S", "T1S", "pt1s", "", "5"]
+)
+def test_retry_bad_iso_durations(value: str) -> None:
+    found = violations(env(retry={"initial_interval": value}))
+    assert [p for p, _ in found] == ["retry.initial_interval"]
+    assert "ISO 8601" in found[0][1] or "zero" in found[0][1]
+    assert [p for p, _ in violations(env(retry={"max_interval": value}))] == ["retry.max_interval"]
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("PT1S", 1),
+        ("PT0.5S", 0.5),
+        ("PT5M", 300),
+        ("PT1H30M", 5400),
+        ("P1D", 86400),
+        ("P1DT2H", 93600),
+        ("P1W", 604800),
+        ("P1M", 30 * 86400),
+        ("P1Y", 365 * 86400),
+    ],
+)
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+def test_retry_unknown_field_rejected() -> None:
+    assert paths(env(retry={"max_attempts": 2, "initial_interval_ms": 100})) == [
+        "retry.initial_interval_ms"
+    ]
+
+
+def test_retry_on_exhaustion_enum() -> None:
+    assert parse_envelope(env(retry={"on_exhaustion": "dead_letter"})).retry.on_exhaustion == (
+        "dead_letter"
+    )
+    assert paths(env(retry={"on_exhaustion": "dlq"})) == ["retry.on_exhaustion"]
+
+
+def test_retry_non_retryable_errors_rules() -> None:
+    policy = parse_envelope(env(retry={"non_retryable_errors": ["auth.*", "ValueError"]})).retry
+    assert policy.non_retryable_errors == ["auth.*", "ValueError"]
+    assert paths(env(retry={"non_retryable_errors": ["a", "a"]})) == ["retry.non_retryable_errors"]
+    assert paths(env(retry={"non_retryable_errors": [""]})) == ["retry.non_retryable_errors[0]"]
+
+
+def test_retry_jitter_strict_bool() -> None:
+    assert paths(env(retry={"jitter": "yes"})) == ["retry.jitter"]
+
+
+def test_retry_must_be_object() -> None:
+    assert paths(env(retry=[1])) == ["retry"]
+
+
+def test_retry_several_violations() -> None:
+    found = paths(
+        env(retry={"backoff_coefficient": 0.5, "on_exhaustion": "x", "initial_interval": "1s"})
+    )
+    assert sorted(found) == [
+        "retry.backoff_coefficient",
+        "retry.initial_interval",
+        "retry.on_exhaustion",
+    ]
+
+
+# --------------------------------------------------------------------------- size
+
+
+def test_envelope_up_to_1_mib_accepted() -> None:
+    job = parse_envelope(env(args=["x" * (MAX_ENVELOPE_BYTES - 2000)]))
+    assert len(job.to_json().encode()) <= MAX_ENVELOPE_BYTES
+
+
+def test_envelope_over_1_mib_rejected_dict() -> None:
+    found = violations(env(args=["x" * MAX_ENVELOPE_BYTES]))
+    assert [p for p, _ in found] == ["(envelope)"]
+    assert "1 MiB" in found[0][1]
+
+
+@pytest.mark.parametrize("encode", [False, True])
+def test_envelope_over_1_mib_rejected_text(encode: bool) -> None:
+    text = json.dumps(env(args=["x" * MAX_ENVELOPE_BYTES]))
+    data: str | bytes = text.encode() if encode else text
+    found = violations(data)
+    assert [p for p, _ in found] == ["(envelope)"]
+    assert "1 MiB" in found[0][1]
+
+
+def test_envelope_over_1_mib_counts_bytes_not_characters() -> None:
+    # 600,000 two-byte characters: under 1 Mi characters, over 1 MiB of UTF-8.
+    assert paths(json.dumps(env(args=["é" * 600_000]), ensure_ascii=False)) == ["(envelope)"]
+
+
+# --------------------------------------------------------------------------- JSON text input
+
+
+def test_parse_from_json_text_and_bytes() -> None:
+    text = json.dumps(env(id=UUID7))
+    assert parse_envelope(text).id == UUID7
+    assert parse_envelope(text.encode()).id == UUID7
+
+
+def test_invalid_json_text() -> None:
+    found = violations('{"type": "email.send", "args": [}')
+    assert [p for p, _ in found] == ["(envelope)"]
+    assert "not valid JSON" in found[0][1]
+
+
+@pytest.mark.parametrize("data", ["[1, 2]", '"text"', "null", [1]])
+def test_envelope_must_be_object(data: Any) -> None:
+    assert violations(data) == [("(envelope)", "must be a JSON object")]
+
+
+# ----------------------------------------------------------------- unknown and system fields
+
+
+def test_unknown_fields_preserved_on_round_trip() -> None:
+    ext = {"x_custom_field": {"nested": [1, "two", None]}, "vendor_flag": True}
+    job = parse_envelope(env(id=UUID7, **ext))
+    assert job.extensions == ext
+    data = json.loads(job.to_json())
+    assert data["x_custom_field"] == ext["x_custom_field"]
+    assert data["vendor_flag"] is True
+    again = parse_envelope(job.to_json())
+    assert again.extensions == ext
+    assert again.id == UUID7
+    assert again.to_dict() == job.to_dict()
+
+
+def test_round_trip_of_full_envelope() -> None:
+    original = env(
+        id=UUID7,
+        queue="emails",
+        meta={"trace_id": "abc", "tags": ["a"]},
+        priority=7,
+        timeout=60,
+        scheduled_at="2030-01-01T00:00:00Z",
+        expires_at="2030-01-02T00:00:00+01:00",
+        retry={"max_attempts": 5, "non_retryable_errors": ["auth.*"]},
+        unique={"key": "k"},
+        schema="urn:ojs:schema:email.send:v1",
+        visibility_timeout=120,
+        total_timeout=600,
+        enqueue_ttl=30,
+        grace_period=0,
+        heartbeat_timeout=20,
+        x_custom_field=1,
+    )
+    job = parse_envelope(original)
+    again = parse_envelope(job.to_json())
+    assert again.to_dict() == job.to_dict()
+    data = job.to_dict()
+    assert data["schema"] == "urn:ojs:schema:email.send:v1"
+    for key in (
+        "meta",
+        "priority",
+        "timeout",
+        "unique",
+        "total_timeout",
+        "enqueue_ttl",
+        "grace_period",
+        "heartbeat_timeout",
+        "visibility_timeout",
+        "x_custom_field",
+    ):
+        assert data[key] == original[key], key
+
+
+def test_to_json_is_compact_one_line_and_omits_absent_fields() -> None:
+    text = parse_envelope(env()).to_json()
+    assert "\n" not in text
+    assert ", " not in text
+    data = json.loads(text)
+    for absent in (
+        "meta",
+        "scheduled_at",
+        "expires_at",
+        "total_timeout",
+        "enqueue_ttl",
+        "result",
+        "error",
+        "unique",
+        "schema",
+    ):
+        assert absent not in data
+
+
+def test_non_json_extension_rejected_with_path() -> None:
+    assert violations(env(x_thing=object())) == [("x_thing", "must be JSON data")]
+
+
+def test_system_fields_from_client_ignored() -> None:
+    sent = env(
+        state="completed",
+        attempt=7,
+        created_at="2000-01-01T00:00:00Z",
+        enqueued_at="not even a timestamp",
+        started_at="2000-01-01T00:00:00Z",
+        completed_at="2000-01-01T00:00:00Z",
+        cancelled_at="2000-01-01T00:00:00Z",
+        discarded_at="2000-01-01T00:00:00Z",
+        next_retry_at="2000-01-01T00:00:00Z",
+        error={"type": "x", "message": "y"},
+        errors=[{"type": "x"}],
+        result={"ok": True},
+        last_checkpoint=5,
+        progress={"progress": 0.5},
+    )
+    assert set(sent) - {"type", "args"} == SYSTEM_FIELDS
+    job = parse_envelope(sent)
+    assert job.state == "available"
+    assert job.attempt == 0
+    assert job.created_at is None
+    assert job.enqueued_at is None
+    assert job.started_at is None
+    assert job.completed_at is None
+    assert job.error is None
+    assert job.errors == []
+    assert job.result is None
+    assert job.last_checkpoint is None
+    assert job.progress is None
+    assert job.extensions == {}
+
+
+def test_parse_envelope_from_job_instance() -> None:
+    job = parse_envelope(env(id=UUID7, x_custom_field="v"))
+    job.state = "completed"
+    job.attempt = 3
+    copy = parse_envelope(job)
+    assert copy is not job
+    assert copy.id == UUID7
+    assert copy.state == "available"
+    assert copy.attempt == 0
+    assert copy.extensions == {"x_custom_field": "v"}
+
+
+def test_job_terminal_property() -> None:
+    job = parse_envelope(env())
+    assert not job.terminal
+    for state in ("completed", "cancelled", "discarded"):
+        job.state = state
+        assert job.terminal
+
+
+# --------------------------------------------------------------------------- several violations
+
+
+def test_several_violations_reported_together() -> None:
+    data = {
+        "specversion": "2.0",
+        "type": "Email.Send",
+        "queue": "Bad Queue",
+        "id": "nope",
+        "args": {"not": "array"},
+        "priority": 101,
+        "timeout": 0,
+        "grace_period": -1,
+        "scheduled_at": "2030-01-01T00:00:00",
+        "retry": {"backoff_coefficient": 0.5, "bogus": 1},
+    }
+    with pytest.raises(InvalidJob) as info:
+        parse_envelope(data)
+    assert isinstance(info.value, ValueError)
+    found = [p for p, _ in info.value.violations]
+    assert sorted(found) == sorted(
+        [
+            "args",
+            "specversion",
+            "type",
+            "queue",
+            "id",
+            "priority",
+            "timeout",
+            "grace_period",
+            "scheduled_at",
+            "retry.backoff_coefficient",
+            "retry.bogus",
+        ]
+    )
+    assert found.count("args") == 1
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def test_parse_batch_array_and_jobs_object() -> None:
+    jobs = parse_batch([env(id=UUID7), env(id=UUID7_B)])
+    assert [j.id for j in jobs] == [UUID7, UUID7_B]
+    assert [j.id for j in parse_batch({"jobs": [env(id=UUID7)]})] == [UUID7]  # type: ignore[arg-type]
+    assert len(parse_batch(json.dumps({"jobs": [env(), env()]}))) == 2
+    assert len(parse_batch(json.dumps([env()]).encode())) == 1
+
+
+def test_parse_batch_rejects_whole_batch_naming_the_index() -> None:
+    with pytest.raises(InvalidJob) as info:
+        parse_batch([env(), env(type="Bad"), env(), env(priority=200, queue="Q")])
+    assert sorted(p for p, _ in info.value.violations) == ["[1].type", "[3].priority", "[3].queue"]
+
+
+def test_parse_batch_non_object_item() -> None:
+    with pytest.raises(InvalidJob) as info:
+        parse_batch([env(), 5])
+    assert info.value.violations == [("[1]", "must be a JSON object")]
+
+
+def test_parse_batch_duplicate_ids() -> None:
+    with pytest.raises(InvalidJob) as info:
+        parse_batch([env(id=UUID7), env(id=UUID7_B), env(id=UUID7.upper())])
+    assert [p for p, _ in info.value.violations] == ["[2].id"]
+    assert "[0]" in info.value.violations[0][1]
+
+
+def test_parse_batch_duplicate_index_counts_invalid_items() -> None:
+    with pytest.raises(InvalidJob) as info:
+        parse_batch([env(type="Bad"), env(id=UUID7), env(id=UUID7)])
+    assert [p for p, _ in info.value.violations] == ["[0].type", "[2].id"]
+
+
+@pytest.mark.parametrize("data", [[], "[]", {"jobs": []}, "{}", "5", "[", {"nope": 1}])
+def test_parse_batch_must_be_non_empty_array(data: Any) -> None:
+    with pytest.raises(InvalidJob) as info:
+        parse_batch(data)
+    assert [p for p, _ in info.value.violations] == ["(batch)"]
+
+
+def test_job_model_validate_keeps_system_fields() -> None:
+    """The store loads jobs with ``Job.model_validate``: system fields survive that path."""
+    job = parse_envelope(env(id=UUID7))
+    job.state = "retryable"
+    job.attempt = 2
+    loaded = Job.model_validate(json.loads(job.to_json()))
+    assert loaded.state == "retryable"
+    assert loaded.attempt == 2

@@ -1,0 +1,195 @@
+"""Publish options of an attempt: queue, broker priority, time limits and the ``ojs`` header."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from ojs_celery.envelope import Job, from_epoch, parse_envelope
+from ojs_celery.producer import broker_priority, celery_queue, ojs_header, time_limits
+
+T0 = 1_800_000_000.0
+
+
+@pytest.fixture(autouse=True)
+def _no_broker_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("CELERY_BROKER_URL", "CELERY_BROKER_READ_URL", "CELERY_BROKER_WRITE_URL"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def app_for(broker: str | None) -> Celery:
+    return Celery("t", broker=broker, set_as_current=False)
+
+
+def job(created_at: float | None = T0, **fields: Any) -> Job:
+    data: dict[str, Any] = {"type": "email.send", "args": []}
+    data.update(fields)
+    j = parse_envelope(data)
+    j.created_at = from_epoch(created_at) if created_at is not None else None
+    return j
+
+
+# --------------------------------------------------------------------------- queue
+
+
+def test_celery_queue_default_maps_to_app_default_queue() -> None:
+    app = app_for("memory://")
+    assert celery_queue(app, "default") == "celery"
+    app.conf.task_default_queue = "jobs"
+    assert celery_queue(app, "default") == "jobs"
+
+
+@pytest.mark.parametrize("name", ["emails", "emails.high", "celery", "q-1"])
+def test_celery_queue_other_names_unchanged(name: str) -> None:
+    app = app_for("memory://")
+    app.conf.task_default_queue = "jobs"
+    assert celery_queue(app, name) == name
+
+
+# --------------------------------------------------------------------------- priority
+
+
+@pytest.mark.parametrize(
+    "broker", ["amqp://guest@localhost//", "pyamqp://localhost//", "amqps://localhost//"]
+)
+def test_priority_amqp_higher_first(broker: str) -> None:
+    app = app_for(broker)
+    assert broker_priority(app, 100, 10) == 10
+    assert broker_priority(app, -100, 10) == 0
+    assert broker_priority(app, 0, 10) == 5
+    assert broker_priority(app, 100, 255) == 255
+    assert broker_priority(app, -100, 255) == 0
+
+
+def test_priority_amqp_monotonic_and_in_range() -> None:
+    app = app_for("amqp://localhost//")
+    values = [broker_priority(app, p, 10) for p in range(-100, 101)]
+    assert all(v is not None and 0 <= v <= 10 for v in values)
+    assert values == sorted(values)  # type: ignore[type-var]
+    assert broker_priority(app, 10, 10) > broker_priority(app, -10, 10)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    "broker",
+    ["redis://localhost:6379/0", "rediss://localhost:6380/0", "sentinel://localhost:26379"],
+)
+def test_priority_redis_zero_is_highest(broker: str) -> None:
+    app = app_for(broker)
+    assert broker_priority(app, 100, 10) == 0
+    assert broker_priority(app, -100, 10) == 9
+    assert broker_priority(app, 100, 255) == 0  # amqp_max does not matter for Redis
+
+
+def test_priority_redis_monotonic_and_in_range() -> None:
+    app = app_for("redis://localhost:6379/0")
+    values = [broker_priority(app, p, 10) for p in range(-100, 101)]
+    assert all(v is not None and 0 <= v <= 9 for v in values)
+    assert values == sorted(values, reverse=True)  # type: ignore[type-var]
+    assert broker_priority(app, 10, 10) <= broker_priority(app, -10, 10)  # type: ignore[operator]
+    assert broker_priority(app, 100, 10) < broker_priority(app, 0, 10)  # type: ignore[operator]
+    assert broker_priority(app, 0, 10) < broker_priority(app, -100, 10)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("broker", ["filesystem://", "memory://", "sqs://"])
+def test_priority_ignored_by_other_transports(broker: str) -> None:
+    app = app_for(broker)
+    assert broker_priority(app, 100, 10) is None
+    assert broker_priority(app, 0, 10) is None
+
+
+def test_priority_scheme_case_insensitive() -> None:
+    assert broker_priority(app_for("REDIS://localhost"), 100, 10) == 0
+
+
+def test_priority_default_broker_is_amqp() -> None:
+    app = app_for(None)
+    assert app.connection_for_write().transport_cls == "amqp"  # no connection is made
+    assert broker_priority(app, 100, 10) == 10
+
+
+def test_priority_redis_socket_url() -> None:
+    assert broker_priority(app_for("redis+socket:///tmp/redis.sock"), 100, 10) == 0
+
+
+# --------------------------------------------------------------------------- time limits
+
+
+def test_time_limits_soft_is_timeout_hard_adds_grace() -> None:
+    assert time_limits(job(timeout=60, grace_period=30), T0) == (60.0, 90.0)
+    assert time_limits(job(), T0) == (1800.0, 1830.0)
+
+
+def test_time_limits_no_soft_with_zero_grace() -> None:
+    assert time_limits(job(timeout=60, grace_period=0), T0) == (None, 60.0)
+
+
+def test_time_limits_unclamped_when_total_leaves_room() -> None:
+    j = job(timeout=60, grace_period=30, total_timeout=1000)
+    assert time_limits(j, T0 + 100) == (60.0, 90.0)
+    assert time_limits(j, T0 + 910) == (60.0, 90.0)  # exactly 90 s left
+
+
+def test_time_limits_hard_clamped_to_total_remaining() -> None:
+    j = job(timeout=60, grace_period=30, total_timeout=1000)
+    assert time_limits(j, T0 + 930) == (60.0, 70.0)
+
+
+def test_time_limits_soft_clamped_too() -> None:
+    j = job(timeout=60, grace_period=30, total_timeout=1000)
+    # 40 s left: both limits are clamped to 40 s, so no separate soft limit is sent.
+    assert time_limits(j, T0 + 960) == (None, 40.0)
+    # 65 s left: hard clamped, soft (60 s) still below it.
+    assert time_limits(j, T0 + 935) == (60.0, 65.0)
+
+
+def test_time_limits_clamp_with_zero_grace() -> None:
+    j = job(timeout=60, grace_period=0, total_timeout=100)
+    assert time_limits(j, T0 + 70) == (None, 30.0)
+
+
+def test_time_limits_at_least_one_second() -> None:
+    j = job(timeout=60, grace_period=30, total_timeout=100)
+    soft, hard = time_limits(j, T0 + 500)  # already past the total deadline
+    assert hard == 1.0
+    assert soft is None
+
+
+def test_time_limits_future_start_uses_start_time() -> None:
+    j = job(timeout=60, grace_period=30, total_timeout=200)
+    assert time_limits(j, T0) == (60.0, 90.0)
+    assert time_limits(j, T0 + 150) == (None, 50.0)
+
+
+def test_time_limits_without_created_at_not_clamped() -> None:
+    j = job(created_at=None, timeout=60, grace_period=30, total_timeout=100)
+    assert time_limits(j, T0 + 10_000) == (60.0, 90.0)
+
+
+# --------------------------------------------------------------------------- header
+
+
+def test_ojs_header_without_deadlines() -> None:
+    assert ojs_header(job(), 3) == {
+        "token": 3,
+        "created_at": T0,
+        "ttl_deadline": None,
+        "total_deadline": None,
+    }
+
+
+def test_ojs_header_with_deadlines() -> None:
+    j = job(timeout=10, total_timeout=600, enqueue_ttl=30)
+    assert ojs_header(j, 1) == {
+        "token": 1,
+        "created_at": T0,
+        "ttl_deadline": T0 + 30,
+        "total_deadline": T0 + 600,
+    }
+
+
+def test_ojs_header_deadlines_fixed_from_created_at() -> None:
+    j = job(timeout=10, total_timeout=600, enqueue_ttl=30)
+    assert ojs_header(j, 2)["total_deadline"] == ojs_header(j, 7)["total_deadline"]
+    assert ojs_header(j, 7)["token"] == 7

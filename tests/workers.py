@@ -1,0 +1,133 @@
+"""Helpers for end-to-end tests: broker configs, real ``celery worker`` subprocesses, waiting."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from ojs_celery.embedded import embedded_settings
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:10]}"
+
+
+def filesystem_config(tmp: pathlib.Path) -> dict[str, Any]:
+    """Embedded default: filesystem broker, SQLite store and results. No server."""
+    (tmp / "files").mkdir(parents=True, exist_ok=True)
+    settings = embedded_settings(tmp)
+    return {
+        "queue": unique("q"),
+        "dir": str(tmp / "files"),
+        "broker_url": settings["broker_url"],
+        "broker_transport_options": settings["broker_transport_options"],
+        "result_backend": settings["result_backend"],
+        "ojs": settings["ojs"],
+    }
+
+
+def redis_config(tmp: pathlib.Path, redis_url: str) -> dict[str, Any]:
+    """Redis broker, Redis result backend, Redis job store (unique prefix and queue)."""
+    (tmp / "files").mkdir(parents=True, exist_ok=True)
+    queue = unique("q")
+    return {
+        "queue": queue,
+        "dir": str(tmp / "files"),
+        "broker_url": redis_url,
+        "broker_transport_options": {},
+        "result_backend": redis_url,
+        "event_exchange": unique("ev"),
+        "ojs": {"store_url": redis_url, "store_prefix": unique("t")},
+    }
+
+
+def amqp_config(tmp: pathlib.Path, amqp_url: str, postgres_url: str) -> dict[str, Any]:
+    """RabbitMQ broker, SQLite result backend, PostgreSQL job store."""
+    (tmp / "files").mkdir(parents=True, exist_ok=True)
+    return {
+        "queue": unique("q"),
+        "dir": str(tmp / "files"),
+        "broker_url": amqp_url,
+        "broker_transport_options": {},
+        "result_backend": f"db+sqlite:///{tmp / 'results.sqlite3'}",
+        "event_exchange": unique("ev"),
+        "ojs": {"store_url": postgres_url, "store_prefix": unique("t")},
+    }
+
+
+class Worker:
+    """A ``celery worker`` subprocess running ``tests.e2eapp``."""
+
+    def __init__(self, config: dict[str, Any], log: pathlib.Path, pool: str = "prefork",
+                 concurrency: int = 2, extra: list[str] | None = None) -> None:
+        self.config = config
+        self.log_path = log
+        env = {**os.environ, "OJS_E2E_CONFIG": json.dumps(config), "PYTHONPATH": str(ROOT)}
+        command = [
+            sys.executable, "-m", "celery", "-A", "tests.e2eapp:app", "worker",
+            "--pool", pool, "--concurrency", str(concurrency), "--loglevel", "INFO",
+            "--queues", config["queue"], "--hostname", f"{unique('w')}@%h",
+            "--without-gossip", "--without-mingle", *(extra or []),
+        ]
+        self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self._log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        wait_for(lambda: " ready." in self.log() or self.process.poll() is not None,
+                 timeout, "worker ready")
+        if self.process.poll() is not None:
+            raise RuntimeError(f"worker exited at start:\n{self.log()[-4000:]}")
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(5)
+        self._log.close()
+        return self.process.returncode
+
+
+@contextmanager
+def running_worker(config: dict[str, Any], log: pathlib.Path, **options: Any) -> Iterator[Worker]:
+    worker = Worker(config, log, **options)
+    try:
+        worker.wait_ready()
+        yield worker
+    finally:
+        worker.stop()
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
+    """Poll until ``predicate`` returns something truthy; fail naming ``what`` otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def lines(directory: str, name: str) -> list[str]:
+    path = pathlib.Path(directory) / name
+    return path.read_text().splitlines() if path.exists() else []
