@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from typing import Any
 
 import click
@@ -125,10 +126,17 @@ def cancel_command(ctx: click.Context, job_id: str) -> None:
 def events_command(ctx: click.Context, limit: int | None, timeout: float | None) -> None:
     """Print every OJS event from every process, one compact JSON line each, as they happen."""
     app = _app(ctx)
+    ready = threading.Event()
+    threading.Thread(target=_announce, args=(ready,), daemon=True).start()
     try:
-        listen(app, _line, limit=limit, timeout=timeout)
+        listen(app, _line, limit=limit, timeout=timeout, ready=ready)
     except KeyboardInterrupt:
         pass
+
+
+def _announce(ready: threading.Event) -> None:
+    if ready.wait(30):
+        click.echo("listening for OJS events (Ctrl-C to stop)", err=True)
 
 
 @click.group(name="ojs-celery", help=commands.help)

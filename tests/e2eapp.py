@@ -45,20 +45,20 @@ def make_app(config: dict[str, Any]) -> Celery:
     install(app)
     directory = config["dir"]
 
-    @app.task(name="e2e.add", base=OJSTask)
+    @app.task(shared=False, name="e2e.add", base=OJSTask)
     def add(a: int, b: int) -> int:
         record(directory, "runs", f"add {current_job().job_id}")
         return a + b
 
-    @app.task(name="e2e.noop", base=OJSTask)
+    @app.task(shared=False, name="e2e.noop", base=OJSTask)
     def noop() -> None:
         return None
 
-    @app.task(name="e2e.echo_kwargs", base=OJSTask)
+    @app.task(shared=False, name="e2e.echo_kwargs", base=OJSTask)
     def echo_kwargs(*args: Any, **kwargs: Any) -> dict[str, Any]:
         return {"args": list(args), "kwargs": kwargs}
 
-    @app.task(name="e2e.sleep", base=OJSTask)
+    @app.task(shared=False, name="e2e.sleep", base=OJSTask)
     def sleep(seconds: float, tag: str = "") -> str:
         ctx = current_job()
         record(directory, "runs", f"sleep {ctx.job_id} attempt={ctx.attempt} pid={os.getpid()}")
@@ -66,18 +66,18 @@ def make_app(config: dict[str, Any]) -> Celery:
         record(directory, "finished", f"sleep {ctx.job_id} attempt={ctx.attempt}")
         return tag or "slept"
 
-    @app.task(name="e2e.fail_until", base=OJSTask)
+    @app.task(shared=False, name="e2e.fail_until", base=OJSTask)
     def fail_until(succeed_on: int) -> str:
         ctx = current_job()
         if ctx.attempt < succeed_on:
             raise ConnectionError(f"attempt {ctx.attempt} fails")
         return f"ok on {ctx.attempt}"
 
-    @app.task(name="e2e.job_error", base=OJSTask)
+    @app.task(shared=False, name="e2e.job_error", base=OJSTask)
     def job_error(error_type: str, retryable: bool) -> None:
         raise JobError("domain failure", type=error_type, retryable=retryable)
 
-    @app.task(name="e2e.checkpointing", base=OJSTask)
+    @app.task(shared=False, name="e2e.checkpointing", base=OJSTask)
     def checkpointing(mode: str) -> Any:
         """mode: 'overrun' (checkpoint, then overrun the grace), 'return' (return in grace),
         'escape' (let SoftTimeLimitExceeded escape)."""
@@ -97,33 +97,33 @@ def make_app(config: dict[str, Any]) -> Celery:
             time.sleep(60)
         return "unreachable"
 
-    @app.task(name="e2e.self_retry", base=OJSTask, bind=True)
+    @app.task(shared=False, name="e2e.self_retry", base=OJSTask, bind=True)
     def self_retry(self: OJSTask, succeed_on: int) -> str:
         ctx = current_job()
         if ctx.attempt < succeed_on:
             raise self.retry(exc=ValueError(f"not yet ({ctx.attempt})"), countdown=0.2)
         return f"ok on {ctx.attempt}"
 
-    @app.task(name="e2e.autoretry", base=OJSTask, autoretry_for=(KeyError,))
+    @app.task(shared=False, name="e2e.autoretry", base=OJSTask, autoretry_for=(KeyError,))
     def autoretry(succeed_on: int) -> str:
         ctx = current_job()
         if ctx.attempt < succeed_on:
             raise KeyError(f"missing on {ctx.attempt}")
         return f"ok on {ctx.attempt}"
 
-    @app.task(name="e2e.reject", base=OJSTask)
+    @app.task(shared=False, name="e2e.reject", base=OJSTask)
     def reject(requeue: bool) -> None:
         raise Reject("no thanks", requeue=requeue)
 
-    @app.task(name="e2e.ignore", base=OJSTask)
+    @app.task(shared=False, name="e2e.ignore", base=OJSTask)
     def ignore() -> None:
         raise Ignore()
 
-    @app.task(name="e2e.callback")
+    @app.task(shared=False, name="e2e.callback")
     def callback(result: Any, tag: str = "") -> None:
         record(directory, "callbacks", f"{tag} {json.dumps(result)}")
 
-    @app.task(name="e2e.plain")
+    @app.task(shared=False, name="e2e.plain")
     def plain(x: int) -> int:
         return x
 

@@ -1,0 +1,112 @@
+"""The ``ojs-celery`` command line, run as a user would, against a real worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import Env, start_env
+from tests.workers import ROOT, wait_for
+
+CLI = str(pathlib.Path(sys.executable).parent / "ojs-celery")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    yield from start_env("filesystem", tmp_path_factory.mktemp("cli"), concurrency=2)
+
+
+def run(env: Env, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [CLI, "-A", "tests.e2eapp:app", *args], input=stdin, capture_output=True, text=True,
+        cwd=ROOT, env=cli_env(env), timeout=60,
+    )
+
+
+def cli_env(env: Env) -> dict[str, str]:
+    return {**os.environ, "OJS_E2E_CONFIG": json.dumps(env.config), "PYTHONPATH": str(ROOT)}
+
+
+def test_enqueue_from_stdin_then_get(env: Env) -> None:
+    out = run(env, "enqueue", "-", stdin='{"type": "e2e.add", "args": [20, 22]}')
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 1
+    job: dict[str, Any] = json.loads(lines[0])
+    assert job["state"] == "available" and job["type"] == "e2e.add"
+    env.wait_state(job["id"], "completed")
+    got = run(env, "get", job["id"])
+    assert got.returncode == 0
+    assert len(got.stdout.splitlines()) == 1
+    assert json.loads(got.stdout)["result"] == 42
+
+
+def test_invalid_envelope_exits_2_with_every_violation_and_stores_nothing(env: Env) -> None:
+    job_id = "01a1fc00-0000-7000-8000-0000000000aa"
+    bad = json.dumps({"id": job_id, "type": "Bad-Type", "args": {"not": "a list"},
+                      "priority": 1000, "timeout": 0})
+    out = run(env, "enqueue", "-", stdin=bad)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert "Traceback" not in out.stderr
+    for field in ("type:", "args:", "priority:", "timeout:"):
+        assert field in out.stderr
+    missing = run(env, "get", job_id)
+    assert missing.returncode == 1 and "no job" in missing.stderr
+
+
+def test_batch_is_all_or_nothing(env: Env, tmp_path: pathlib.Path) -> None:
+    ids = ["01a1fc00-0000-7000-8000-0000000000b1", "01a1fc00-0000-7000-8000-0000000000b2"]
+    batch = tmp_path / "batch.json"
+    batch.write_text(json.dumps([{"id": ids[0], "type": "e2e.add", "args": [1, 2]},
+                                 {"id": ids[1], "type": "e2e.add"}]))
+    out = run(env, "enqueue", "--batch", str(batch))
+    assert out.returncode == 2 and "[1].args: is required" in out.stderr
+    assert run(env, "get", ids[0]).returncode == 1
+
+    batch.write_text(json.dumps([{"id": i, "type": "e2e.add", "args": [1, 2]} for i in ids]))
+    out = run(env, "enqueue", "--batch", str(batch))
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line)["id"] for line in out.stdout.splitlines()] == ids
+
+
+def test_cancel(env: Env) -> None:
+    scheduled = json.dumps({"type": "e2e.add", "args": [1, 1],
+                            "scheduled_at": "2099-01-01T00:00:00Z"})
+    job = json.loads(run(env, "enqueue", "-", stdin=scheduled).stdout)
+    assert job["state"] == "scheduled"
+    out = run(env, "cancel", job["id"])
+    assert out.returncode == 0 and json.loads(out.stdout)["state"] == "cancelled"
+    unknown = run(env, "cancel", "01a1fc00-0000-7000-8000-0000000000cc")
+    assert unknown.returncode == 1 and "no job" in unknown.stderr
+
+
+def test_unknown_app_is_a_usage_error(env: Env) -> None:
+    out = subprocess.run([CLI, "-A", "no_such_module", "get", "x"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 2 and "cannot load app" in out.stderr
+
+
+def test_events_streams_one_json_line_per_event(env: Env) -> None:
+    listener = subprocess.Popen(
+        [CLI, "-A", "tests.e2eapp:app", "events", "--limit", "3"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=ROOT, env=cli_env(env),
+    )
+    try:
+        assert listener.stderr is not None
+        assert "listening" in listener.stderr.readline()
+        job = json.loads(run(env, "enqueue", "-", stdin='{"type":"e2e.add","args":[1,2]}').stdout)
+        out, _ = listener.communicate(timeout=30)
+    finally:
+        listener.kill()
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [e["type"] for e in events] == ["job.enqueued", "job.started", "job.completed"]
+    assert {e["subject"] for e in events} == {job["id"]}
+    wait_for(lambda: env.job(job["id"]).state == "completed", 10, "completion")

@@ -1,0 +1,151 @@
+"""End to end on Redis: Celery's own call and retry paths, fencing of duplicates and late
+outcomes, and what a producer sees when something is wrong."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery
+from celery.result import AsyncResult
+
+from ojs_celery import BrokerUnavailable, InvalidJob, cancel, enqueue, get_job, install
+from ojs_celery.lifecycle import Publish
+from ojs_celery.producer import publish
+from ojs_celery.runtime import get_runtime
+from tests.conftest import Env, start_env
+from tests.workers import Worker, filesystem_config, wait_for
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    yield from start_env("redis", tmp_path_factory.mktemp("features"), concurrency=3)
+
+
+def test_delay_on_an_ojs_task_produces_an_envelope(env: Env) -> None:
+    task = env.app.tasks["e2e.echo_kwargs"]
+    result = task.delay((1, 2), "x", flag=True, nested={"a": [1]})
+    job = env.wait_state(result.id, "completed")
+    assert job.type == "e2e.echo_kwargs"
+    assert job.args == [[1, 2], "x"]
+    assert job.extensions["x_celery_kwargs"] == {"flag": True, "nested": {"a": [1]}}
+    assert result.get(timeout=10) == {"args": [[1, 2], "x"],
+                                      "kwargs": {"flag": True, "nested": {"a": [1]}}}
+
+
+def test_self_retry_and_autoretry_follow_the_ojs_policy(env: Env) -> None:
+    policy = {"max_attempts": 5, "initial_interval": "PT0.1S"}
+    manual = enqueue({"type": "e2e.self_retry", "args": [3], "retry": policy}, app=env.app)
+    auto = enqueue({"type": "e2e.autoretry", "args": [2], "retry": policy}, app=env.app)
+    capped = enqueue({"type": "e2e.autoretry", "args": [9],
+                      "retry": {"max_attempts": 2, "initial_interval": "PT0.1S"}}, app=env.app)
+
+    done = env.wait_state(manual.id, "completed")
+    assert done.attempt == 3 and done.result == "ok on 3"
+    assert [e["type"] for e in done.errors] == ["ValueError", "ValueError"]
+    done = env.wait_state(auto.id, "completed")
+    assert done.attempt == 2 and [e["type"] for e in done.errors] == ["KeyError"]
+    done = env.wait_state(capped.id, "discarded")
+    assert done.attempt == 2  # OJS max_attempts, not Celery's max_retries
+    assert AsyncResult(manual.id, app=env.app).get(timeout=10) == "ok on 3"
+
+
+def test_reject_ignore_and_job_errors(env: Env) -> None:
+    policy = {"max_attempts": 3, "initial_interval": "PT0.1S",
+              "non_retryable_errors": ["billing.*"]}
+    no_requeue = enqueue({"type": "e2e.reject", "args": [False], "retry": policy}, app=env.app)
+    requeue = enqueue({"type": "e2e.reject", "args": [True], "retry": policy}, app=env.app)
+    ignored = enqueue({"type": "e2e.ignore", "args": []}, app=env.app)
+    final = enqueue({"type": "e2e.job_error", "args": ["quota", False], "retry": policy},
+                    app=env.app)
+    listed = enqueue({"type": "e2e.job_error", "args": ["billing.declined", True],
+                      "retry": policy}, app=env.app)
+
+    job = env.wait_state(no_requeue.id, "discarded")
+    assert job.attempt == 1 and job.error is not None and job.error["type"] == "Reject"
+    job = env.wait_state(requeue.id, "discarded")
+    assert job.attempt == 3  # retried per policy, never requeued with a stale token
+    job = env.wait_state(ignored.id, "cancelled")
+    assert job.attempt == 1
+    job = env.wait_state(final.id, "discarded")
+    assert job.attempt == 1 and job.error is not None and job.error["type"] == "quota"
+    job = env.wait_state(listed.id, "discarded")
+    assert job.attempt == 1 and job.error is not None and job.error["type"] == "billing.declined"
+
+
+def test_message_published_twice_runs_the_handler_once(env: Env) -> None:
+    callback = env.app.tasks["e2e.callback"].s(tag="twice")
+    result = env.app.tasks["e2e.sleep"].apply_async(args=[1.0, "once"], link=callback)
+    job = env.job(result.id)
+    publish(get_runtime(env.app), job, Publish(job.id, token=1))  # the same message again
+
+    env.wait_state(job.id, "completed")
+    wait_for(lambda: len([r for r in env.lines("received") if job.id in r]) == 2, 10,
+             "both copies received")
+    assert len([r for r in env.lines("runs") if job.id in r]) == 1
+    wait_for(lambda: any(c.startswith("twice ") for c in env.lines("callbacks")), 10, "link")
+    assert [c for c in env.lines("callbacks") if c.startswith("twice ")] == ['twice "once"']
+    assert result.get(timeout=10) == "once"
+
+
+def test_late_outcome_of_a_cancelled_attempt_is_rejected(env: Env) -> None:
+    callback = env.app.tasks["e2e.callback"].s(tag="late")
+    result = env.app.tasks["e2e.sleep"].apply_async(args=[1.5, "late"], link=callback)
+    env.wait_state(result.id, "active")
+    cancelled = cancel(result.id, app=env.app)
+    assert cancelled.state == "cancelled"
+
+    wait_for(lambda: f"outcome of job {result.id} attempt 1 rejected" in env.worker.log(), 15,
+             "the worker to reject the late outcome")
+    assert [f for f in env.lines("finished") if result.id in f]  # the handler did finish
+    assert env.job(result.id).state == "cancelled"
+    assert AsyncResult(result.id, app=env.app).state == "PENDING"  # nothing reached Celery
+    assert not [c for c in env.lines("callbacks") if c.startswith("late ")]
+    types = env.events.types(result.id)
+    assert "job.cancelled" in types and "job.completed" not in types
+
+
+def test_unknown_type_and_plain_task_are_rejected_before_anything_is_stored(env: Env) -> None:
+    for job_type in ("e2e.missing", "e2e.plain"):
+        with pytest.raises(InvalidJob) as raised:
+            enqueue({"type": job_type, "args": [1], "id": "01a1fc00-0000-7000-8000-000000000001"},
+                    app=env.app)
+        assert raised.value.violations[0][0] == "type"
+        assert "not an OJS task" in str(raised.value)
+    assert get_job("01a1fc00-0000-7000-8000-000000000001", app=env.app) is None
+
+
+def test_duplicate_id_is_rejected(env: Env) -> None:
+    job = enqueue({"type": "e2e.add", "args": [1, 1]}, app=env.app)
+    with pytest.raises(InvalidJob, match="exists already"):
+        enqueue({"type": "e2e.add", "args": [1, 1], "id": job.id.upper()}, app=env.app)
+
+
+def test_enqueue_reports_a_broker_that_is_down(tmp_path: pathlib.Path) -> None:
+    app = Celery("down", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}"}
+    install(app)
+
+    @app.task(shared=False, name="down.job", base=__import__("ojs_celery").OJSTask)
+    def job_task() -> None:
+        return None
+
+    with pytest.raises(BrokerUnavailable, match="stays in the outbox") as raised:
+        enqueue({"type": "down.job", "args": []}, app=app)
+    job_id = str(raised.value).split()[1]
+    stored = get_job(job_id, app=app)
+    assert stored is not None and stored.state == "available"
+    owed = get_runtime(app).store.due("dispatch", now=4e9, limit=10)
+    assert [entry[0] for entry in owed] == [job_id]  # the sweeper will publish it
+
+
+def test_solo_pool_worker_warns_that_time_limits_are_not_enforced(
+    tmp_path: pathlib.Path,
+) -> None:
+    worker = Worker(filesystem_config(tmp_path), tmp_path / "solo.log", pool="solo")
+    try:
+        worker.wait_ready()
+        assert "the solo pool does not enforce soft and hard time limits" in worker.log()
+    finally:
+        worker.stop()
