@@ -8,6 +8,7 @@ invalid input prints the violations on stderr and exits with status 2, with noth
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -22,6 +23,8 @@ from .envelope import InvalidJob
 from .events import listen
 from .install import install
 from .producer import BrokerUnavailable, enqueue
+from .runtime import get_runtime
+from .sweeper import run_loop, sweep
 
 EXIT_INVALID = 2
 
@@ -132,6 +135,32 @@ def events_command(ctx: click.Context, limit: int | None, timeout: float | None)
         listen(app, _line, limit=limit, timeout=timeout, ready=ready)
     except KeyboardInterrupt:
         pass
+
+
+@commands.command(name="sweep")
+@click.option("--once", "mode", flag_value="once", help="Run one pass and print what it did.")
+@click.option("--loop", "mode", flag_value="loop", help="Run a pass every --interval seconds.")
+@click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds between passes (default: the ojs.sweep_interval setting).")
+@click.pass_context
+def sweep_command(ctx: click.Context, mode: str | None, interval: float | None) -> None:
+    """Enforce every deadline from the store (for deployments without celery beat)."""
+    app = _app(ctx)
+    runtime = get_runtime(app)
+    if mode == "loop":
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s] %(message)s")
+        click.echo(f"sweeping every {interval or runtime.settings.sweep_interval}s "
+                   "(Ctrl-C to stop)", err=True)
+        try:
+            run_loop(runtime, interval)
+        except KeyboardInterrupt:
+            pass
+        return
+    report = sweep(runtime)
+    _line({"applied": dict(report.applied), "published": report.published,
+           "pruned": report.pruned, "error": report.error})
+    if report.error:
+        sys.exit(1)
 
 
 def _announce(ready: threading.Event) -> None:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 from celery import Celery, signals
 
+from . import control  # noqa: F401 - registers the ojs_terminate remote-control command
 from .identity import assign_worker_id
 from .runtime import Runtime, attach, get_runtime
+from .sweeper import SWEEP_TASK, last_sweep, sweep
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ def install(app: Celery) -> Runtime:
         worker_id = assign_worker_id()
         name = pool_name(getattr(sender, "pool_cls", ""))
         logger.info("ojs_celery: worker id %s (pool %s)", worker_id, name)
+        _watch_sweeps(runtime)
         missing = _WEAK_POOLS.get(name)
         if missing:
             logger.warning(
@@ -56,7 +61,60 @@ def install(app: Celery) -> Runtime:
     def on_child_shutdown(**_: Any) -> None:
         get_runtime(app).bus.flush()
 
+    _add_sweeper(app, runtime)
     signals.worker_init.connect(on_worker_init, weak=False)
     signals.worker_process_shutdown.connect(on_child_shutdown, weak=False)
     app._ojs_signal_receivers = (on_worker_init, on_child_shutdown)
     return runtime
+
+
+def _add_sweeper(app: Celery, runtime: Runtime) -> None:
+    """The ``ojs_celery.sweep`` task and its beat entry (own queue, expiring within the
+    interval so that a backlog of sweeps never piles up)."""
+    settings = runtime.settings
+
+    @app.task(name=SWEEP_TASK, ignore_result=True, shared=False)
+    def ojs_sweep() -> dict[str, Any]:
+        report = sweep(get_runtime(app))
+        return {"applied": dict(report.applied), "published": report.published,
+                "pruned": report.pruned, "error": report.error}
+
+    schedule = dict(app.conf.beat_schedule or {})
+    schedule["ojs-sweep"] = {
+        "task": SWEEP_TASK,
+        "schedule": settings.sweep_interval,
+        "options": {"expires": settings.sweep_interval, "queue": settings.sweep_queue},
+    }
+    app.conf.beat_schedule = schedule
+
+
+#: A worker warns when no sweep has run for this many intervals.
+STALE_SWEEP_INTERVALS = 5
+
+
+def _watch_sweeps(runtime: Runtime) -> None:
+    """Warn (at most once a minute) when no sweep has run for several intervals: without one,
+    timeouts of crashed or frozen workers and TTLs of unconsumed queues are not enforced."""
+    interval = runtime.settings.sweep_interval
+    stale_after = interval * STALE_SWEEP_INTERVALS
+
+    def check() -> None:
+        time.sleep(stale_after)
+        warned = 0.0
+        while True:
+            try:
+                last = last_sweep(runtime)
+            except Exception:  # noqa: BLE001 - a store outage is reported elsewhere
+                last = None
+            now = time.time()
+            if (last is None or now - last > stale_after) and now - warned > 60:
+                warned = now
+                logger.warning(
+                    "ojs_celery: no OJS sweep has run for %.0fs (interval %ss): run `celery "
+                    "beat` with a worker consuming queue %r, or `ojs-celery sweep --loop`",
+                    (now - last) if last else stale_after, interval,
+                    runtime.settings.sweep_queue,
+                )
+            time.sleep(max(interval, 1.0))
+
+    threading.Thread(target=check, name="ojs-sweep-watch", daemon=True).start()

@@ -115,6 +115,8 @@ class Transition:
     reason: str = "ok"
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     publish: Publish | None = None
+    #: The record the rule was applied to (set by the store).
+    previous: Record | None = None
 
     @property
     def applied(self) -> bool:

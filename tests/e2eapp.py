@@ -43,6 +43,7 @@ def make_app(config: dict[str, Any]) -> Celery:
         **config.get("celery", {}),
     )
     install(app)
+    app._ojs_e2e_config = config
     directory = config["dir"]
 
     @app.task(shared=False, name="e2e.add", base=OJSTask)

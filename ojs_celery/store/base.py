@@ -164,6 +164,7 @@ class JobStore(ABC):
                 if record is None:
                     return lifecycle.rejected("unknown_job")
             transition = rule(record)
+            transition.previous = record
             if transition.record is None:
                 if hint is not None and record is hint:
                     record = None  # a stale hint may be why: decide on fresh data

@@ -1,0 +1,55 @@
+"""The worker-side remote-control command that stops one attempt, keyed by job id and token.
+
+Celery's ``revoke(terminate=True)`` is keyed by task id and also adds the id to every worker's
+revoked set, which would drop the job's later attempts (same task id). This command kills only
+the pool process running the attempt that ``token`` started; the pool then reports the child
+lost, and the OJS request sees that the attempt was already settled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+from celery.worker import state as worker_state
+from celery.worker.control import control_command
+
+logger = logging.getLogger(__name__)
+
+
+def _token_of(request: Any) -> int | None:
+    header = (getattr(request, "_request_dict", None) or {}).get("ojs")
+    if isinstance(header, dict) and "token" in header:
+        return int(header["token"])
+    return None
+
+
+@control_command(  # type: ignore[misc]
+    args=[("job_id", str), ("token", int)],
+    signature="<job_id> <token>",
+)
+def ojs_terminate(state: Any, job_id: str, token: int, **_: Any) -> dict[str, Any]:
+    """Kill the pool process running ``job_id``'s attempt started by ``token``, if here."""
+    for request in list(worker_state.active_requests):
+        if request.id != job_id or _token_of(request) != int(token):
+            continue
+        pool = state.consumer.pool
+        if not request.worker_pid or request.worker_pid == os.getpid():
+            logger.warning(
+                "ojs_celery: job %s (token %s) runs in the worker's own process (solo or "
+                "threads pool) and cannot be stopped; its late outcome will be rejected",
+                job_id, token,
+            )
+            return {"ok": "not terminable on this pool"}
+        try:
+            pool.terminate_job(request.worker_pid, signal.SIGKILL)
+        except NotImplementedError:
+            logger.warning("ojs_celery: this pool cannot stop job %s; its late outcome will "
+                           "be rejected", job_id)
+            return {"ok": "not terminable on this pool"}
+        logger.warning("ojs_celery: stopped job %s (token %s): its attempt was recovered",
+                       job_id, token)
+        return {"ok": "terminated"}
+    return {"ok": "not here"}

@@ -1,0 +1,175 @@
+"""The sweeper: server-side enforcement of every deadline, from the store's indexes.
+
+One pass takes what is due on each clock (``store.due``, O(log n + k)), applies the transition
+with compare-and-set, emits the events, terminates a running attempt that lost its job, and
+publishes what is owed (retries, the outbox, scheduled jobs that came due). Only the process
+whose compare-and-set won acts, so any number of sweepers may run at once. It knows nothing of
+Celery beyond publishing and one control command: the Celery task, the beat entry and
+``ojs-celery sweep --loop`` are thin shells around :func:`sweep`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import lifecycle
+from .envelope import JsonValue
+from .lifecycle import Publish, Record, Transition
+from .producer import BrokerUnavailable, publish
+from .runtime import Runtime
+from .store import StoreError
+
+logger = logging.getLogger(__name__)
+
+LAST_SWEEP_KEY = "last_sweep"
+SWEEP_TASK = "ojs_celery.sweep"
+TERMINATE_COMMAND = "ojs_terminate"
+
+
+@dataclass
+class SweepReport:
+    """What one pass did, per clock; ``error`` is set when the pass was skipped."""
+
+    started: float
+    applied: Counter[str] = field(default_factory=Counter)
+    published: int = 0
+    pruned: int = 0
+    error: str | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.applied.values()) + self.published + self.pruned
+
+
+def _execution_overdue(now: float, tolerance: float) -> Callable[[Record], Transition]:
+    def rule(record: Record) -> Transition:
+        job = record.job
+        if job.state != "active" or job.started_at is None:
+            return lifecycle.rejected("not_active")
+        elapsed = now - job.started_at.timestamp()
+        if elapsed < job.timeout + job.grace_period + tolerance:
+            return lifecycle.rejected("not_due")
+        error = lifecycle.timeout_error(
+            "timeout", job.timeout, elapsed,
+            f"execution timeout of {job.timeout}s exceeded (enforced by the sweeper: the "
+            "attempt was still active after its grace period)",
+        )
+        return lifecycle.fail(record, job.attempt, None, error, now)
+
+    return rule
+
+
+def _owed_message(now: float, clock: str, grace: float) -> Callable[[Record], Transition]:
+    """Claim a message the job is owed (outbox entry past due, or a held job now due), so
+    that one sweeper publishes it; the claim pushes the outbox deadline one grace ahead."""
+
+    def rule(record: Record) -> Transition:
+        job = record.job
+        if job.state in lifecycle.TERMINAL or job.state == "active":
+            return lifecycle.rejected("not_owed")
+        if clock == "promote":
+            if record.promote_at is None or record.promote_at > now:
+                return lifecycle.rejected("not_due")
+        elif record.dispatch_due is None or record.dispatch_due > now:
+            return lifecycle.rejected("not_due")
+        new = record.copy()
+        eta = None
+        if job.state == "scheduled" and job.scheduled_at is not None:
+            eta = job.scheduled_at.timestamp()
+        elif job.state == "retryable" and job.next_retry_at is not None:
+            eta = job.next_retry_at.timestamp()
+        if eta is not None and eta <= now:
+            eta = None
+        new.promote_at = None
+        new.dispatch_due = now + grace + max((eta or now) - now, 0.0)
+        return Transition(new, publish=Publish(job.id, new.token, eta))
+
+    return rule
+
+
+def sweep(runtime: Runtime, now: float | None = None, batch: int | None = None) -> SweepReport:
+    """One enforcement pass. Store or broker trouble is logged and ends the pass early; what
+    was not done is still due, so the next pass does it."""
+    at = time.time() if now is None else now
+    limit = batch or runtime.settings.sweep_batch
+    report = SweepReport(started=at)
+    try:
+        _sweep(runtime, at, limit, report)
+        runtime.store.set_meta(LAST_SWEEP_KEY, repr(at))
+    except (StoreError, BrokerUnavailable) as exc:
+        report.error = str(exc)
+        logger.warning("ojs_celery: sweep skipped, will retry next interval: %s", exc)
+    return report
+
+
+def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
+    store = runtime.store
+    settings = runtime.settings
+    rules: list[tuple[str, float, Callable[[Record], Transition]]] = [
+        ("total", now, lambda r: lifecycle.expire_total(r, now, store.policy)),
+        ("enqueue_ttl", now, lambda r: lifecycle.expire_ttl(r, now, store.policy)),
+        ("execution", now - settings.execution_tolerance,
+         _execution_overdue(now, settings.execution_tolerance)),
+    ]
+    for clock, cutoff, rule in rules:
+        for job_id, _ in store.due(clock, cutoff, limit):
+            done = store.apply(job_id, rule)
+            if done.record is None:
+                continue
+            report.applied[clock] += 1
+            runtime.emit(done)
+            before = done.previous
+            if before is not None and before.job.state == "active":
+                terminate_attempt(runtime, job_id, before.token)
+            _publish(runtime, done, report)
+    for clock in ("dispatch", "promote"):
+        owed = _owed_message(now, clock, settings.dispatch_grace)
+        for job_id, _ in store.due(clock, now, limit):
+            done = store.apply(job_id, owed)
+            if done.record is not None:
+                report.applied[clock] += 1
+                _publish(runtime, done, report)
+    report.pruned = store.prune(now, limit)
+
+
+def _publish(runtime: Runtime, done: Transition, report: SweepReport) -> None:
+    if done.publish is None or done.record is None:
+        return
+    publish(runtime, done.record.job, done.publish)
+    report.published += 1
+
+
+def terminate_attempt(runtime: Runtime, job_id: str, token: int) -> None:
+    """Ask every worker to kill the attempt that ``token`` started (never revoke-by-id, which
+    would make Celery drop the job's later messages too)."""
+    try:
+        runtime.app.control.broadcast(
+            TERMINATE_COMMAND, arguments={"job_id": job_id, "token": token}, reply=False
+        )
+    except Exception as exc:  # noqa: BLE001 - best effort: a late outcome is rejected anyway
+        logger.warning("ojs_celery: could not ask workers to stop job %s: %r", job_id, exc)
+
+
+def last_sweep(runtime: Runtime) -> float | None:
+    value = runtime.store.get_meta(LAST_SWEEP_KEY)
+    return float(value) if value else None
+
+
+def run_loop(runtime: Runtime, interval: float | None = None,
+             stop: Callable[[], bool] = lambda: False) -> None:
+    """``ojs-celery sweep --loop``: a pass every ``interval`` seconds until ``stop()``."""
+    every = interval or runtime.settings.sweep_interval
+    while not stop():
+        began = time.monotonic()
+        report = sweep(runtime)
+        if report.total:
+            logger.info("ojs_celery: sweep %s", _summary(report))
+        time.sleep(max(every - (time.monotonic() - began), 0.0))
+
+
+def _summary(report: SweepReport) -> dict[str, JsonValue]:
+    return {**dict(report.applied), "published": report.published, "pruned": report.pruned}

@@ -1,0 +1,255 @@
+"""The sweep pass against real stores (SQLite and Redis) and a real broker folder, with
+explicit clocks: what is due is enforced once, whoever sweeps."""
+
+from __future__ import annotations
+
+import multiprocessing
+import pathlib
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from ojs_celery import enqueue, signals
+from ojs_celery.envelope import parse_envelope
+from ojs_celery.runtime import Runtime, get_runtime
+from ojs_celery.store import StoreError
+from ojs_celery.sweeper import last_sweep, sweep
+from tests import services
+from tests.e2eapp import make_app
+from tests.workers import filesystem_config, unique
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def app(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Celery]:
+    config = filesystem_config(tmp_path)
+    if request.param == "redis":
+        config["ojs"] = {"store_url": services.redis_url(), "store_prefix": unique("t")}
+    config["ojs"]["events"] = False
+    celery_app = make_app(config)
+    yield celery_app
+    store = get_runtime(celery_app).store
+    store.clear()
+    drop = getattr(store, "drop_tables", None)
+    if drop is not None:
+        drop()
+
+
+@pytest.fixture
+def seen() -> Iterator[Counter[str]]:
+    """OJS events emitted in this process, by type and job."""
+    counts: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def receiver(sender: Any = None, event: dict[str, Any] | None = None, **_: Any) -> None:
+        assert event is not None
+        with lock:
+            counts[event["type"]] += 1
+
+    signals.ojs_event.connect(receiver)
+    yield counts
+    signals.ojs_event.disconnect(receiver)
+
+
+def messages(app: Celery) -> list[str]:
+    folder = pathlib.Path(app.conf.broker_transport_options["data_folder_in"])
+    return sorted(p.name for p in folder.glob("*.msg"))
+
+
+def runtime_of(app: Celery) -> Runtime:
+    return get_runtime(app)
+
+
+def test_enqueue_ttl_expires_a_job_nobody_started(app: Celery, seen: Counter[str]) -> None:
+    job = enqueue({"type": "e2e.add", "args": [1, 2], "enqueue_ttl": 5}, app=app)
+    created = job.created_at.timestamp()  # type: ignore[union-attr]
+    assert sweep(runtime_of(app), now=created + 4).total == 0
+
+    report = sweep(runtime_of(app), now=created + 5.5)
+    assert report.applied["enqueue_ttl"] == 1
+    stored = runtime_of(app).store.get(job.id)
+    assert stored is not None and stored.state == "discarded"
+    assert stored.error == {"type": "enqueue_ttl_expired", "message": stored.error["message"],
+                            "timeout_kind": "enqueue_ttl", "limit_seconds": 5,
+                            "elapsed_seconds": 5.5}
+    assert seen["job.ttl_expired"] == 1 and seen["job.discarded"] == 1
+
+
+def test_scheduled_job_counts_its_ttl_from_created_at(app: Celery) -> None:
+    later = time.time() + 3600
+    job = enqueue({"type": "e2e.add", "args": [1, 2], "enqueue_ttl": 10,
+                   "scheduled_at": _rfc3339(later)}, app=app)
+    assert job.state == "scheduled"
+    sweep(runtime_of(app), now=job.created_at.timestamp() + 11)  # type: ignore[union-attr]
+    stored = runtime_of(app).store.get(job.id)
+    assert stored is not None and stored.error is not None
+    assert stored.state == "discarded" and stored.error["type"] == "enqueue_ttl_expired"
+
+
+def test_total_timeout_discards_whatever_the_state(app: Celery, seen: Counter[str]) -> None:
+    store = runtime_of(app).store
+    job = enqueue({"type": "e2e.add", "args": [1, 2], "total_timeout": 30, "timeout": 10},
+                  app=app)
+    created = job.created_at.timestamp()  # type: ignore[union-attr]
+    started = store.start(job.id, 1, "worker_a", now=created + 1)
+    assert started.record is not None and started.record.job.state == "active"
+
+    report = sweep(runtime_of(app), now=created + 31)
+    assert report.applied["total"] == 1
+    stored = store.get(job.id)
+    assert stored is not None and stored.state == "discarded"
+    assert stored.error is not None and stored.error["type"] == "total_timeout"
+    late = store.complete(job.id, 1, "worker_a", 3, now=created + 32)
+    assert not late.applied  # the running attempt's late result is rejected
+    assert seen["job.total_timeout"] == 1
+
+
+def test_execution_timeout_is_enforced_after_grace_and_tolerance(
+    app: Celery, seen: Counter[str]
+) -> None:
+    store = runtime_of(app).store
+    job = enqueue({"type": "e2e.add", "args": [1, 2], "timeout": 10, "grace_period": 5,
+                   "retry": {"max_attempts": 3, "initial_interval": "PT1S", "jitter": False}},
+                  app=app)
+    start = time.time()
+    store.start(job.id, 1, "worker_a", now=start)
+    before = len(messages(app))
+    assert sweep(runtime_of(app), now=start + 16).applied["execution"] == 0  # tolerance 1.5 s
+
+    report = sweep(runtime_of(app), now=start + 16.6)
+    assert report.applied["execution"] == 1
+    stored = store.get_record(job.id)
+    assert stored is not None and stored.job.state == "retryable" and stored.token == 2
+    error = stored.job.error
+    assert error is not None and error["type"] == "timeout"
+    assert error["timeout_kind"] == "execution" and error["limit_seconds"] == 10
+    assert len(messages(app)) == before + 1  # the retry was published
+    assert stored.dispatch_due is None
+    assert seen["job.timeout"] == 1 and seen["job.retrying"] == 1
+    assert not store.complete(job.id, 1, "worker_a", 3).applied
+
+
+def test_outbox_publishes_a_message_that_was_never_sent(app: Celery) -> None:
+    runtime = runtime_of(app)
+    transition = runtime.store.create(parse_envelope({"type": "e2e.add", "args": [1, 2]}))
+    assert transition.record is not None  # stored, but "the process died" before publishing
+    job_id = transition.record.job.id
+    assert messages(app) == []
+    assert sweep(runtime, now=time.time() + 1).published == 0  # within the dispatch grace
+
+    report = sweep(runtime, now=time.time() + 11)
+    assert report.applied["dispatch"] == 1 and report.published == 1
+    assert len(messages(app)) == 1
+    record = runtime.store.get_record(job_id)
+    assert record is not None and record.dispatch_due is None
+
+
+def test_scheduled_job_beyond_the_horizon_is_published_when_due(app: Celery) -> None:
+    runtime = runtime_of(app)
+    due = time.time() + 600
+    job = enqueue({"type": "e2e.add", "args": [1, 2], "scheduled_at": _rfc3339(due)}, app=app)
+    assert job.state == "scheduled" and messages(app) == []
+    assert sweep(runtime, now=due - 1).published == 0
+
+    report = sweep(runtime, now=due + 0.5)
+    assert report.applied["promote"] == 1 and report.published == 1
+    assert len(messages(app)) == 1
+
+
+def test_retention_prunes_terminal_jobs_in_bounded_batches(app: Celery) -> None:
+    runtime = runtime_of(app)
+    store = runtime.store
+    ids = [enqueue({"type": "e2e.add", "args": [i, 1]}, app=app).id for i in range(5)]
+    now = time.time()
+    for job_id in ids[:3]:
+        store.start(job_id, 1, "worker_a", now=now)
+        store.complete(job_id, 1, "worker_a", 1, now=now)
+    assert sweep(runtime, now=now + 6 * 86400).pruned == 0
+    report = sweep(runtime, now=now + 8 * 86400, batch=2)
+    assert report.pruned == 2
+    assert sweep(runtime, now=now + 8 * 86400).pruned == 1
+    assert [store.get(i) is None for i in ids] == [True, True, True, False, False]
+
+
+def test_concurrent_sweepers_apply_each_transition_once(
+    app: Celery, seen: Counter[str]
+) -> None:
+    runtime = runtime_of(app)
+    count = 300
+    jobs = [parse_envelope({"type": "e2e.add", "args": [i, 1], "enqueue_ttl": 1})
+            for i in range(count)]
+    created = time.time()
+    for job in jobs:
+        runtime.store.create(job, now=created)
+    reports = []
+
+    def run() -> None:
+        reports.append(sweep(runtime, now=created + 2, batch=count))
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(r.applied["enqueue_ttl"] for r in reports) == count
+    assert seen["job.ttl_expired"] == count and seen["job.discarded"] == count
+    for job in jobs:
+        stored = runtime.store.get(job.id)
+        assert stored is not None and stored.state == "discarded" and len(stored.errors) == 1
+
+
+def _sweep_in_process(app_config: dict[str, Any], now: float, out: Any) -> None:
+    app = make_app(app_config)
+    out.put(sweep(get_runtime(app), now=now, batch=1000).applied["enqueue_ttl"])
+
+
+def test_concurrent_sweeper_processes_never_double_apply(app: Celery) -> None:
+    runtime = runtime_of(app)
+    count = 200
+    created = time.time()
+    for i in range(count):
+        runtime.store.create(
+            parse_envelope({"type": "e2e.add", "args": [i, 1], "enqueue_ttl": 1}), now=created)
+    config = app._ojs_e2e_config  # noqa: SLF001
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    processes = [context.Process(target=_sweep_in_process, args=(config, created + 2, results))
+                 for _ in range(3)]
+    for process in processes:
+        process.start()
+    applied = [results.get(timeout=60) for _ in processes]
+    for process in processes:
+        process.join(30)
+    assert sum(applied) == count
+
+
+def test_a_store_fault_skips_the_pass_and_the_next_one_recovers(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = runtime_of(app)
+    job = enqueue({"type": "e2e.add", "args": [1, 2], "enqueue_ttl": 1}, app=app)
+    original = runtime.store.due
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise StoreError("connection refused")
+
+    monkeypatch.setattr(runtime.store, "due", broken)
+    report = sweep(runtime, now=time.time() + 2)
+    assert report.error == "connection refused"
+    assert last_sweep(runtime) is None
+    monkeypatch.setattr(runtime.store, "due", original)
+    report = sweep(runtime, now=time.time() + 2)
+    assert report.error is None and report.applied["enqueue_ttl"] == 1
+    stored = runtime.store.get(job.id)
+    assert stored is not None and stored.state == "discarded" and len(stored.errors) == 1
+    assert last_sweep(runtime) is not None
+
+
+def _rfc3339(epoch: float) -> str:
+    from ojs_celery.envelope import format_timestamp, from_epoch
+
+    return format_timestamp(from_epoch(epoch))
