@@ -95,7 +95,11 @@ class Env:
 
 def start_env(kind: str, tmp: pathlib.Path, **worker_options: Any) -> Iterator[Env]:
     config = broker_config(kind, tmp)
-    config.update(worker_options.pop("config", {}))
+    for key, value in worker_options.pop("config", {}).items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
     app = make_app(config)
     events = Events()
     ready = threading.Event()

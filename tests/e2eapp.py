@@ -67,6 +67,17 @@ def make_app(config: dict[str, Any]) -> Celery:
         record(directory, "finished", f"sleep {ctx.job_id} attempt={ctx.attempt}")
         return tag or "slept"
 
+    @app.task(shared=False, name="e2e.stuck_first", base=OJSTask)
+    def stuck_first(seconds: float) -> str:
+        """Attempt 1 hangs for ``seconds`` (a frozen handler); later attempts return."""
+        ctx = current_job()
+        record(directory, "runs", f"stuck_first {ctx.job_id} attempt={ctx.attempt}")
+        if ctx.attempt == 1:
+            time.sleep(seconds)
+            record(directory, "finished", f"stuck_first {ctx.job_id} attempt=1")
+            return "late"
+        return f"ok on {ctx.attempt}"
+
     @app.task(shared=False, name="e2e.fail_until", base=OJSTask)
     def fail_until(succeed_on: int) -> str:
         ctx = current_job()

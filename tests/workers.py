@@ -78,7 +78,7 @@ class Worker:
         command = [
             sys.executable, "-m", "celery", "-A", "tests.e2eapp:app", "worker",
             "--pool", pool, "--concurrency", str(concurrency), "--loglevel", "INFO",
-            "--queues", config["queue"], "--hostname", f"{unique('w')}@%h",
+            "--queues", ",".join(config.get("worker_queues") or [config["queue"]]), "--hostname", f"{unique('w')}@%h",
             "--without-gossip", "--without-mingle", *(extra or []),
         ]
         self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
@@ -104,6 +104,33 @@ class Worker:
                 self.process.wait(5)
         self._log.close()
         return self.process.returncode
+
+
+class Beat:
+    """A ``celery beat`` subprocess for ``tests.e2eapp`` (it schedules ``ojs_celery.sweep``)."""
+
+    def __init__(self, config: dict[str, Any], tmp: pathlib.Path) -> None:
+        env = {**os.environ, "OJS_E2E_CONFIG": json.dumps(config), "PYTHONPATH": str(ROOT)}
+        self.log_path = tmp / f"beat-{unique('')}.log"
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.e2eapp:app", "beat", "--loglevel",
+             "INFO", "--schedule", str(tmp / f"beat-{unique('')}"), "--pidfile", ""],
+            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(5)
+        self._log.close()
 
 
 @contextmanager

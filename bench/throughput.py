@@ -1,0 +1,410 @@
+"""Hand-run throughput benchmark: OJS tasks and enqueue vs plain Celery, on Redis.
+
+    .venv/bin/python bench/throughput.py              # the benchmark (about a minute)
+    .venv/bin/python bench/throughput.py --profile    # then cProfile the OJS paths
+
+Not part of the test suite. Needs Redis at ``--redis`` (default redis://127.0.0.1:6379/0), used
+as broker and as OJS job store (unique key prefix); every key it creates is removed at the end.
+
+What is measured
+----------------
+Worker throughput: N no-op tasks through ONE ``celery worker`` subprocess (prefork,
+concurrency 2, ``--without-gossip --without-mingle --without-heartbeat``, loglevel WARNING),
+for (a) a plain Celery task and (b) an ``OJSTask`` with the Redis job store. Both tasks are
+``ignore_result`` with no result backend, and each trial has its own queue. The queue is
+pre-loaded with all N messages *before* the worker starts, so worker boot time is not measured.
+The clock runs from the first ``task_prerun`` to the last ``task_postrun`` in the pool children
+(wall-clock stamps written to local files, see ``benchapp.py``). Those signals bracket the whole
+task call, so every OJS store round trip and event emission is inside the window; what is
+outside is only the first message's fetch and the last message's ack, one task's worth each,
+the same for both. Rate = N / window.
+
+Enqueue rate: ``ojs_celery.enqueue(envelope)`` vs ``app.send_task(name, args)``, N each, from
+this process, same broker, same queue (nobody consumes it; it is purged after each trial),
+after a short warm-up. OJS event publishing happens on a background thread; its GIL time
+during the loop counts, what is still buffered when the loop ends does not.
+
+Noise: trials alternate (plain/OJS, then OJS/plain) ``--rounds`` times and the best rate of each
+kind is kept. The machine, Redis and the worker's main process are shared by both kinds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pathlib
+import pstats
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+BENCH_DIR = pathlib.Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+
+from benchapp import make_app  # noqa: E402
+
+import ojs_celery  # noqa: E402
+from ojs_celery.runtime import get_runtime  # noqa: E402
+
+WORKER_TARGET = 0.75
+ENQUEUE_TARGET = 0.6
+WORKER_TIMEOUT = 90.0
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:10]}"
+
+
+# ---------------------------------------------------------------------------------- bookkeeping
+
+
+class Keys:
+    """Everything this run creates in Redis, so that it can all be removed."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.queues: list[str] = []
+        self.exchanges: list[str] = []
+        self.hostnames: list[str] = []
+        self.store_prefixes: list[str] = []
+
+    def purge_queue(self, queue: str) -> None:
+        """Delete the queue's lists (kombu keeps one per priority step: ``queue`` and
+        ``queue\\x06\\x16N``)."""
+        keys = list(self.client.scan_iter(match=_glob(queue) + "*", count=1000))
+        if keys:
+            self.client.unlink(*keys)
+
+    def cleanup(self) -> None:
+        client = self.client
+        for queue in self.queues:
+            self.purge_queue(queue)
+            client.unlink(f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+        for exchange in self.exchanges:
+            client.unlink(f"_kombu.binding.{exchange}")
+        # Messages a stopped worker had not acked (only after an aborted trial).
+        mine = tuple(self.queues)
+        if mine:
+            for tag, raw in client.hscan_iter("unacked"):
+                try:
+                    routing_key = json.loads(raw)[2]
+                except (ValueError, IndexError, TypeError):
+                    continue
+                if routing_key in mine:
+                    client.hdel("unacked", tag)
+                    client.zrem("unacked_index", tag)
+        # The workers' remote-control (pidbox) bindings and reply queues.
+        for key in ("_kombu.binding.celery.pidbox", "_kombu.binding.reply.celery.pidbox"):
+            for member in client.smembers(key):
+                text = member.decode(errors="replace")
+                if any(host in text for host in self.hostnames):
+                    client.srem(key, member)
+        for host in self.hostnames:
+            for key in client.scan_iter(match=_glob(host) + "*", count=1000):
+                client.unlink(key)
+        for prefix in self.store_prefixes:
+            for key in client.scan_iter(match=_glob(prefix) + ":*", count=1000):
+                client.unlink(key)
+
+
+def _glob(text: str) -> str:
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
+
+def make_config(redis_url: str, queue: str, exchange: str, store_prefix: str) -> dict[str, Any]:
+    return {
+        "broker_url": redis_url,
+        "queue": queue,
+        "event_exchange": exchange,
+        "ojs": {"store_url": redis_url, "store_prefix": store_prefix},
+    }
+
+
+# ---------------------------------------------------------------------------------- worker
+
+
+@dataclass
+class WorkerTrial:
+    kind: str
+    n: int
+    window: float
+    child_ms: float  # mean time per task inside the pool child (prerun to postrun)
+    states: dict[str, int]
+    store_ok: int | None = None  # OJS only: jobs the store shows as completed
+
+    @property
+    def rate(self) -> float:
+        return self.n / self.window
+
+
+def publish_all(app: Any, kind: str, n: int) -> list[str]:
+    ids: list[str] = []
+    if kind == "plain":
+        for _ in range(n):
+            ids.append(app.send_task("bench.plain", args=[]).id)
+    else:
+        for _ in range(n):
+            ids.append(ojs_celery.enqueue({"type": "bench.ojs", "args": []}, app=app).id)
+        get_runtime(app).bus.flush()
+    return ids
+
+
+@contextmanager
+def worker_process(config: dict[str, Any], hostname: str, log: pathlib.Path,
+                   extra_env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    env = {**os.environ, "OJS_BENCH_CONFIG": json.dumps(config),
+           "PYTHONPATH": os.pathsep.join([str(BENCH_DIR), str(ROOT)]), **extra_env}
+    command = [
+        sys.executable, "-m", "celery", "-A", "benchapp:app", "worker",
+        "--pool", "prefork", "--concurrency", "2", "--loglevel", "WARNING",
+        "--queues", config["queue"], "--hostname", hostname,
+        "--without-gossip", "--without-mingle", "--without-heartbeat",
+    ]
+    with open(log, "ab") as out:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait(5)
+
+
+def read_stamps(directory: pathlib.Path) -> tuple[dict[str, float], dict[str, tuple[float, str]]]:
+    starts: dict[str, float] = {}
+    ends: dict[str, tuple[float, str]] = {}
+    for path in directory.glob("stamps-*.txt"):
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[0] == "S":
+                starts[parts[1]] = float(parts[2])
+            elif len(parts) >= 4 and parts[0] == "E":
+                ends[parts[1]] = (float(parts[2]), parts[3])
+    return starts, ends
+
+
+def count_ends(directory: pathlib.Path) -> int:
+    total = 0
+    for path in directory.glob("stamps-*.txt"):
+        total += sum(line.startswith(b"E ") for line in path.read_bytes().split(b"\n"))
+    return total
+
+
+def worker_trial(kind: str, n: int, redis_url: str, keys: Keys, tmp: pathlib.Path,
+                 store_prefix: str, exchange: str,
+                 extra_env: dict[str, str] | None = None) -> WorkerTrial:
+    queue = unique(f"bench_{kind}_")
+    keys.queues.append(queue)
+    hostname = unique("benchw") + "@bench"
+    keys.hostnames.append(hostname)
+    config = make_config(redis_url, queue, exchange, store_prefix)
+    app = make_app(config)
+    try:
+        ids = publish_all(app, kind, n)
+        stamps = tmp / queue
+        stamps.mkdir()
+        log = tmp / f"{queue}.log"
+        env = {"OJS_BENCH_STAMPS": str(stamps), **(extra_env or {})}
+        with worker_process(config, hostname, log, env) as process:
+            deadline = time.monotonic() + WORKER_TIMEOUT
+            while count_ends(stamps) < n:
+                if process.poll() is not None:
+                    raise RuntimeError(f"worker exited early:\n{log.read_text()[-3000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"worker did not finish {n} tasks in {WORKER_TIMEOUT}s:\n"
+                                       f"{log.read_text()[-3000:]}")
+                time.sleep(0.2)
+        starts, ends = read_stamps(stamps)
+        window = max(t for t, _ in ends.values()) - min(starts.values())
+        per_task = [ends[i][0] - starts[i] for i in ends if i in starts]
+        states: dict[str, int] = {}
+        for _, state in ends.values():
+            states[state] = states.get(state, 0) + 1
+        trial = WorkerTrial(kind, len(ends), window, statistics.fmean(per_task) * 1000, states)
+        if kind == "ojs":
+            trial.store_ok = completed_in_store(app, ids)
+        keys.purge_queue(queue)
+        return trial
+    finally:
+        runtime = get_runtime(app)
+        runtime.bus.flush()
+        runtime.close()
+        app.close()
+
+
+def completed_in_store(app: Any, ids: list[str]) -> int:
+    store = get_runtime(app).store
+    client = store.client  # type: ignore[attr-defined]
+    pipe = client.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hget(store._job_prefix + job_id, "state")  # type: ignore[attr-defined]
+    return sum(1 for state in pipe.execute() if state == "completed")
+
+
+# ---------------------------------------------------------------------------------- enqueue
+
+
+def enqueue_calls(app: Any) -> dict[str, Callable[[], Any]]:
+    return {
+        "plain": lambda: app.send_task("bench.plain", args=[]),
+        "ojs": lambda: ojs_celery.enqueue({"type": "bench.ojs", "args": []}, app=app),
+    }
+
+
+def enqueue_trial(app: Any, kind: str, n: int, keys: Keys, queue: str) -> float:
+    call = enqueue_calls(app)[kind]
+    for _ in range(20):  # warm-up: connections, Lua script load, cached broker driver
+        call()
+    get_runtime(app).bus.flush()
+    start = time.perf_counter()
+    for _ in range(n):
+        call()
+    elapsed = time.perf_counter() - start
+    get_runtime(app).bus.flush()
+    keys.purge_queue(queue)
+    return n / elapsed
+
+
+# ---------------------------------------------------------------------------------- profiling
+
+
+def print_stats(stats: pstats.Stats, title: str, limit: int) -> None:
+    for order in ("tottime", "cumulative"):
+        out = io.StringIO()
+        stats.stream = out  # type: ignore[attr-defined]
+        stats.sort_stats(order).print_stats(limit)
+        text = out.getvalue()
+        start = text.find("   ncalls")
+        print(f"\n--- {title}, by {order} ---")
+        print(text[start:] if start >= 0 else text)
+
+
+def profile_enqueue(app: Any, n: int) -> None:
+    call = enqueue_calls(app)["ojs"]
+    for _ in range(20):
+        call()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(n):
+        call()
+    profile.disable()
+    get_runtime(app).bus.flush()
+    print_stats(pstats.Stats(profile), f"cProfile: {n} x ojs_celery.enqueue (this process)", 30)
+
+
+def profile_worker(n: int, redis_url: str, keys: Keys, tmp: pathlib.Path, store_prefix: str,
+                   exchange: str) -> None:
+    folder = tmp / "profiles"
+    folder.mkdir()
+    trial = worker_trial("ojs", n, redis_url, keys, tmp, store_prefix, exchange,
+                         {"OJS_BENCH_PROFILE": str(folder)})
+    dumps = sorted(str(p) for p in folder.glob("child-*.prof"))
+    if not dumps:
+        print("\n(no child profiles written)")
+        return
+    print(f"\n(profiled OJS worker trial: {trial.rate:.0f} tasks/s under cProfile, "
+          f"{len(dumps)} children)")
+    print_stats(pstats.Stats(*dumps), f"cProfile: pool children running {n} OJS tasks", 35)
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("-n", type=int, default=2000, help="tasks / messages per trial")
+    parser.add_argument("--rounds", type=int, default=2, help="trials per kind (best is kept)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the benchmark, cProfile the OJS enqueue loop and workers")
+    options = parser.parse_args()
+    n = options.n
+
+    client = redis.Redis.from_url(options.redis)
+    client.ping()
+    keys = Keys(client)
+    run = uuid.uuid4().hex[:8]
+    store_prefix = f"bench_{run}"
+    exchange = f"benchev_{run}"
+    keys.store_prefixes.append(store_prefix)
+    keys.exchanges.append(exchange)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="ojs-bench-"))
+    began = time.monotonic()
+    worker: dict[str, list[WorkerTrial]] = {"plain": [], "ojs": []}
+    enqueue: dict[str, list[float]] = {"plain": [], "ojs": []}
+    try:
+        for round_ in range(options.rounds):
+            for kind in ("plain", "ojs") if round_ % 2 == 0 else ("ojs", "plain"):
+                trial = worker_trial(kind, n, options.redis, keys, tmp, store_prefix, exchange)
+                worker[kind].append(trial)
+                extra = f", store completed {trial.store_ok}/{n}" if kind == "ojs" else ""
+                print(f"worker  {kind:5} round {round_ + 1}: {trial.rate:7.0f} tasks/s "
+                      f"({trial.n} in {trial.window:.2f}s, {trial.child_ms:.2f} ms/task in "
+                      f"child, states {trial.states}{extra})", flush=True)
+
+        queue = unique("bench_enq_")
+        keys.queues.append(queue)
+        app = make_app(make_config(options.redis, queue, exchange, store_prefix))
+        try:
+            for round_ in range(options.rounds):
+                for kind in ("plain", "ojs") if round_ % 2 == 0 else ("ojs", "plain"):
+                    rate = enqueue_trial(app, kind, n, keys, queue)
+                    enqueue[kind].append(rate)
+                    print(f"enqueue {kind:5} round {round_ + 1}: {rate:7.0f} msgs/s", flush=True)
+            if options.profile:
+                profile_enqueue(app, n)
+        finally:
+            get_runtime(app).close()
+            app.close()
+        if options.profile:
+            profile_worker(n, options.redis, keys, tmp, store_prefix, exchange)
+    finally:
+        keys.cleanup()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    report(n, worker, enqueue, time.monotonic() - began)
+    return 0
+
+
+def report(n: int, worker: dict[str, list[WorkerTrial]], enqueue: dict[str, list[float]],
+           took: float) -> None:
+    rows = [
+        ("worker (tasks/s)", max(t.rate for t in worker["plain"]),
+         max(t.rate for t in worker["ojs"]), WORKER_TARGET),
+        ("enqueue (msgs/s)", max(enqueue["plain"]), max(enqueue["ojs"]), ENQUEUE_TARGET),
+    ]
+    print(f"\nBest of {len(enqueue['plain'])}, {n} per trial, Redis broker + Redis job store "
+          f"({took:.0f}s in all)")
+    print(f"{'':18} {'plain':>9} {'OJS':>9} {'OJS/plain':>10} {'target':>8}  ")
+    for name, plain, ojs, target in rows:
+        ratio = ojs / plain
+        verdict = "ok" if ratio >= target else "MISSED"
+        print(f"{name:18} {plain:9.0f} {ojs:9.0f} {ratio:10.2f} {'>= ' + str(target):>8}  "
+              f"{verdict}")
+    plain_ms = min(t.child_ms for t in worker["plain"])
+    ojs_ms = min(t.child_ms for t in worker["ojs"])
+    print(f"time per task inside a pool child: plain {plain_ms:.2f} ms, OJS {ojs_ms:.2f} ms")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

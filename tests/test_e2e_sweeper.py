@@ -1,0 +1,119 @@
+"""Server-side enforcement end to end: real workers and a real ``celery beat`` scheduling the
+sweep every 0.5 s, on Redis and RabbitMQ. Bounds are deadline + interval + generous slack."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from ojs_celery import enqueue
+from ojs_celery.envelope import format_timestamp, from_epoch
+from tests.conftest import Env, start_env
+from tests.workers import Beat, Worker, unique, wait_for
+
+INTERVAL = 0.5
+SLACK = 3.0
+
+
+@pytest.fixture(scope="module", params=["redis", "amqp"])
+def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp(f"sweep-{request.param}")
+    sweep_queue = unique("sweep")
+    overrides = {"ojs": {"sweep_interval": INTERVAL, "sweep_queue": sweep_queue,
+                         "schedule_horizon": 1.0}}
+    for env in start_env(request.param, tmp, concurrency=3, config=overrides):
+        env.config["worker_queues"] = [env.config["queue"], sweep_queue]
+        env.worker.stop()  # restart it on the sweep queue too
+        env.worker = Worker(env.config, tmp / "worker2.log", concurrency=3)
+        env.worker.wait_ready()
+        beat = Beat(env.config, tmp)
+        try:
+            yield env
+        finally:
+            beat.stop()
+
+
+def elapsed_since_created(env: Env, job_id: str) -> float:
+    job = env.job(job_id)
+    assert job.created_at is not None and job.completed_at is not None
+    return job.completed_at.timestamp() - job.created_at.timestamp()
+
+
+def test_enqueue_ttl_on_a_queue_no_worker_consumes(env: Env, tmp_path: pathlib.Path) -> None:
+    lonely = unique("lonely")
+    job = enqueue({"type": "e2e.add", "args": [1, 2], "queue": lonely, "enqueue_ttl": 1},
+                  app=env.app)
+    done = env.wait_state(job.id, "discarded", timeout=1 + INTERVAL + SLACK + 2)
+    assert done.error is not None and done.error["type"] == "enqueue_ttl_expired"
+    assert done.error["timeout_kind"] == "enqueue_ttl" and done.error["limit_seconds"] == 1
+    assert elapsed_since_created(env, job.id) <= 1 + INTERVAL + SLACK
+    env.wait_events(job.id, lambda t: "job.ttl_expired" in t)
+
+    late = Worker({**env.config, "worker_queues": [lonely]}, tmp_path / "late.log")
+    try:
+        late.wait_ready()
+        wait_for(lambda: any(job.id in line for line in env.lines("received")), 15,
+                 "the late worker to receive the message")
+        wait_for(lambda: f"job {job.id} not started (terminal)" in late.log(), 10,
+                 "the message to be dropped")
+    finally:
+        late.stop()
+    assert not [line for line in env.lines("runs") if job.id in line]
+    assert env.job(job.id).state == "discarded"
+
+
+def test_total_timeout_holds_across_attempts_and_backoffs(env: Env) -> None:
+    job = enqueue({"type": "e2e.fail_until", "args": [99], "timeout": 1, "total_timeout": 3,
+                   "retry": {"max_attempts": 50, "initial_interval": "PT0.3S",
+                             "backoff_coefficient": 1.0, "jitter": False}}, app=env.app)
+    done = env.wait_state(job.id, "discarded", timeout=3 + INTERVAL + SLACK + 2)
+    assert done.error is not None and done.error["type"] == "total_timeout"
+    assert done.error["timeout_kind"] == "total"
+    assert 1 < done.attempt < 50  # total_timeout took precedence over max_attempts
+    assert elapsed_since_created(env, job.id) <= 3 + INTERVAL + SLACK
+    env.wait_events(job.id, lambda t: "job.total_timeout" in t and "job.discarded" in t)
+
+
+def test_scheduled_job_beyond_the_horizon_is_published_when_due(env: Env) -> None:
+    due = time.time() + 3
+    job = enqueue({"type": "e2e.add", "args": [2, 2], "scheduled_at":
+                   format_timestamp(from_epoch(due))}, app=env.app)
+    assert job.state == "scheduled"
+    done = env.wait_state(job.id, "completed", timeout=3 + INTERVAL + SLACK + 2)
+    assert done.started_at is not None
+    assert due <= done.started_at.timestamp() <= due + INTERVAL + SLACK
+    assert done.result == 4
+
+
+@pytest.mark.parametrize("pool", ["solo", "threads"])
+def test_execution_timeout_on_pools_without_time_limits(
+    env: Env, pool: str, tmp_path: pathlib.Path
+) -> None:
+    queue = unique("stuck")
+    config = {**env.config, "worker_queues": [queue]}
+    workers = ([Worker(config, tmp_path / f"{pool}{i}.log", pool="solo") for i in range(2)]
+               if pool == "solo" else [Worker(config, tmp_path / "threads.log", pool="threads")])
+    try:
+        for worker in workers:
+            worker.wait_ready()
+        job = enqueue({"type": "e2e.stuck_first", "args": [6], "queue": queue, "timeout": 1,
+                       "grace_period": 0, "retry": {"max_attempts": 2,
+                                                    "initial_interval": "PT0.1S"}},
+                      app=env.app)
+        done = env.wait_state(job.id, "completed", timeout=1 + 1.5 + INTERVAL + SLACK + 3)
+        assert done.attempt == 2 and done.result == "ok on 2"
+        assert done.errors[0]["type"] == "timeout"
+        assert done.errors[0]["timeout_kind"] == "execution"
+        env.wait_events(job.id, lambda t: "job.timeout" in t)
+        wait_for(lambda: any(job.id in line for line in env.lines("finished")), 15,
+                 "the stuck attempt to finish")
+        wait_for(lambda: any(f"outcome of job {job.id} attempt 1 rejected" in w.log()
+                             for w in workers), 10, "its late result to be rejected")
+        final = env.job(job.id)
+        assert final.state == "completed" and final.result == "ok on 2" and final.attempt == 2
+    finally:
+        for worker in workers:
+            worker.stop()
