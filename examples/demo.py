@@ -61,8 +61,7 @@ def main() -> int:
     base = pathlib.Path(tempfile.mkdtemp(prefix="ojs-demo-"))
     os.environ["OJS_DEMO_DIR"] = str(base)
     sys.path.insert(0, str(ROOT))
-    from examples.demo_app import app  # noqa: PLC0415 - needs OJS_DEMO_DIR first
-
+    from examples.demo_app import app
     from ojs_celery import enqueue, get_job
     from ojs_celery.events import listen
 
@@ -78,7 +77,8 @@ def main() -> int:
     print(f"ojs_celery demo (filesystem broker, SQLite store in {base})\n", flush=True)
     worker = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "examples.demo_app", "worker", "--pool",
-         "prefork", "--concurrency", "3", "--loglevel", os.environ.get("OJS_DEMO_LOGLEVEL", "WARNING"), "--without-gossip",
+         "prefork", "--concurrency", "3", "--without-gossip",
+         "--loglevel", os.environ.get("OJS_DEMO_LOGLEVEL", "WARNING"),
          "--without-mingle", "--hostname", "demo@%h"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )

@@ -42,7 +42,7 @@ def enqueue_batch(
 ) -> list[Job]:
     """Validate every envelope first (all or nothing), then store and publish each."""
     runtime = get_runtime(app)
-    jobs = parse_batch(envelopes)  # type: ignore[arg-type]
+    jobs = parse_batch(envelopes)
     for job in jobs:
         runtime.task_name_for(job.type)
     return [enqueue_job(runtime, job) for job in jobs]

@@ -37,7 +37,7 @@ def load_app(name: str | None) -> Celery:
         sys.path.insert(0, os.getcwd())
     try:
         app = find_app(name)
-    except Exception as exc:  # noqa: BLE001 - any import error is a usage error here
+    except Exception as exc:
         raise click.BadParameter(f"cannot load app {name!r}: {exc}", param_hint="-A/--app") from exc
     if not isinstance(app, Celery):
         raise click.BadParameter(f"{name!r} is not a Celery app", param_hint="-A/--app")

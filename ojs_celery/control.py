@@ -26,7 +26,7 @@ def _token_of(request: Any) -> int | None:
     return None
 
 
-@control_command(  # type: ignore[misc]
+@control_command(  # type: ignore[untyped-decorator]
     args=[("job_id", str), ("token", int)],
     signature="<job_id> <token>",
 )

@@ -22,22 +22,22 @@ from kombu.utils.json import dumps
 SCHEME = "ojsfs"
 
 
-class Channel(filesystem.Channel):  # type: ignore[misc]
+class Channel(filesystem.Channel):
     """Filesystem channel whose writes are atomic (temp file + rename)."""
 
-    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
-        name = f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
+    def _put(self, queue: Any, payload: Any, **kwargs: Any) -> None:
+        name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         final = os.path.join(self.data_folder_out, name)
         temporary = os.path.join(self.data_folder_out, f".{name}.tmp")
         try:
             with open(temporary, "wb") as handle:
-                handle.write(str_to_bytes(dumps(payload)))
+                handle.write(str_to_bytes(dumps(payload)))  # type: ignore[no-untyped-call]
             os.replace(temporary, final)
         except OSError as exc:
             raise ChannelError(f"Cannot add file {final!r} to directory") from exc
 
 
-class Transport(filesystem.Transport):  # type: ignore[misc]
+class Transport(filesystem.Transport):
     Channel = Channel
 
 

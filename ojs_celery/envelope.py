@@ -64,7 +64,14 @@ SYSTEM_FIELDS = frozenset(
 )
 
 State = Literal[
-    "scheduled", "available", "pending", "active", "completed", "retryable", "cancelled", "discarded"
+    "scheduled",
+    "available",
+    "pending",
+    "active",
+    "completed",
+    "retryable",
+    "cancelled",
+    "discarded",
 ]
 
 
@@ -97,7 +104,10 @@ def format_timestamp(value: datetime) -> str:
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in an ISO 8601 duration (``PT1S``, ``PT5M``, ``P1DT2H``); years 365 d, months 30 d."""
+    """Seconds in an ISO 8601 duration (``PT1S``, ``PT5M``, ``P1DT2H``).
+
+    Years count 365 days and months 30.
+    """
     match = _DURATION.match(text)
     if match is None:
         raise ValueError(f"must be an ISO 8601 duration such as PT1S or PT5M, got {text!r}")
@@ -299,7 +309,9 @@ def _json_value_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
 def _violations(error: ValidationError) -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
     for item in error.errors():
-        loc = tuple(p for p in item["loc"] if not str(p).startswith(("function-", "json-or-python")))
+        loc = tuple(
+            p for p in item["loc"] if not str(p).startswith(("function-", "json-or-python"))
+        )
         if item["type"] == "invalid-json-value":
             loc = _json_value_loc(loc)
         message = item["msg"].removeprefix("Value error, ")

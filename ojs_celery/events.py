@@ -110,7 +110,7 @@ class EventBus:
                         )
                     dispatcher.send(BUS_EVENT_TYPE, ojs_events=batch, retry=True,
                                     retry_policy={"max_retries": 3})
-                except Exception as exc:  # noqa: BLE001 - the bus is best-effort
+                except Exception as exc:
                     logger.warning("ojs_celery: could not publish %d event(s): %r",
                                    len(batch), exc)
                     if connection is not None:
@@ -160,8 +160,8 @@ def listen(
 
         receiver = app.events.Receiver(connection, handlers={BUS_EVENT_TYPE: on_event})
         if ready is not None:
-            receiver.on_consume_ready = lambda *_a, **_k: ready.set()  # type: ignore[method-assign]
+            receiver.on_consume_ready = lambda *_a, **_k: ready.set()
         try:
             receiver.capture(limit=limit, timeout=timeout, wakeup=False)
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             return

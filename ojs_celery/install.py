@@ -73,7 +73,7 @@ def _add_sweeper(app: Celery, runtime: Runtime) -> None:
     interval so that a backlog of sweeps never piles up)."""
     settings = runtime.settings
 
-    @app.task(name=SWEEP_TASK, ignore_result=True, shared=False)
+    @app.task(name=SWEEP_TASK, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
     def ojs_sweep() -> dict[str, Any]:
         report = sweep(get_runtime(app))
         return {"applied": dict(report.applied), "published": report.published,
@@ -104,7 +104,7 @@ def _watch_sweeps(runtime: Runtime) -> None:
         while True:
             try:
                 last = last_sweep(runtime)
-            except Exception:  # noqa: BLE001 - a store outage is reported elsewhere
+            except Exception:
                 last = None
             now = time.time()
             if (last is None or now - last > stale_after) and now - warned > 60:

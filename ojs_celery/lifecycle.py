@@ -109,7 +109,7 @@ class Publish:
 
 @dataclass
 class Transition:
-    """The result of applying a rule: ``record`` is None when nothing may change (see ``reason``)."""
+    """The result of applying a rule; ``record`` is None when nothing may change (``reason``)."""
 
     record: Record | None
     reason: str = "ok"
@@ -340,7 +340,8 @@ def start(record: Record, token: int, worker_id: str, now: float, policy: Policy
     new.extended_at = now
     new.dispatch_due = None
     new.promote_at = None
-    return Transition(new, events=[("job.started", _base(j, worker_id=worker_id, attempt=j.attempt))])
+    started = _base(j, worker_id=worker_id, attempt=j.attempt)
+    return Transition(new, events=[("job.started", started)])
 
 
 def _owns(record: Record, attempt: int, worker_id: str) -> str | None:

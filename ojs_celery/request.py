@@ -94,9 +94,7 @@ class OJSRequest(Request):  # type: ignore[misc]
 
     def _ojs_limit(self) -> int:
         hard, soft = self.time_limits
-        if soft:
-            return int(round(soft))
-        return int(round(hard or 0))
+        return round(soft or hard or 0)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         if soft or self._ojs_token() is None:

@@ -64,7 +64,9 @@ class Runtime:
         if mapped is not None:
             return mapped
         for name, task in self.app.tasks.items():
-            if getattr(task, "__ojs_task__", False) and (getattr(task, "ojs_type", None) or name) == ojs_type:
+            if not getattr(task, "__ojs_task__", False):
+                continue
+            if (getattr(task, "ojs_type", None) or name) == ojs_type:
                 return str(name)
         raise UnknownType(
             f"type: {ojs_type!r} is not an OJS task (register it with "

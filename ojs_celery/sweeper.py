@@ -150,7 +150,7 @@ def terminate_attempt(runtime: Runtime, job_id: str, token: int) -> None:
         runtime.app.control.broadcast(
             TERMINATE_COMMAND, arguments={"job_id": job_id, "token": token}, reply=False
         )
-    except Exception as exc:  # noqa: BLE001 - best effort: a late outcome is rejected anyway
+    except Exception as exc:
         logger.warning("ojs_celery: could not ask workers to stop job %s: %r", job_id, exc)
 
 

@@ -25,7 +25,7 @@ from celery.result import AsyncResult
 
 from . import lifecycle
 from .context import JobContext, _current, maybe_current_job
-from .envelope import Job, JsonValue, parse_envelope
+from .envelope import JsonValue, parse_envelope
 from .identity import current_worker_id
 from .lifecycle import Record, Transition
 from .producer import BrokerUnavailable, enqueue_job, ojs_queue_of, publish, scheduled_at_from
@@ -65,7 +65,7 @@ def error_from_exception(exc: BaseException) -> dict[str, JsonValue]:
     """The OJS error object: ``type`` is the class name unless the handler chose one."""
     type_ = exc.type if isinstance(exc, JobError) else type(exc).__name__
     frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
-    backtrace: list[JsonValue] = [line.rstrip("\n") for line in frames][-50:]
+    backtrace: list[JsonValue] = [line.rstrip("\n") for line in frames[-50:]]
     return lifecycle.make_error(type_, str(exc) or type(exc).__name__, backtrace=backtrace)
 
 

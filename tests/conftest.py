@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,7 @@ class Env:
         return lines(self.config["dir"], name)
 
 
+@contextmanager
 def start_env(kind: str, tmp: pathlib.Path, **worker_options: Any) -> Iterator[Env]:
     config = broker_config(kind, tmp)
     for key, value in worker_options.pop("config", {}).items():
@@ -112,7 +114,7 @@ def start_env(kind: str, tmp: pathlib.Path, **worker_options: Any) -> Iterator[E
         yield Env(kind, config, app, worker, events)
     finally:
         worker.stop()
-        store = app._ojs_runtime.store  # noqa: SLF001 - test cleanup
+        store = app._ojs_runtime.store
         store.clear()
         drop = getattr(store, "drop_tables", None)
         if drop is not None:
@@ -123,4 +125,5 @@ def start_env(kind: str, tmp: pathlib.Path, **worker_options: Any) -> Iterator[E
 def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """A prefork worker (concurrency 3) on each broker, shared by a module's tests."""
     tmp = tmp_path_factory.mktemp(f"e2e-{request.param}")
-    yield from start_env(request.param, tmp, concurrency=3)
+    with start_env(request.param, tmp, concurrency=3) as started:
+        yield started

@@ -20,7 +20,8 @@ CLI = str(pathlib.Path(sys.executable).parent / "ojs-celery")
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    yield from start_env("filesystem", tmp_path_factory.mktemp("cli"), concurrency=2)
+    with start_env("filesystem", tmp_path_factory.mktemp("cli"), concurrency=2) as started:
+        yield started
 
 
 def run(env: Env, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:

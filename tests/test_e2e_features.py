@@ -20,7 +20,8 @@ from tests.workers import Worker, filesystem_config, wait_for
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    yield from start_env("redis", tmp_path_factory.mktemp("features"), concurrency=3)
+    with start_env("redis", tmp_path_factory.mktemp("features"), concurrency=3) as started:
+        yield started
 
 
 def test_delay_on_an_ojs_task_produces_an_envelope(env: Env) -> None:

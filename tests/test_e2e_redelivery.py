@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pathlib
 
-from ojs_celery import enqueue
 from tests.conftest import start_env
 from tests.workers import wait_for
 
@@ -12,8 +11,8 @@ from tests.workers import wait_for
 def test_redis_redelivery_of_a_running_task_is_dropped(tmp_path: pathlib.Path) -> None:
     options = {"visibility_timeout": 2, "unacked_restore_interval": 1,
                "unacked_restore_throttle": 1}
-    for env in start_env("redis", tmp_path, concurrency=2,
-                         config={"broker_transport_options": options}):
+    with start_env("redis", tmp_path, concurrency=2,
+                   config={"broker_transport_options": options}) as env:
         callback = env.app.tasks["e2e.callback"].s(tag="redelivered")
         result = env.app.tasks["e2e.sleep"].apply_async(args=[7.0, "done"], link=callback)
 

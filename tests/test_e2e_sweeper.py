@@ -24,7 +24,7 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     sweep_queue = unique("sweep")
     overrides = {"ojs": {"sweep_interval": INTERVAL, "sweep_queue": sweep_queue,
                          "schedule_horizon": 1.0}}
-    for env in start_env(request.param, tmp, concurrency=3, config=overrides):
+    with start_env(request.param, tmp, concurrency=3, config=overrides) as env:
         env.config["worker_queues"] = [env.config["queue"], sweep_queue]
         env.worker.stop()  # restart it on the sweep queue too
         env.worker = Worker(env.config, tmp / "worker2.log", concurrency=3)

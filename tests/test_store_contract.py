@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.services import postgres_url, redis_url
 
 from ojs_celery import lifecycle
 from ojs_celery.envelope import Job, format_timestamp, from_epoch
 from ojs_celery.lifecycle import Policy, Publish, Record, Transition
 from ojs_celery.store import DuplicateJob, JobStore, StoreError, WorkerInfo, open_store
+from tests.services import postgres_url, redis_url
 
 T0 = 1_700_000_000.0
 POLICY = Policy(

@@ -214,7 +214,7 @@ def test_concurrent_sweeper_processes_never_double_apply(app: Celery) -> None:
     for i in range(count):
         runtime.store.create(
             parse_envelope({"type": "e2e.add", "args": [i, 1], "enqueue_ttl": 1}), now=created)
-    config = app._ojs_e2e_config  # noqa: SLF001
+    config = app._ojs_e2e_config
     context = multiprocessing.get_context("fork")
     results = context.Queue()
     processes = [context.Process(target=_sweep_in_process, args=(config, created + 2, results))

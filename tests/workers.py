@@ -78,7 +78,8 @@ class Worker:
         command = [
             sys.executable, "-m", "celery", "-A", "tests.e2eapp:app", "worker",
             "--pool", pool, "--concurrency", str(concurrency), "--loglevel", "INFO",
-            "--queues", ",".join(config.get("worker_queues") or [config["queue"]]), "--hostname", f"{unique('w')}@%h",
+            "--queues", ",".join(config.get("worker_queues") or [config["queue"]]),
+            "--hostname", f"{unique('w')}@%h",
             "--without-gossip", "--without-mingle", *(extra or []),
         ]
         self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
