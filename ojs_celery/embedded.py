@@ -25,7 +25,7 @@ SCHEME = "ojsfs"
 class Channel(filesystem.Channel):
     """Filesystem channel whose writes are atomic (temp file + rename)."""
 
-    def _put(self, queue: Any, payload: Any, **kwargs: Any) -> None:
+    def _put(self, queue: Any, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         final = os.path.join(self.data_folder_out, name)
         temporary = os.path.join(self.data_folder_out, f".{name}.tmp")
