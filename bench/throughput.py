@@ -126,12 +126,13 @@ def _glob(text: str) -> str:
     return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
 
 
-def make_config(redis_url: str, queue: str, exchange: str, store_prefix: str) -> dict[str, Any]:
+def make_config(redis_url: str, queue: str, exchange: str, store_prefix: str,
+                events: bool = True) -> dict[str, Any]:
     return {
         "broker_url": redis_url,
         "queue": queue,
         "event_exchange": exchange,
-        "ojs": {"store_url": redis_url, "store_prefix": store_prefix},
+        "ojs": {"store_url": redis_url, "store_prefix": store_prefix, "events": events},
     }
 
 
@@ -144,6 +145,7 @@ class WorkerTrial:
     n: int
     window: float
     child_ms: float  # mean time per task inside the pool child (prerun to postrun)
+    cpu_ms: float  # CPU (user+sys) of the worker's main process and children, per task
     states: dict[str, int]
     store_ok: int | None = None  # OJS only: jobs the store shows as completed
 
@@ -152,9 +154,13 @@ class WorkerTrial:
         return self.n / self.window
 
 
+def is_ojs(kind: str) -> bool:
+    return kind.startswith("ojs")
+
+
 def publish_all(app: Any, kind: str, n: int) -> list[str]:
     ids: list[str] = []
-    if kind == "plain":
+    if not is_ojs(kind):
         for _ in range(n):
             ids.append(app.send_task("bench.plain", args=[]).id)
     else:
@@ -210,14 +216,32 @@ def count_ends(directory: pathlib.Path) -> int:
     return total
 
 
+def tree_cpu(root: int) -> float:
+    """CPU seconds (user + system) used so far by ``root`` and its children (Linux /proc)."""
+    ticks = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as handle:
+                fields = handle.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(entry.name) == root or int(fields[1]) == root:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def worker_trial(kind: str, n: int, redis_url: str, keys: Keys, tmp: pathlib.Path,
                  store_prefix: str, exchange: str,
                  extra_env: dict[str, str] | None = None) -> WorkerTrial:
-    queue = unique(f"bench_{kind}_")
+    """kind: ``plain``, ``ojs``, or ``ojs-noevents`` (OJS with ``events: False``, diagnostic)."""
+    queue = unique(f"bench_{kind.replace('-', '_')}_")
     keys.queues.append(queue)
     hostname = unique("benchw") + "@bench"
     keys.hostnames.append(hostname)
-    config = make_config(redis_url, queue, exchange, store_prefix)
+    config = make_config(redis_url, queue, exchange, store_prefix,
+                         events=kind != "ojs-noevents")
     app = make_app(config)
     try:
         ids = publish_all(app, kind, n)
@@ -225,23 +249,32 @@ def worker_trial(kind: str, n: int, redis_url: str, keys: Keys, tmp: pathlib.Pat
         stamps.mkdir()
         log = tmp / f"{queue}.log"
         env = {"OJS_BENCH_STAMPS": str(stamps), **(extra_env or {})}
+        # CPU from the first finished task to the last (boot excluded), per task in between.
+        cpu_from: tuple[int, float] | None = None
         with worker_process(config, hostname, log, env) as process:
             deadline = time.monotonic() + WORKER_TIMEOUT
-            while count_ends(stamps) < n:
+            while (done := count_ends(stamps)) < n:
+                if cpu_from is None and done:
+                    cpu_from = (done, tree_cpu(process.pid))
                 if process.poll() is not None:
                     raise RuntimeError(f"worker exited early:\n{log.read_text()[-3000:]}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"worker did not finish {n} tasks in {WORKER_TIMEOUT}s:\n"
                                        f"{log.read_text()[-3000:]}")
                 time.sleep(0.2)
+            cpu_to = tree_cpu(process.pid)
+        if cpu_from is None:  # everything finished before the first look
+            cpu_from = (0, cpu_to)
+        cpu_ms = (cpu_to - cpu_from[1]) / max(n - cpu_from[0], 1) * 1000
         starts, ends = read_stamps(stamps)
         window = max(t for t, _ in ends.values()) - min(starts.values())
         per_task = [ends[i][0] - starts[i] for i in ends if i in starts]
         states: dict[str, int] = {}
         for _, state in ends.values():
             states[state] = states.get(state, 0) + 1
-        trial = WorkerTrial(kind, len(ends), window, statistics.fmean(per_task) * 1000, states)
-        if kind == "ojs":
+        trial = WorkerTrial(kind, len(ends), window, statistics.fmean(per_task) * 1000, cpu_ms,
+                            states)
+        if is_ojs(kind):
             trial.store_ok = completed_in_store(app, ids)
         keys.purge_queue(queue)
         return trial
@@ -264,15 +297,14 @@ def completed_in_store(app: Any, ids: list[str]) -> int:
 # ---------------------------------------------------------------------------------- enqueue
 
 
-def enqueue_calls(app: Any) -> dict[str, Callable[[], Any]]:
-    return {
-        "plain": lambda: app.send_task("bench.plain", args=[]),
-        "ojs": lambda: ojs_celery.enqueue({"type": "bench.ojs", "args": []}, app=app),
-    }
+def enqueue_call(app: Any, kind: str) -> Callable[[], Any]:
+    if not is_ojs(kind):
+        return lambda: app.send_task("bench.plain", args=[])
+    return lambda: ojs_celery.enqueue({"type": "bench.ojs", "args": []}, app=app)
 
 
 def enqueue_trial(app: Any, kind: str, n: int, keys: Keys, queue: str) -> float:
-    call = enqueue_calls(app)[kind]
+    call = enqueue_call(app, kind)
     for _ in range(20):  # warm-up: connections, Lua script load, cached broker driver
         call()
     get_runtime(app).bus.flush()
@@ -300,7 +332,7 @@ def print_stats(stats: pstats.Stats, title: str, limit: int) -> None:
 
 
 def profile_enqueue(app: Any, n: int) -> None:
-    call = enqueue_calls(app)["ojs"]
+    call = enqueue_call(app, "ojs")
     for _ in range(20):
         call()
     profile = cProfile.Profile()
@@ -314,6 +346,8 @@ def profile_enqueue(app: Any, n: int) -> None:
 
 def profile_worker(n: int, redis_url: str, keys: Keys, tmp: pathlib.Path, store_prefix: str,
                    exchange: str) -> None:
+    """cProfile in each pool child's main thread (not the worker's main process, not the
+    event thread: use py-spy for those)."""
     folder = tmp / "profiles"
     folder.mkdir()
     trial = worker_trial("ojs", n, redis_url, keys, tmp, store_prefix, exchange,
@@ -335,10 +369,13 @@ def main() -> int:
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument("-n", type=int, default=2000, help="tasks / messages per trial")
     parser.add_argument("--rounds", type=int, default=2, help="trials per kind (best is kept)")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="also run OJS with events off (ojs.events = False)")
     parser.add_argument("--profile", action="store_true",
                         help="after the benchmark, cProfile the OJS enqueue loop and workers")
     options = parser.parse_args()
     n = options.n
+    kinds = ["plain", "ojs", *(["ojs-noevents"] if options.diagnose else [])]
 
     client = redis.Redis.from_url(options.redis)
     client.ping()
@@ -350,60 +387,68 @@ def main() -> int:
     keys.exchanges.append(exchange)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="ojs-bench-"))
     began = time.monotonic()
-    worker: dict[str, list[WorkerTrial]] = {"plain": [], "ojs": []}
-    enqueue: dict[str, list[float]] = {"plain": [], "ojs": []}
+    worker: dict[str, list[WorkerTrial]] = {kind: [] for kind in kinds}
+    enqueue: dict[str, list[float]] = {kind: [] for kind in kinds}
+
+    def order(round_: int) -> list[str]:
+        return kinds if round_ % 2 == 0 else kinds[::-1]
+
     try:
         for round_ in range(options.rounds):
-            for kind in ("plain", "ojs") if round_ % 2 == 0 else ("ojs", "plain"):
+            for kind in order(round_):
                 trial = worker_trial(kind, n, options.redis, keys, tmp, store_prefix, exchange)
                 worker[kind].append(trial)
-                extra = f", store completed {trial.store_ok}/{n}" if kind == "ojs" else ""
-                print(f"worker  {kind:5} round {round_ + 1}: {trial.rate:7.0f} tasks/s "
-                      f"({trial.n} in {trial.window:.2f}s, {trial.child_ms:.2f} ms/task in "
-                      f"child, states {trial.states}{extra})", flush=True)
+                extra = f", store: {trial.store_ok} completed" if is_ojs(kind) else ""
+                print(f"worker  {kind:12} round {round_ + 1}: {trial.rate:6.0f} tasks/s "
+                      f"({trial.n} in {trial.window:.2f}s; per task {trial.child_ms:.2f} ms in "
+                      f"child, {trial.cpu_ms:.2f} ms CPU; {trial.states}{extra})", flush=True)
 
         queue = unique("bench_enq_")
         keys.queues.append(queue)
-        app = make_app(make_config(options.redis, queue, exchange, store_prefix))
+        apps = {kind: make_app(make_config(options.redis, queue, exchange, store_prefix,
+                                           events=kind != "ojs-noevents")) for kind in kinds}
         try:
             for round_ in range(options.rounds):
-                for kind in ("plain", "ojs") if round_ % 2 == 0 else ("ojs", "plain"):
-                    rate = enqueue_trial(app, kind, n, keys, queue)
+                for kind in order(round_):
+                    rate = enqueue_trial(apps[kind], kind, n, keys, queue)
                     enqueue[kind].append(rate)
-                    print(f"enqueue {kind:5} round {round_ + 1}: {rate:7.0f} msgs/s", flush=True)
+                    print(f"enqueue {kind:12} round {round_ + 1}: {rate:6.0f} msgs/s", flush=True)
             if options.profile:
-                profile_enqueue(app, n)
+                profile_enqueue(apps["ojs"], n)
         finally:
-            get_runtime(app).close()
-            app.close()
+            for app in apps.values():
+                get_runtime(app).close()
+                app.close()
         if options.profile:
             profile_worker(n, options.redis, keys, tmp, store_prefix, exchange)
     finally:
         keys.cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    report(n, worker, enqueue, time.monotonic() - began)
+    report(n, options.rounds, worker, enqueue, time.monotonic() - began)
     return 0
 
 
-def report(n: int, worker: dict[str, list[WorkerTrial]], enqueue: dict[str, list[float]],
-           took: float) -> None:
-    rows = [
-        ("worker (tasks/s)", max(t.rate for t in worker["plain"]),
-         max(t.rate for t in worker["ojs"]), WORKER_TARGET),
-        ("enqueue (msgs/s)", max(enqueue["plain"]), max(enqueue["ojs"]), ENQUEUE_TARGET),
-    ]
-    print(f"\nBest of {len(enqueue['plain'])}, {n} per trial, Redis broker + Redis job store "
-          f"({took:.0f}s in all)")
-    print(f"{'':18} {'plain':>9} {'OJS':>9} {'OJS/plain':>10} {'target':>8}  ")
-    for name, plain, ojs, target in rows:
-        ratio = ojs / plain
+def report(n: int, rounds: int, worker: dict[str, list[WorkerTrial]],
+           enqueue: dict[str, list[float]], took: float) -> None:
+    best_worker = {kind: max(t.rate for t in trials) for kind, trials in worker.items()}
+    best_enqueue = {kind: max(rates) for kind, rates in enqueue.items()}
+    print(f"\nBest of {rounds}, {n} per trial, Redis broker + Redis job store, "
+          f"{os.cpu_count()} CPUs ({took:.0f}s in all)")
+    print(f"{'':22} {'plain':>7} {'OJS':>7} {'OJS/plain':>10} {'target':>8}")
+    for name, best, target in (("worker  (tasks/s)", best_worker, WORKER_TARGET),
+                               ("enqueue (msgs/s)", best_enqueue, ENQUEUE_TARGET)):
+        ratio = best["ojs"] / best["plain"]
         verdict = "ok" if ratio >= target else "MISSED"
-        print(f"{name:18} {plain:9.0f} {ojs:9.0f} {ratio:10.2f} {'>= ' + str(target):>8}  "
-              f"{verdict}")
-    plain_ms = min(t.child_ms for t in worker["plain"])
-    ojs_ms = min(t.child_ms for t in worker["ojs"])
-    print(f"time per task inside a pool child: plain {plain_ms:.2f} ms, OJS {ojs_ms:.2f} ms")
+        print(f"{name:22} {best['plain']:7.0f} {best['ojs']:7.0f} {ratio:10.2f} "
+              f"{'>= ' + str(target):>8}  {verdict}")
+        if "ojs-noevents" in best:
+            other = best["ojs-noevents"]
+            print(f"{'  OJS, events off':22} {'':7} {other:7.0f} {other / best['plain']:10.2f}")
+    print("\nper task (lowest of the trials)   in pool child   worker CPU (main + children)")
+    for kind, trials in worker.items():
+        print(f"  {kind:31} {min(t.child_ms for t in trials):9.2f} ms   "
+              f"{min(t.cpu_ms for t in trials):9.2f} ms")
 
 
 if __name__ == "__main__":

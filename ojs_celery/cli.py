@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 import click
@@ -25,6 +26,7 @@ from .install import install
 from .producer import BrokerUnavailable, enqueue
 from .runtime import get_runtime
 from .sweeper import run_loop, sweep
+from .worker.agent import DIRECTIVES, directive_key
 
 EXIT_INVALID = 2
 
@@ -161,6 +163,69 @@ def sweep_command(ctx: click.Context, mode: str | None, interval: float | None) 
            "pruned": report.pruned, "error": report.error})
     if report.error:
         sys.exit(1)
+
+
+def _worker_rows(app: Celery) -> list[dict[str, Any]]:
+    store = get_runtime(app).store
+    now = time.time()
+    rows = []
+    for info in store.list_workers():
+        rows.append({
+            "worker_id": info.worker_id, "hostname": info.hostname, "pid": info.pid,
+            "nodename": info.nodename, "state": info.state,
+            "directive": store.get_meta(directive_key(info.worker_id)),
+            "queues": info.queues, "concurrency": info.concurrency,
+            "active_jobs": len(info.active_job_ids),
+            "last_beat_age": round(now - info.last_beat, 3),
+        })
+    return rows
+
+
+@commands.group(name="workers", invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
+@click.pass_context
+def workers_command(ctx: click.Context, as_json: bool) -> None:
+    """List registered workers, or send one a directive (quiet, resume, terminate)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    rows = _worker_rows(_app(ctx))
+    if as_json:
+        _line(rows)
+        return
+    click.echo(f"{'WORKER':<44} {'NODE':<28} {'STATE':<9} {'DIRECTIVE':<9} {'ACTIVE':>6} "
+               f"{'BEAT AGE':>8}")
+    for row in rows:
+        click.echo(f"{row['worker_id']:<44} {row['nodename']:<28} {row['state']:<9} "
+                   f"{row['directive'] or '-':<9} {row['active_jobs']:>6} "
+                   f"{row['last_beat_age']:>7.1f}s")
+
+
+def _directive(name: str) -> click.Command:
+    @click.command(name=name, help=f"Send the one-shot `{name}` directive to WORKER_ID(s) "
+                   "(delivered in the reply to its next beat).")
+    @click.argument("worker_ids", nargs=-1)
+    @click.option("--all", "everyone", is_flag=True, help="Every registered worker.")
+    @click.pass_context
+    def send(ctx: click.Context, worker_ids: tuple[str, ...], everyone: bool) -> None:
+        app = _app(ctx)
+        store = get_runtime(app).store
+        known = {w.worker_id for w in store.list_workers()}
+        if everyone == bool(worker_ids):
+            raise click.UsageError("give WORKER_ID(s) or --all (not both)")
+        targets = sorted(known) if everyone else list(worker_ids)
+        unknown = [w for w in targets if w not in known]
+        if unknown:
+            click.echo(f"error: no registered worker {', '.join(unknown)}", err=True)
+            sys.exit(1)
+        for worker_id in targets:
+            store.set_meta(directive_key(worker_id), name)
+            _line({"worker_id": worker_id, "directive": name})
+
+    return send
+
+
+for _name in DIRECTIVES:
+    workers_command.add_command(_directive(_name))
 
 
 def _announce(ready: threading.Event) -> None:

@@ -16,14 +16,9 @@ from typing import Any
 from celery.worker import state as worker_state
 from celery.worker.control import control_command
 
+from .request import token_of
+
 logger = logging.getLogger(__name__)
-
-
-def _token_of(request: Any) -> int | None:
-    header = (getattr(request, "_request_dict", None) or {}).get("ojs")
-    if isinstance(header, dict) and "token" in header:
-        return int(header["token"])
-    return None
 
 
 @control_command(  # type: ignore[untyped-decorator]
@@ -33,7 +28,7 @@ def _token_of(request: Any) -> int | None:
 def ojs_terminate(state: Any, job_id: str, token: int, **_: Any) -> dict[str, Any]:
     """Kill the pool process running ``job_id``'s attempt started by ``token``, if here."""
     for request in list(worker_state.active_requests):
-        if request.id != job_id or _token_of(request) != int(token):
+        if request.id != job_id or token_of(request) != int(token):
             continue
         pool = state.consumer.pool
         if not request.worker_pid or request.worker_pid == os.getpid():

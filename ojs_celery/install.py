@@ -13,6 +13,8 @@ from . import control  # noqa: F401 - registers the ojs_terminate remote-control
 from .identity import assign_worker_id
 from .runtime import Runtime, attach, get_runtime
 from .sweeper import SWEEP_TASK, last_sweep, sweep
+from .worker import children
+from .worker.step import OJSWorkerStep
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ def install(app: Celery) -> Runtime:
         if getattr(sender, "app", None) is not app:
             return
         worker_id = assign_worker_id()
+        children.prepare()
         name = pool_name(getattr(sender, "pool_cls", ""))
         logger.info("ojs_celery: worker id %s (pool %s)", worker_id, name)
         _watch_sweeps(runtime)
@@ -58,13 +61,18 @@ def install(app: Celery) -> Runtime:
                 name, missing,
             )
 
+    def on_child_start(**_: Any) -> None:
+        children.protect_child()
+
     def on_child_shutdown(**_: Any) -> None:
         get_runtime(app).bus.flush()
 
     _add_sweeper(app, runtime)
     signals.worker_init.connect(on_worker_init, weak=False)
+    signals.worker_process_init.connect(on_child_start, weak=False)
     signals.worker_process_shutdown.connect(on_child_shutdown, weak=False)
-    app._ojs_signal_receivers = (on_worker_init, on_child_shutdown)
+    app._ojs_signal_receivers = (on_worker_init, on_child_start, on_child_shutdown)
+    app.steps["consumer"].add(OJSWorkerStep)
     return runtime
 
 

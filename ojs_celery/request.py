@@ -28,16 +28,21 @@ from .store import StoreError
 logger = logging.getLogger(__name__)
 
 
+def token_of(request: Any) -> int | None:
+    """The dispatch token of a worker ``Request`` (None for a message that is no OJS job)."""
+    header = (getattr(request, "_request_dict", None) or {}).get("ojs")
+    if isinstance(header, dict) and "token" in header:
+        return int(header["token"])
+    return None
+
+
 class OJSRequest(Request):  # type: ignore[misc]
     """Celery ``Request`` for OJS tasks (``OJSTask.Request``)."""
 
     _ojs_settled: str | None = None
 
     def _ojs_token(self) -> int | None:
-        header = self._request_dict.get("ojs") if self._request_dict else None
-        if isinstance(header, dict) and "token" in header:
-            return int(header["token"])
-        return None
+        return token_of(self)
 
     def _ojs_fail(self, error: dict[str, Any]) -> str:
         """Fail this message's attempt in the store; returns 'retried', 'discarded' or 'stale'."""

@@ -63,6 +63,66 @@ def _execution_overdue(now: float, tolerance: float) -> Callable[[Record], Trans
     return rule
 
 
+def _stalled(now: float) -> Callable[[Record], Transition]:
+    def rule(record: Record) -> Transition:
+        job = record.job
+        if job.state != "active" or record.heartbeat_at is None:
+            return lifecycle.rejected("not_active")
+        silent = now - record.heartbeat_at
+        if silent < job.heartbeat_timeout:
+            return lifecycle.rejected("not_due")
+        error = lifecycle.timeout_error(
+            "stalled", job.heartbeat_timeout, silent,
+            f"no heartbeat for {round(silent, 1)}s (heartbeat_timeout {job.heartbeat_timeout}s)",
+        )
+        return lifecycle.fail(record, job.attempt, None, error, now)
+
+    return rule
+
+
+def _invisible(now: float) -> Callable[[Record], Transition]:
+    def rule(record: Record) -> Transition:
+        job = record.job
+        if job.state != "active" or record.extended_at is None:
+            return lifecycle.rejected("not_active")
+        if now - record.extended_at < job.visibility_timeout:
+            return lifecycle.rejected("not_due")
+        error = lifecycle.make_error(
+            "visibility_timeout",
+            f"reservation not extended for {job.visibility_timeout}s (visibility_timeout)",
+        )
+        return lifecycle.fail(record, job.attempt, None, error, now)
+
+    return rule
+
+
+def _orphaned(worker_id: str, now: float) -> Callable[[Record], Transition]:
+    """An attempt of a worker declared dead: error ``worker_death``, retried per policy."""
+
+    def rule(record: Record) -> Transition:
+        if record.job.state != "active" or record.worker_id != worker_id:
+            return lifecycle.rejected("not_owned")
+        error = lifecycle.make_error(
+            "worker_death", f"worker {worker_id} stopped sending heartbeats")
+        return lifecycle.fail(record, record.job.attempt, None, error, now)
+
+    return rule
+
+
+def _redispatch(now: float, grace: float) -> Callable[[Record], Transition]:
+    """A job a dead worker held but never started: the same message again (same token, no
+    error, no attempt used), so that it need not wait for the broker's redelivery."""
+
+    def rule(record: Record) -> Transition:
+        if record.job.state not in lifecycle.STARTABLE:
+            return lifecycle.rejected("not_startable")
+        new = record.copy()
+        new.dispatch_due = now + grace
+        return Transition(new, publish=Publish(record.job.id, record.token))
+
+    return rule
+
+
 def _owed_message(now: float, clock: str, grace: float) -> Callable[[Record], Transition]:
     """Claim a message the job is owed (outbox entry past due, or a held job now due), so
     that one sweeper publishes it; the claim pushes the outbox deadline one grace ahead."""
@@ -114,6 +174,8 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
         ("enqueue_ttl", now, lambda r: lifecycle.expire_ttl(r, now, store.policy)),
         ("execution", now - settings.execution_tolerance,
          _execution_overdue(now, settings.execution_tolerance)),
+        ("stall", now, _stalled(now)),
+        ("visibility", now, _invisible(now)),
     ]
     for clock, cutoff, rule in rules:
         for job_id, _ in store.due(clock, cutoff, limit):
@@ -126,6 +188,7 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
             if before is not None and before.job.state == "active":
                 terminate_attempt(runtime, job_id, before.token)
             _publish(runtime, done, report)
+    _bury_dead_workers(runtime, now, limit, report)
     for clock in ("dispatch", "promote"):
         owed = _owed_message(now, clock, settings.dispatch_grace)
         for job_id, _ in store.due(clock, now, limit):
@@ -134,6 +197,31 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
                 report.applied[clock] += 1
                 _publish(runtime, done, report)
     report.pruned = store.prune(now, limit)
+
+
+def _bury_dead_workers(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
+    """Workers silent for the worker heartbeat timeout: remove them, recover their jobs."""
+    store = runtime.store
+    cutoff = now - runtime.settings.worker_heartbeat_timeout
+    for worker_id in store.stale_workers(cutoff, limit):
+        info = store.get_worker(worker_id)
+        if info is None or info.last_beat > cutoff or not store.deregister_worker(worker_id):
+            continue  # it beat meanwhile, or another sweeper took it
+        report.applied["worker"] += 1
+        logger.warning("ojs_celery: worker %s (%s) missed its beats for %.1fs: declared dead",
+                       worker_id, info.nodename or info.hostname, now - info.last_beat)
+        runtime.bus.emit("worker.stopped", {
+            "worker_id": worker_id, "reason": "error", "detail": "missed heartbeats",
+            "active_jobs": len(info.active_job_ids),
+        }, subject=worker_id)
+        for job_id in info.active_job_ids:
+            done = store.apply(job_id, _orphaned(worker_id, now))
+            if done.record is not None:
+                runtime.emit(done)
+                _publish(runtime, done, report)
+        for job_id in info.reserved_job_ids:
+            done = store.apply(job_id, _redispatch(now, runtime.settings.dispatch_grace))
+            _publish(runtime, done, report)
 
 
 def _publish(runtime: Runtime, done: Transition, report: SweepReport) -> None:

@@ -226,7 +226,10 @@ class OJSTask(Task):  # type: ignore[misc]
             raise Ignore()
         delay: float | None = None
         retryable = True
-        if kind == "timeout":
+        if kind == "timeout" and _worker_is_draining(runtime, ctx.worker_id):
+            error = lifecycle.make_error(
+                "shutdown", "cancelled because the worker shut down before the job finished")
+        elif kind == "timeout":
             elapsed = time.monotonic() - ctx.started
             error = lifecycle.timeout_error(
                 "timeout", job.timeout, elapsed,
@@ -275,6 +278,16 @@ class OJSTask(Task):  # type: ignore[misc]
         if exc is None or isinstance(exc, (Reject, Retry, _RetryRequested)):
             raise RuntimeError(str((record.job.error or {}).get("message", "discarded")))
         raise exc
+
+
+def _worker_is_draining(runtime: Runtime, worker_id: str) -> bool:
+    """A cancellation during a worker's shutdown drain is a ``shutdown``, never a ``timeout``."""
+    from .worker.agent import shutdown_key
+
+    try:
+        return runtime.store.get_meta(shutdown_key(worker_id)) is not None
+    except StoreError:
+        return False
 
 
 def _json_native(value: Any) -> Any:

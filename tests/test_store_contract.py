@@ -698,3 +698,31 @@ def test_unreachable_store_raises_store_error(url: str) -> None:
     with pytest.raises(StoreError):
         store.get(new_job().id)
     store.close()
+
+
+def test_stale_workers_are_found_by_last_beat(store: JobStore) -> None:
+    for name, beat in (("w-old", 10.0), ("w-mid", 20.0), ("w-new", 30.0)):
+        store.register_worker(WorkerInfo(worker_id=name, hostname="h", pid=1, last_beat=beat))
+    assert store.stale_workers(20.0, 10) == ["w-old", "w-mid"]
+    assert store.stale_workers(20.0, 1) == ["w-old"]
+    assert store.stale_workers(5.0, 10) == []
+
+
+def test_take_meta_is_one_shot(store: JobStore) -> None:
+    assert store.take_meta("directive:w-1") is None
+    store.set_meta("directive:w-1", "quiet")
+    assert store.take_meta("directive:w-1") == "quiet"
+    assert store.take_meta("directive:w-1") is None
+    assert store.get_meta("directive:w-1") is None
+
+
+def test_take_meta_races_give_the_value_once(store: JobStore) -> None:
+    store.set_meta("directive:w-2", "terminate")
+    taken: list[str | None] = []
+    threads = [threading.Thread(target=lambda: taken.append(store.take_meta("directive:w-2")))
+               for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [t for t in taken if t is not None] == ["terminate"]

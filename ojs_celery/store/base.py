@@ -115,7 +115,15 @@ class JobStore(ABC):
     def list_workers(self) -> list[WorkerInfo]: ...
 
     @abstractmethod
+    def stale_workers(self, cutoff: float, limit: int) -> list[str]:
+        """Ids of workers whose last beat is at or before ``cutoff``, oldest first."""
+
+    @abstractmethod
     def set_meta(self, key: str, value: str) -> None: ...
+
+    @abstractmethod
+    def take_meta(self, key: str) -> str | None:
+        """Read and delete a value in one atomic step (one-shot directives)."""
 
     @abstractmethod
     def get_meta(self, key: str) -> str | None: ...
@@ -209,6 +217,23 @@ class JobStore(ABC):
             ),
             hint,
         )
+
+    def extend(
+        self, job_id: str, token: int, worker_id: str, *, stall: bool, now: float | None = None
+    ) -> Transition:
+        """A worker beat listing the attempt that ``token`` started: extend its reservation
+        (and its stall clock when ``stall``, i.e. unless the job wants handler heartbeats)."""
+        at = time.time() if now is None else now
+
+        def rule(record: Record) -> Transition:
+            if record.token != token:
+                return lifecycle.rejected("stale")
+            handler_only = record.job.extensions.get("x_heartbeat") == "handler"
+            return lifecycle.heartbeat(
+                record, record.job.attempt, worker_id, at, stall=stall and not handler_only
+            )
+
+        return self.apply(job_id, rule)
 
     def complete(
         self,

@@ -83,6 +83,13 @@ for i = 2, #KEYS do redis.call('ZREM', KEYS[i], ARGV[1]) end
 return 1
 """
 
+# KEYS: the meta hash; ARGV: the field. Read and delete at once (one-shot directives).
+_TAKE_META = """
+local value = redis.call('HGET', KEYS[1], ARGV[1])
+if value then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return value
+"""
+
 # KEYS: the workers zset; ARGV: the worker hash key prefix. All records in one round trip.
 _LIST_WORKERS = """
 local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
@@ -149,6 +156,7 @@ class RedisStore(JobStore):
         self._ack_script = self.client.register_script(_ACK_DISPATCH)
         self._delete_script = self.client.register_script(_DELETE)
         self._list_workers_script = self.client.register_script(_LIST_WORKERS)
+        self._take_meta_script = self.client.register_script(_TAKE_META)
 
     def close(self) -> None:
         self.client.close()
@@ -256,8 +264,20 @@ class RedisStore(JobStore):
         return sorted(workers, key=lambda w: w.worker_id)
 
     @_wrap_errors
+    def stale_workers(self, cutoff: float, limit: int) -> list[str]:
+        ids: list[str] = self.client.zrangebyscore(  # type: ignore[assignment]
+            self._workers_key, "-inf", cutoff, start=0, num=limit
+        )
+        return list(ids)
+
+    @_wrap_errors
     def set_meta(self, key: str, value: str) -> None:
         self.client.hset(self._meta_key, key, value)
+
+    @_wrap_errors
+    def take_meta(self, key: str) -> str | None:
+        value: str | None = self._take_meta_script([self._meta_key], [key])
+        return value
 
     @_wrap_errors
     def get_meta(self, key: str) -> str | None:

@@ -222,6 +222,15 @@ class SQLStore(JobStore):
             index_elements=[meta.c.key], set_={"value": upsert_meta.excluded.value}
         )
         self._get_meta = sa.select(meta.c.value).where(meta.c.key == sa.bindparam("k_key"))
+        self._take_meta = (
+            sa.delete(meta).where(meta.c.key == sa.bindparam("k_key")).returning(meta.c.value)
+        )
+        self._stale_workers = (
+            sa.select(workers.c.worker_id)
+            .where(workers.c.last_beat <= sa.bindparam("k_cutoff", type_=sa.Double))
+            .order_by(workers.c.last_beat)
+            .limit(sa.bindparam("k_limit", type_=sa.Integer))
+        )
 
     @property
     def engine(self) -> Engine:
@@ -405,6 +414,18 @@ class SQLStore(JobStore):
         with self.engine.connect() as conn:
             rows = conn.execute(self._list_workers).scalars().all()
         return [WorkerInfo.from_dict(json.loads(data)) for data in rows]
+
+    @_wrap_errors
+    def stale_workers(self, cutoff: float, limit: int) -> list[str]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(self._stale_workers, {"k_cutoff": cutoff, "k_limit": limit})
+            return [str(worker_id) for worker_id in rows.scalars().all()]
+
+    @_wrap_errors
+    def take_meta(self, key: str) -> str | None:
+        with self.engine.connect() as conn:
+            value = conn.execute(self._take_meta, {"k_key": key}).scalar()
+        return None if value is None else str(value)
 
     @_wrap_errors
     def set_meta(self, key: str, value: str) -> None:

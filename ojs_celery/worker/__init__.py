@@ -1,0 +1,1 @@
+"""The OJS worker protocol on Celery workers (bootsteps added by ``install``)."""
