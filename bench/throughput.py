@@ -1,6 +1,7 @@
 """Hand-run throughput benchmark: OJS tasks and enqueue vs plain Celery, on Redis.
 
     .venv/bin/python bench/throughput.py              # the benchmark (about a minute)
+    .venv/bin/python bench/throughput.py --diagnose   # also OJS with ojs.events = False
     .venv/bin/python bench/throughput.py --profile    # then cProfile the OJS paths
 
 Not part of the test suite. Needs Redis at ``--redis`` (default redis://127.0.0.1:6379/0), used
@@ -17,7 +18,11 @@ The clock runs from the first ``task_prerun`` to the last ``task_postrun`` in th
 (wall-clock stamps written to local files, see ``benchapp.py``). Those signals bracket the whole
 task call, so every OJS store round trip and event emission is inside the window; what is
 outside is only the first message's fetch and the last message's ack, one task's worth each,
-the same for both. Rate = N / window.
+the same for both. Rate = N / window. ``OJSTask`` is ``acks_late`` and its messages carry time
+limits; the plain task keeps Celery's defaults (early ack, no limits): that is part of the cost
+of OJS. Also printed: mean wall time per task inside the child, and the CPU the worker used
+per task (main process and children, from /proc, boot excluded), which is steadier than rates
+on a shared machine.
 
 Enqueue rate: ``ojs_celery.enqueue(envelope)`` vs ``app.send_task(name, args)``, N each, from
 this process, same broker, same queue (nobody consumes it; it is purged after each trial),
@@ -146,6 +151,7 @@ class WorkerTrial:
     window: float
     child_ms: float  # mean time per task inside the pool child (prerun to postrun)
     cpu_ms: float  # CPU (user+sys) of the worker's main process and children, per task
+    main_cpu_ms: float  # the worker's main process alone, per task
     states: dict[str, int]
     store_ok: int | None = None  # OJS only: jobs the store shows as completed
 
@@ -216,9 +222,9 @@ def count_ends(directory: pathlib.Path) -> int:
     return total
 
 
-def tree_cpu(root: int) -> float:
-    """CPU seconds (user + system) used so far by ``root`` and its children (Linux /proc)."""
-    ticks = 0
+def tree_cpu(root: int) -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by ``root`` and by its children (Linux /proc)."""
+    ticks = [0, 0]
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -227,9 +233,13 @@ def tree_cpu(root: int) -> float:
                 fields = handle.read().rpartition(")")[2].split()
         except OSError:
             continue
-        if int(entry.name) == root or int(fields[1]) == root:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+        used = int(fields[11]) + int(fields[12])
+        if int(entry.name) == root:
+            ticks[0] += used
+        elif int(fields[1]) == root:
+            ticks[1] += used
+    hertz = os.sysconf("SC_CLK_TCK")
+    return ticks[0] / hertz, ticks[1] / hertz
 
 
 def worker_trial(kind: str, n: int, redis_url: str, keys: Keys, tmp: pathlib.Path,
@@ -250,7 +260,7 @@ def worker_trial(kind: str, n: int, redis_url: str, keys: Keys, tmp: pathlib.Pat
         log = tmp / f"{queue}.log"
         env = {"OJS_BENCH_STAMPS": str(stamps), **(extra_env or {})}
         # CPU from the first finished task to the last (boot excluded), per task in between.
-        cpu_from: tuple[int, float] | None = None
+        cpu_from: tuple[int, tuple[float, float]] | None = None
         with worker_process(config, hostname, log, env) as process:
             deadline = time.monotonic() + WORKER_TIMEOUT
             while (done := count_ends(stamps)) < n:
@@ -265,7 +275,9 @@ def worker_trial(kind: str, n: int, redis_url: str, keys: Keys, tmp: pathlib.Pat
             cpu_to = tree_cpu(process.pid)
         if cpu_from is None:  # everything finished before the first look
             cpu_from = (0, cpu_to)
-        cpu_ms = (cpu_to - cpu_from[1]) / max(n - cpu_from[0], 1) * 1000
+        counted = max(n - cpu_from[0], 1)
+        main_ms = (cpu_to[0] - cpu_from[1][0]) / counted * 1000
+        cpu_ms = main_ms + (cpu_to[1] - cpu_from[1][1]) / counted * 1000
         starts, ends = read_stamps(stamps)
         window = max(t for t, _ in ends.values()) - min(starts.values())
         per_task = [ends[i][0] - starts[i] for i in ends if i in starts]
@@ -273,7 +285,7 @@ def worker_trial(kind: str, n: int, redis_url: str, keys: Keys, tmp: pathlib.Pat
         for _, state in ends.values():
             states[state] = states.get(state, 0) + 1
         trial = WorkerTrial(kind, len(ends), window, statistics.fmean(per_task) * 1000, cpu_ms,
-                            states)
+                            main_ms, states)
         if is_ojs(kind):
             trial.store_ok = completed_in_store(app, ids)
         keys.purge_queue(queue)
@@ -445,10 +457,11 @@ def report(n: int, rounds: int, worker: dict[str, list[WorkerTrial]],
         if "ojs-noevents" in best:
             other = best["ojs-noevents"]
             print(f"{'  OJS, events off':22} {'':7} {other:7.0f} {other / best['plain']:10.2f}")
-    print("\nper task (lowest of the trials)   in pool child   worker CPU (main + children)")
+    print("\nworker, per task (median of trials)  wall in child  CPU main+children  CPU main")
     for kind, trials in worker.items():
-        print(f"  {kind:31} {min(t.child_ms for t in trials):9.2f} ms   "
-              f"{min(t.cpu_ms for t in trials):9.2f} ms")
+        print(f"  {kind:34} {statistics.median(t.child_ms for t in trials):6.2f} ms "
+              f"{statistics.median(t.cpu_ms for t in trials):14.2f} ms "
+              f"{statistics.median(t.main_cpu_ms for t in trials):8.2f} ms")
 
 
 if __name__ == "__main__":

@@ -17,11 +17,13 @@ from ojs_celery.events import listen
 from tests import services
 from tests.e2eapp import make_app
 from tests.workers import (
+    Beat,
     Worker,
     amqp_config,
     filesystem_config,
     lines,
     redis_config,
+    unique,
     wait_for,
 )
 
@@ -95,13 +97,20 @@ class Env:
 
 
 @contextmanager
-def start_env(kind: str, tmp: pathlib.Path, **worker_options: Any) -> Iterator[Env]:
+def start_env(kind: str, tmp: pathlib.Path, *, config: dict[str, Any] | None = None,
+              beat: bool = False, **worker_options: Any) -> Iterator[Env]:
+    """A client app, an event collector and a worker; with ``beat``, also ``celery beat`` and
+    the worker consuming the sweep queue."""
+    changes = config or {}
     config = broker_config(kind, tmp)
-    for key, value in worker_options.pop("config", {}).items():
+    for key, value in changes.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key] = {**config[key], **value}
         else:
             config[key] = value
+    if beat:
+        config["ojs"].setdefault("sweep_queue", unique("sweep"))
+        config["worker_queues"] = [config["queue"], config["ojs"]["sweep_queue"]]
     app = make_app(config)
     events = Events()
     ready = threading.Event()
@@ -109,10 +118,13 @@ def start_env(kind: str, tmp: pathlib.Path, **worker_options: Any) -> Iterator[E
                      daemon=True).start()
     assert ready.wait(15), "event listener did not start"
     worker = Worker(config, tmp / "worker.log", **worker_options)
+    beat_process = Beat(config, tmp) if beat else None
     try:
         worker.wait_ready()
         yield Env(kind, config, app, worker, events)
     finally:
+        if beat_process is not None:
+            beat_process.stop()
         worker.stop()
         store = app._ojs_runtime.store
         store.clear()

@@ -78,6 +78,36 @@ def make_app(config: dict[str, Any]) -> Celery:
             return "late"
         return f"ok on {ctx.attempt}"
 
+    @app.task(shared=False, name="e2e.whoami", base=OJSTask)
+    def whoami(seconds: float) -> str:
+        """Sleeps, then answers with the id of the worker that ran it."""
+        ctx = current_job()
+        record(directory, "runs", f"whoami {ctx.job_id} attempt={ctx.attempt} "
+               f"worker={ctx.worker_id}")
+        time.sleep(seconds)
+        record(directory, "finished", f"whoami {ctx.job_id} attempt={ctx.attempt}")
+        return ctx.worker_id
+
+    @app.task(shared=False, name="e2e.silent", base=OJSTask, heartbeat="handler")
+    def silent(seconds: float) -> str:
+        """Handler heartbeats: attempt 1 hangs without a heartbeat (a deadlock), later ones
+        finish at once."""
+        ctx = current_job()
+        if ctx.attempt == 1:
+            time.sleep(seconds)
+            return "late"
+        return f"ok on {ctx.attempt}"
+
+    @app.task(shared=False, name="e2e.progressing", base=OJSTask, heartbeat="handler")
+    def progressing(seconds: float) -> str:
+        """Handler heartbeats: long, but reports progress all along."""
+        ctx = current_job()
+        steps = int(seconds / 0.2)
+        for step in range(steps):
+            time.sleep(0.2)
+            ctx.progress((step + 1) / steps)
+        return f"done on {ctx.attempt}"
+
     @app.task(shared=False, name="e2e.fail_until", base=OJSTask)
     def fail_until(succeed_on: int) -> str:
         ctx = current_job()

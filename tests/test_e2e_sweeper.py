@@ -12,7 +12,7 @@ import pytest
 from ojs_celery import enqueue
 from ojs_celery.envelope import format_timestamp, from_epoch
 from tests.conftest import Env, start_env
-from tests.workers import Beat, Worker, unique, wait_for
+from tests.workers import Worker, unique, wait_for
 
 INTERVAL = 0.5
 SLACK = 3.0
@@ -21,19 +21,9 @@ SLACK = 3.0
 @pytest.fixture(scope="module", params=["redis", "amqp"])
 def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     tmp = tmp_path_factory.mktemp(f"sweep-{request.param}")
-    sweep_queue = unique("sweep")
-    overrides = {"ojs": {"sweep_interval": INTERVAL, "sweep_queue": sweep_queue,
-                         "schedule_horizon": 1.0}}
-    with start_env(request.param, tmp, concurrency=3, config=overrides) as env:
-        env.config["worker_queues"] = [env.config["queue"], sweep_queue]
-        env.worker.stop()  # restart it on the sweep queue too
-        env.worker = Worker(env.config, tmp / "worker2.log", concurrency=3)
-        env.worker.wait_ready()
-        beat = Beat(env.config, tmp)
-        try:
-            yield env
-        finally:
-            beat.stop()
+    overrides = {"ojs": {"sweep_interval": INTERVAL, "schedule_horizon": 1.0}}
+    with start_env(request.param, tmp, concurrency=3, config=overrides, beat=True) as started:
+        yield started
 
 
 def elapsed_since_created(env: Env, job_id: str) -> float:
@@ -99,7 +89,7 @@ def test_execution_timeout_on_pools_without_time_limits(
     try:
         for worker in workers:
             worker.wait_ready()
-        job = enqueue({"type": "e2e.stuck_first", "args": [6], "queue": queue, "timeout": 1,
+        job = enqueue({"type": "e2e.stuck_first", "args": [12], "queue": queue, "timeout": 1,
                        "grace_period": 0, "retry": {"max_attempts": 2,
                                                     "initial_interval": "PT0.1S"}},
                       app=env.app)
@@ -108,7 +98,7 @@ def test_execution_timeout_on_pools_without_time_limits(
         assert done.errors[0]["type"] == "timeout"
         assert done.errors[0]["timeout_kind"] == "execution"
         env.wait_events(job.id, lambda t: "job.timeout" in t)
-        wait_for(lambda: any(job.id in line for line in env.lines("finished")), 15,
+        wait_for(lambda: any(job.id in line for line in env.lines("finished")), 20,
                  "the stuck attempt to finish")
         wait_for(lambda: any(f"outcome of job {job.id} attempt 1 rejected" in w.log()
                              for w in workers), 10, "its late result to be rejected")

@@ -73,6 +73,7 @@ class WorkerAgent:
         self.started_at = time.time()
         self._queues: list[str] = []
         self._lock = threading.Lock()
+        self._beat_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._beats = 0
@@ -120,11 +121,13 @@ class WorkerAgent:
         self._thread.start()
 
     def deregister(self, reason: str) -> None:
-        self._stop.set()
-        try:
-            self.runtime.store.deregister_worker(self.worker_id)
-        except StoreError as exc:
-            logger.warning("ojs_celery: could not deregister worker %s: %s", self.worker_id, exc)
+        with self._beat_lock:  # no beat may write the record back after this
+            self._stop.set()
+            try:
+                self.runtime.store.deregister_worker(self.worker_id)
+            except StoreError as exc:
+                logger.warning("ojs_celery: could not deregister worker %s: %s",
+                               self.worker_id, exc)
         self.runtime.bus.emit("worker.stopped", {
             "worker_id": self.worker_id, "reason": reason,
             "uptime_ms": round((time.time() - self.started_at) * 1000),
@@ -140,13 +143,19 @@ class WorkerAgent:
 
     def beat(self) -> str:
         """One BEAT; returns the state the worker was told to adopt."""
+        with self._beat_lock:
+            if self._stop.is_set():
+                return self.state
+            return self._beat()
+
+    def _beat(self) -> str:
         store = self.runtime.store
         info = self.info()
         try:
             directive = store.take_meta(directive_key(self.worker_id))
-            if store.get_worker(self.worker_id) is None and self._beats > 0:
-                logger.warning("ojs_celery: worker %s was not registered any more (declared "
-                               "dead?): registering again", self.worker_id)
+            if store.get_worker(self.worker_id) is None:
+                logger.warning("ojs_celery: worker %s is not registered (declared dead while "
+                               "it was frozen or cut off?): registering again", self.worker_id)
             store.save_worker(info)
             for request in ojs_requests():
                 self._extend(request, info.last_beat)
@@ -161,7 +170,8 @@ class WorkerAgent:
                 "active_jobs": len(info.active_job_ids), "queues": info.queues,
             }, subject=self.worker_id)
         if directive is not None:
-            self.apply(directive, source="directive")
+            threading.Thread(target=self.apply, args=(directive, "directive"),
+                             daemon=True).start()
         return self.state
 
     def _extend(self, request: Any, now: float) -> None:

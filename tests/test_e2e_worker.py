@@ -1,0 +1,334 @@
+"""The OJS worker protocol end to end, with real ``celery worker`` subprocesses (signals can only
+be tested there) and a real ``celery beat`` running the sweeper, on Redis and RabbitMQ.
+
+Each test starts the workers it examines on a queue of its own; the module's worker only hosts
+the sweep. Intervals are short (beats every 0.3 s, dead after 2 s, sweeps every 0.5 s); bounds
+are deadline + interval + generous slack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ojs_celery import enqueue
+from ojs_celery.runtime import get_runtime
+from ojs_celery.store import WorkerInfo
+from tests.conftest import Env, start_env
+from tests.test_cli import CLI, cli_env
+from tests.workers import ROOT, Worker, unique, wait_for
+
+BEAT = 0.3
+DEAD_AFTER = 2.0
+SWEEP = 0.5
+SLACK = 4.0
+SETTINGS = {"heartbeat_interval": BEAT, "worker_heartbeat_timeout": DEAD_AFTER,
+            "sweep_interval": SWEEP, "shutdown_grace_period": 4.0}
+
+
+@pytest.fixture(scope="module", params=["redis", "amqp"])
+def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp(f"worker-{request.param}")
+    with start_env(request.param, tmp, concurrency=2, beat=True,
+                   config={"ojs": SETTINGS}) as started:
+        yield started
+
+
+def own_workers(env: Env, tmp: pathlib.Path, count: int = 1, **options: Any) -> list[Worker]:
+    """Workers on a queue of their own (``config["queue"]`` of the returned workers)."""
+    config = {**env.config, "worker_queues": [unique("own")]}
+    workers = [Worker(config, tmp / f"own{i}.log", **options) for i in range(count)]
+    for worker in workers:
+        worker.wait_ready()
+    return workers
+
+
+def queue_of(worker: Worker) -> str:
+    return str(worker.config["worker_queues"][0])
+
+
+def registered(env: Env, worker: Worker) -> WorkerInfo:
+    def find() -> WorkerInfo | None:
+        for info in get_runtime(env.app).store.list_workers():
+            if info.pid == worker.process.pid:
+                return info
+        return None
+
+    return wait_for(find, 10, f"worker pid {worker.process.pid} to register")
+
+
+def cli(env: Env, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CLI, "-A", "tests.e2eapp:app", *args], capture_output=True,
+                          text=True, cwd=ROOT, env=cli_env(env), timeout=60)
+
+
+def beats_pass(env: Env, info: WorkerInfo, count: int = 3) -> None:
+    """Wait until the worker has beaten ``count`` more times (no sleeping as an assertion)."""
+    store = get_runtime(env.app).store
+    seen = [info.last_beat]
+
+    def advanced() -> bool:
+        current = store.get_worker(info.worker_id)
+        if current is not None and current.last_beat > seen[-1]:
+            seen.append(current.last_beat)
+        return len(seen) > count
+
+    wait_for(advanced, count * BEAT + SLACK, "beats")
+
+
+def stop_all(workers: list[Worker]) -> None:
+    for worker in workers:
+        if worker.process.poll() is None:
+            os.killpg(worker.process.pid, signal.SIGCONT)
+        worker.stop()
+
+
+def test_registration_beats_and_listing(env: Env, tmp_path: pathlib.Path) -> None:
+    [worker] = own_workers(env, tmp_path, concurrency=2)
+    try:
+        info = registered(env, worker)
+        assert info.worker_id.startswith("worker_") and info.state == "running"
+        assert info.queues == [queue_of(worker)] and info.concurrency == 2
+        job = enqueue({"type": "e2e.sleep", "args": [2.0], "queue": queue_of(worker)},
+                      app=env.app)
+        env.wait_state(job.id, "active")
+        beats_pass(env, info, 2)
+        listed = json.loads(cli(env, "workers", "--json").stdout)
+        mine = next(w for w in listed if w["worker_id"] == info.worker_id)
+        assert mine["pid"] == worker.process.pid and mine["state"] == "running"
+        assert mine["active_jobs"] == 1 and mine["directive"] is None
+        assert mine["last_beat_age"] < BEAT + SLACK
+        assert set(mine) >= {"hostname", "nodename", "queues", "concurrency"}
+        env.wait_state(job.id, "completed")
+        env.wait_events(info.worker_id, lambda t: "worker.started" in t)
+    finally:
+        stop_all([worker])
+
+
+def test_directives_quiet_resume_terminate(env: Env, tmp_path: pathlib.Path) -> None:
+    [worker] = own_workers(env, tmp_path)
+    try:
+        info = registered(env, worker)
+        sent = cli(env, "workers", "quiet", info.worker_id)
+        assert sent.returncode == 0, sent.stderr
+        store = get_runtime(env.app).store
+        wait_for(lambda: (w := store.get_worker(info.worker_id)) and w.state == "quiet",
+                 BEAT + SLACK, "quiet")
+        env.wait_events(info.worker_id, lambda t: "worker.quiet" in t)
+        job = enqueue({"type": "e2e.add", "args": [1, 1], "queue": queue_of(worker)},
+                      app=env.app)
+        beats_pass(env, info, 3)
+        assert env.job(job.id).state == "available"  # not fetched while quiet
+        assert store.get_worker(info.worker_id).state == "quiet"  # type: ignore[union-attr]
+
+        assert cli(env, "workers", "resume", info.worker_id).returncode == 0
+        env.wait_state(job.id, "completed")
+        assert cli(env, "workers", "terminate", info.worker_id).returncode == 0
+        assert worker.process.wait(BEAT + SLACK + 5) == 0
+        assert store.get_worker(info.worker_id) is None
+        stopped = wait_for(lambda: env.events.of(info.worker_id, "worker.stopped"), 5,
+                           "worker.stopped")
+        assert stopped[0]["data"]["reason"] == "shutdown"
+    finally:
+        stop_all([worker])
+
+
+def test_sigtstp_quiets_and_sigcont_resumes(env: Env, tmp_path: pathlib.Path) -> None:
+    [worker] = own_workers(env, tmp_path)
+    try:
+        info = registered(env, worker)
+        store = get_runtime(env.app).store
+        os.killpg(worker.process.pid, signal.SIGTSTP)  # Ctrl-Z: the whole group
+        wait_for(lambda: (w := store.get_worker(info.worker_id)) and w.state == "quiet",
+                 BEAT + SLACK, "quiet")
+        job = enqueue({"type": "e2e.add", "args": [2, 2], "queue": queue_of(worker)},
+                      app=env.app)
+        beats_pass(env, info, 3)  # still beating: the process was not stopped
+        assert env.job(job.id).state == "available"
+        os.killpg(worker.process.pid, signal.SIGCONT)
+        assert env.wait_state(job.id, "completed").result == 4
+    finally:
+        stop_all([worker])
+
+
+def test_sigterm_to_the_group_drains_then_fails_with_shutdown(
+    env: Env, tmp_path: pathlib.Path
+) -> None:
+    [worker] = own_workers(env, tmp_path, concurrency=2)
+    try:
+        info = registered(env, worker)
+        long = enqueue({"type": "e2e.checkpointing", "args": ["overrun"], "timeout": 100,
+                        "grace_period": 1, "queue": queue_of(worker),
+                        "retry": {"max_attempts": 3}}, app=env.app)
+        short = enqueue({"type": "e2e.sleep", "args": [1.0, "short"], "grace_period": 1,
+                         "queue": queue_of(worker)}, app=env.app)
+        env.wait_state(long.id, "active")
+        env.wait_state(short.id, "active")
+        began = time.monotonic()
+        os.killpg(worker.process.pid, signal.SIGTERM)  # systemd-style: children get it too
+        assert worker.process.wait(4.0 + SLACK) == 0
+        assert time.monotonic() - began < 4.0 + SLACK
+        assert env.job(short.id).state == "completed"  # finished during the drain
+        job = env.job(long.id)
+        assert job.state == "retryable"
+        assert [e["type"] for e in job.errors] == ["shutdown"]
+        assert job.last_checkpoint == {"attempt": 1}  # saved after the cancellation signal
+        assert [line for line in env.lines("cancelled") if long.id in line] == [
+            f"{long.id} attempt=1 cancelled=True"]
+        store = get_runtime(env.app).store
+        assert store.get_worker(info.worker_id) is None
+        wait_for(lambda: env.events.of(info.worker_id, "worker.stopped"), 5, "worker.stopped")
+    finally:
+        stop_all([worker])
+
+
+def test_sigterm_exits_as_soon_as_jobs_are_done(env: Env, tmp_path: pathlib.Path) -> None:
+    config = {**env.config, "worker_queues": [unique("own")],
+              "ojs": {**env.config["ojs"], "shutdown_grace_period": 30.0}}
+    worker = Worker(config, tmp_path / "patient.log")
+    try:
+        worker.wait_ready()
+        job = enqueue({"type": "e2e.sleep", "args": [1.0], "queue": queue_of(worker),
+                       "grace_period": 5}, app=env.app)  # signalled only 5 s before the end
+        env.wait_state(job.id, "active")
+        began = time.monotonic()
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.process.wait(30) == 0
+        assert time.monotonic() - began < 10  # far less than the 30 s grace period
+        assert env.job(job.id).state == "completed"
+    finally:
+        stop_all([worker])
+
+
+def test_second_sigint_is_immediate(env: Env, tmp_path: pathlib.Path) -> None:
+    [worker] = own_workers(env, tmp_path)
+    try:
+        registered(env, worker)
+        job = enqueue({"type": "e2e.sleep", "args": [30.0], "queue": queue_of(worker)},
+                      app=env.app)
+        env.wait_state(job.id, "active")
+        worker.process.send_signal(signal.SIGINT)
+        wait_for(lambda: "shutting down (SIGINT)" in worker.log(), 5, "the drain")
+        began = time.monotonic()
+        worker.process.send_signal(signal.SIGINT)
+        worker.process.wait(10)
+        assert time.monotonic() - began < 10
+    finally:
+        stop_all([worker])
+
+
+def test_stalled_handler_is_detected_and_retried(env: Env, tmp_path: pathlib.Path) -> None:
+    [worker] = own_workers(env, tmp_path, concurrency=2)
+    try:
+        queue = queue_of(worker)
+        stuck = enqueue({"type": "e2e.silent", "args": [20], "queue": queue,
+                         "heartbeat_timeout": 1,
+                         "retry": {"max_attempts": 2, "initial_interval": "PT0.1S"}},
+                        app=env.app)
+        busy = enqueue({"type": "e2e.progressing", "args": [3], "queue": queue,
+                        "heartbeat_timeout": 1}, app=env.app)
+        done = env.wait_state(stuck.id, "completed", timeout=1 + SWEEP + SLACK + 3)
+        assert done.attempt == 2 and done.result == "ok on 2"
+        assert done.errors[0]["type"] == "stalled"
+        assert done.errors[0]["timeout_kind"] == "stalled"
+        env.wait_events(stuck.id, lambda t: "job.stalled" in t)
+        progressed = env.wait_state(busy.id, "completed")
+        assert progressed.attempt == 1 and progressed.errors == []  # progress = heartbeat
+    finally:
+        stop_all([worker])
+
+
+def test_worker_beats_keep_a_long_job_alive_even_on_solo(
+    env: Env, tmp_path: pathlib.Path
+) -> None:
+    [worker] = own_workers(env, tmp_path, pool="solo")
+    try:
+        job = enqueue({"type": "e2e.sleep", "args": [3.0], "queue": queue_of(worker),
+                       "heartbeat_timeout": 1}, app=env.app)
+        done = env.wait_state(job.id, "completed", timeout=3 + SLACK + 5)
+        assert done.attempt == 1 and done.errors == []
+    finally:
+        stop_all([worker])
+
+
+def test_kill_9_worker_jobs_complete_once_on_another_worker(
+    env: Env, tmp_path: pathlib.Path
+) -> None:
+    queue = unique("own")
+    config = {**env.config, "worker_queues": [queue]}
+    victim = Worker(config, tmp_path / "victim.log", concurrency=1,
+                    extra=["--prefetch-multiplier", "4"])
+    survivor: Worker | None = None
+    try:
+        victim.wait_ready()
+        victim_info = registered(env, victim)
+        policy = {"initial_interval": "PT0.5S", "jitter": False}
+        jobs = [enqueue({"type": "e2e.whoami", "args": [1.5], "queue": queue,
+                         "retry": policy}, app=env.app) for _ in range(4)]
+        store = get_runtime(env.app).store
+
+        def holding() -> WorkerInfo | None:
+            info = store.get_worker(victim_info.worker_id)
+            ok = info is not None and info.active_job_ids and info.reserved_job_ids
+            return info if ok else None
+
+        held = wait_for(holding, 10, "the victim to run one job and hold others")
+        survivor = Worker(config, tmp_path / "survivor.log", concurrency=2)
+        survivor.wait_ready()
+        survivor_id = registered(env, survivor).worker_id
+        os.killpg(victim.process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        bound = DEAD_AFTER + SWEEP + 0.5 + 1.5 * len(jobs) + SLACK
+        for job in jobs:
+            done = env.wait_state(job.id, "completed", timeout=bound)
+            assert done.result == survivor_id
+        assert time.monotonic() - killed_at < bound
+        for job_id in held.active_job_ids:
+            assert [e["type"] for e in env.job(job_id).errors] == ["worker_death"]
+        for job_id in held.reserved_job_ids:
+            assert env.job(job_id).errors == []  # re-dispatched: no error, no attempt used
+            assert env.job(job_id).attempt == 1
+        assert store.get_worker(victim_info.worker_id) is None
+    finally:
+        stop_all([victim] + ([survivor] if survivor else []))
+
+
+def test_frozen_worker_cannot_complete_a_recovered_job(env: Env, tmp_path: pathlib.Path) -> None:
+    """The worker's main process is frozen (SIGSTOP): no beats, so the sweeper recovers the
+    job and another worker completes it; the frozen worker's pool process finishes the old
+    attempt meanwhile, and its result is rejected."""
+    queue = unique("own")
+    config = {**env.config, "worker_queues": [queue]}
+    frozen = Worker(config, tmp_path / "frozen.log", concurrency=1)
+    other: Worker | None = None
+    try:
+        frozen.wait_ready()
+        frozen_id = registered(env, frozen).worker_id
+        job = enqueue({"type": "e2e.whoami", "args": [4.0], "queue": queue,
+                       "visibility_timeout": 1,
+                       "retry": {"initial_interval": "PT0.2S", "jitter": False}}, app=env.app)
+        env.wait_state(job.id, "active")
+        os.kill(frozen.process.pid, signal.SIGSTOP)
+        other = Worker(config, tmp_path / "other.log", concurrency=1)
+        other.wait_ready()
+        other_id = registered(env, other).worker_id
+        done = env.wait_state(job.id, "completed", timeout=1 + SWEEP + 4 + SLACK + 5)
+        assert done.result == other_id and done.attempt == 2
+        assert done.errors[0]["type"] in ("visibility_timeout", "worker_death")
+        wait_for(lambda: f"outcome of job {job.id} attempt 1 rejected" in frozen.log(), 15,
+                 "the frozen worker's late result to be rejected")
+        os.kill(frozen.process.pid, signal.SIGCONT)
+        wait_for(lambda: "registering again" in frozen.log(), 10, "re-registration")
+        final = env.job(job.id)
+        assert final.state == "completed" and final.result == other_id
+        assert frozen_id != other_id
+    finally:
+        stop_all([frozen] + ([other] if other else []))
