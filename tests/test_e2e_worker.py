@@ -108,7 +108,11 @@ def test_registration_beats_and_listing(env: Env, tmp_path: pathlib.Path) -> Non
         assert mine["last_beat_age"] < BEAT + SLACK
         assert set(mine) >= {"hostname", "nodename", "queues", "concurrency"}
         env.wait_state(job.id, "completed")
-        env.wait_events(info.worker_id, lambda t: "worker.started" in t)
+        types = env.wait_events(info.worker_id,
+                                lambda t: "worker.started" in t and "worker.heartbeat" in t)
+        assert types[0] == "worker.started"
+        beat = env.events.of(info.worker_id, "worker.heartbeat")[0]["data"]
+        assert beat["worker_id"] == info.worker_id and "active_jobs" in beat
     finally:
         stop_all([worker])
 
