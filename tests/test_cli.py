@@ -111,3 +111,24 @@ def test_events_streams_one_json_line_per_event(env: Env) -> None:
     assert [e["type"] for e in events] == ["job.enqueued", "job.started", "job.completed"]
     assert {e["subject"] for e in events} == {job["id"]}
     wait_for(lambda: env.job(job["id"]).state == "completed", 10, "completion")
+
+
+def test_sweep_once_and_loop(env: Env) -> None:
+    once = run(env, "sweep", "--once")
+    assert once.returncode == 0, once.stderr
+    report = json.loads(once.stdout)
+    assert report["error"] is None and "published" in report
+
+    lonely = json.dumps({"type": "e2e.add", "args": [1, 1], "queue": "nobody-here",
+                         "enqueue_ttl": 1})
+    job = json.loads(run(env, "enqueue", "-", stdin=lonely).stdout)
+    loop = subprocess.Popen([CLI, "-A", "tests.e2eapp:app", "sweep", "--loop", "--interval",
+                             "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=cli_env(env))
+    try:
+        done = wait_for(lambda: (j := env.job(job["id"])).state == "discarded" and j, 1 + 0.2 + 5,
+                        "the loop to expire the job")
+        assert done.error is not None and done.error["type"] == "enqueue_ttl_expired"
+    finally:
+        loop.terminate()
+        loop.wait(10)

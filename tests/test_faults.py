@@ -1,0 +1,59 @@
+"""Faults: a broker that is down during a sweep, a store that is down when a message arrives."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+from celery import Celery
+
+from ojs_celery import OJSTask, enqueue, install, parse_envelope
+from ojs_celery.sweeper import sweep
+from tests.conftest import start_env
+from tests.workers import Worker, unique, wait_for
+
+
+def test_a_sweep_with_the_broker_down_keeps_what_is_owed(tmp_path: pathlib.Path) -> None:
+    app = Celery("down", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
+    runtime = install(app)
+
+    @app.task(shared=False, name="down.job", base=OJSTask)
+    def job_task() -> None:
+        return None
+
+    created = runtime.store.create(parse_envelope({"type": "down.job", "args": []}))
+    assert created.record is not None
+    report = sweep(runtime, now=time.time() + 60)
+    assert report.error is not None and "broker is unreachable" in report.error
+    owed = runtime.store.due("dispatch", now=time.time() + 3600, limit=10)
+    assert [job_id for job_id, _ in owed] == [created.record.job.id]  # retried next pass
+
+
+def test_store_down_when_a_message_arrives_sends_it_back_to_the_broker(
+    tmp_path: pathlib.Path,
+) -> None:
+    with start_env("redis", tmp_path, concurrency=1) as env:
+        queue = unique("own")
+        job = enqueue({"type": "e2e.add", "args": [20, 22], "queue": queue}, app=env.app)
+        cut_off = {**env.config, "worker_queues": [queue],
+                   "ojs": {**env.config["ojs"], "store_url": "redis://127.0.0.1:1/0"}}
+        blind = Worker(cut_off, tmp_path / "blind.log")
+        try:
+            blind.wait_ready()
+            wait_for(lambda: blind.log().count("store unreachable, job") >= 2, 20,
+                     "the message to come back and fail again")
+        finally:
+            blind.stop()
+        assert env.job(job.id).state == "available"  # nothing happened to it
+        healthy = Worker({**env.config, "worker_queues": [queue]}, tmp_path / "healthy.log")
+        try:
+            healthy.wait_ready()
+            assert env.wait_state(job.id, "completed").result == 42
+        finally:
+            healthy.stop()
+
+
+def test_workers_warn_when_no_sweep_runs(tmp_path: pathlib.Path) -> None:
+    with start_env("filesystem", tmp_path, config={"ojs": {"sweep_interval": 0.2}}) as env:
+        wait_for(lambda: "no OJS sweep has run" in env.worker.log(), 10, "the warning")
