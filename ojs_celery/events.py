@@ -8,10 +8,8 @@ process: that is what ``ojs-celery events`` prints.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import queue
 import socket
 import threading
 from collections.abc import Callable, Iterable
@@ -20,6 +18,7 @@ from typing import Any
 from celery import Celery
 
 from . import signals
+from .batching import Batcher
 from .envelope import format_timestamp, new_job_id, utcnow
 
 logger = logging.getLogger(__name__)
@@ -29,6 +28,8 @@ BUS_EVENT_TYPE = "ojs-event"
 
 Event = dict[str, Any]
 MAX_BATCH = 200
+#: Seconds the bus thread waits after an event for more to batch with it.
+LINGER = 0.05
 
 
 def make_event(type_: str, data: dict[str, Any], subject: str | None, source: str) -> Event:
@@ -47,17 +48,21 @@ def make_event(type_: str, data: dict[str, Any], subject: str | None, source: st
     return event
 
 
-class EventBus:
-    """Per-process buffered publisher to Celery's event exchange (restarted after a fork)."""
+class EventBus(Batcher[Event]):
+    """Per-process buffered publisher to Celery's event exchange (restarted after a fork).
+
+    A process's events go out in batches of up to :data:`MAX_BATCH`, one bus message each,
+    lingering up to :data:`LINGER` seconds after the first event: a busy worker then pays one
+    publish for many transitions instead of one per event.
+    """
+
+    thread_name = "ojs-events"
 
     def __init__(self, app: Celery, enabled: bool = True) -> None:
+        super().__init__(linger=LINGER, max_batch=MAX_BATCH)
         self.app = app
         self.enabled = enabled
         self.source = f"ojs://{app.main or 'celery'}/{socket.gethostname()}/{os.getpid()}"
-        self._pid = -1
-        self._queue: queue.Queue[Event | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
 
     def emit(self, type_: str, data: dict[str, Any], subject: str | None = None) -> Event:
         """Send the event's signals now and queue its bus copy."""
@@ -67,76 +72,39 @@ class EventBus:
         if specific is not None:
             specific.send(sender=type_, event=event)
         if self.enabled:
-            self._ensure_thread()
-            self._queue.put(event)
+            self.put(event)
         return event
 
     def emit_all(self, events: Iterable[tuple[str, dict[str, Any]]]) -> None:
         for type_, data in events:
             self.emit(type_, data, subject=data.get("job_id") or data.get("worker_id"))
 
-    def flush(self, timeout: float = 5.0) -> None:
-        """Wait until the buffer is published (at exit, and in tests)."""
-        if self._thread is None or self._pid != os.getpid():
-            return
-        done = threading.Event()
-        self._queue.put({"__flush__": done})
-        done.wait(timeout)
+    def _started(self) -> None:
+        self.source = f"ojs://{self.app.main or 'celery'}/{socket.gethostname()}/{os.getpid()}"
 
-    def _ensure_thread(self) -> None:
-        if self._pid == os.getpid() and self._thread is not None:
-            return
-        with self._lock:
-            if self._pid == os.getpid() and self._thread is not None:
-                return
-            self._pid = os.getpid()
-            self.source = f"ojs://{self.app.main or 'celery'}/{socket.gethostname()}/{self._pid}"
-            self._queue = queue.Queue()
-            self._thread = threading.Thread(target=self._run, name="ojs-events", daemon=True)
-            self._thread.start()
-            atexit.register(self.flush)
+    def _open(self) -> Callable[[list[Event]], None]:
+        """The publisher of this thread: its own connection, opened on the first batch and
+        reopened after a failure."""
+        dispatcher: Any = None
+        connection: Any = None
 
-    def _run(self) -> None:
-        dispatcher = None
-        connection = None
-        while True:
-            batch, flushes = self._take_batch()
-            if batch:
-                try:
-                    if dispatcher is None:
-                        connection = self.app.connection_for_write()
-                        dispatcher = self.app.events.Dispatcher(
-                            connection, enabled=True, buffer_while_offline=False
-                        )
-                    dispatcher.send(BUS_EVENT_TYPE, ojs_events=batch, retry=True,
-                                    retry_policy={"max_retries": 3})
-                except Exception as exc:
-                    logger.warning("ojs_celery: could not publish %d event(s): %r",
-                                   len(batch), exc)
-                    if connection is not None:
-                        connection.release()
-                    dispatcher = connection = None
-            for done in flushes:
-                done.set()
-
-    def _take_batch(self) -> tuple[list[Event], list[threading.Event]]:
-        """Block for one event, then take what else is waiting: one bus message per batch
-        keeps a process's events in order and costs one publish for many transitions."""
-        batch: list[Event] = []
-        flushes: list[threading.Event] = []
-        item: Event | None = self._queue.get()
-        while item is not None:
-            if "__flush__" in item:
-                flushes.append(item["__flush__"])
-            else:
-                batch.append(item)
-            if len(batch) >= MAX_BATCH:
-                break
+        def publish(batch: list[Event]) -> None:
+            nonlocal dispatcher, connection
             try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                item = None
-        return batch, flushes
+                if dispatcher is None:
+                    connection = self.app.connection_for_write()
+                    dispatcher = self.app.events.Dispatcher(
+                        connection, enabled=True, buffer_while_offline=False
+                    )
+                dispatcher.send(BUS_EVENT_TYPE, ojs_events=batch, retry=True,
+                                retry_policy={"max_retries": 3})
+            except Exception as exc:
+                logger.warning("ojs_celery: could not publish %d event(s): %r", len(batch), exc)
+                if connection is not None:
+                    connection.release()
+                dispatcher = connection = None
+
+        return publish
 
 
 def listen(
