@@ -585,6 +585,75 @@ def test_apply_retries_on_version_conflict(store: JobStore) -> None:
     assert stored.job.last_checkpoint == "sneaky"  # the other write was not lost
 
 
+# --------------------------------------------------------------------------- batch primitives
+
+
+def test_get_records_in_order_with_missing_ones(store: JobStore) -> None:
+    first, second = created(store), started(store)
+    missing = "01890a5d-ac96-774b-bcce-b302099a8057"
+    records = store.get_records([second.id, missing, first.id])
+    assert [r.job.id if r else None for r in records] == [second.id, None, first.id]
+    assert records[0] == record(store, second.id) and records[2] == record(store, first.id)
+    assert store.get_records([]) == []
+
+
+def test_apply_many_writes_each_job_once_and_reports_lost_races(store: JobStore) -> None:
+    jobs = [created(store, enqueue_ttl=5) for _ in range(3)]
+    ids = [job.id for job in jobs]
+    done = store.apply_many([*ids, "01890a5d-ac96-774b-bcce-b302099a8057"],
+                            lambda r: lifecycle.expire_ttl(r, T0 + 6, POLICY))
+    assert [d.applied if d else None for d in done] == [True, True, True, False]
+    assert done[3] is not None and done[3].reason == "unknown_job"
+    for transition, job_id in zip(done, ids, strict=False):
+        assert transition is not None and transition.record is not None
+        assert transition.previous is not None and transition.previous.version == 1
+        assert transition.record.version == 2 == record(store, job_id).version
+        assert record(store, job_id).job.state == "discarded"
+    again = store.apply_many(ids, lambda r: lifecycle.expire_ttl(r, T0 + 6, POLICY))
+    assert [d.reason if d else None for d in again] == ["not_applicable"] * 3
+
+    # A job written between the batched read and the batched write: its entry is None and
+    # nothing of the batch's rule reached it; the others are applied.
+    racing = [created(store) for _ in range(2)]
+
+    def rule(current: Record) -> Transition:
+        if current.job.id == racing[0].id:
+            assert store.cancel(racing[0].id, now=T0 + 1).applied
+        return lifecycle.start(current, 1, "w1", T0 + 2, POLICY)
+
+    done = store.apply_many([job.id for job in racing], rule)
+    assert done[0] is None and done[1] is not None and done[1].applied
+    assert record(store, racing[0].id).job.state == "cancelled"
+    assert record(store, racing[1].id).job.state == "active"
+
+
+def test_ack_dispatch_many(store: JobStore) -> None:
+    owed = [created(store) for _ in range(3)]
+    acks = [(owed[2].id, 1), (owed[0].id, 2), (owed[1].id, 1), (owed[0].id, 1),
+            ("01890a5d-ac96-774b-bcce-b302099a8057", 1)]
+    assert store.ack_dispatch_many(acks) == [True, False, True, True, False]
+    assert store.due("dispatch", T0 + 1e6, 10) == []
+    assert all(record(store, job.id).version == 1 for job in owed)
+    assert store.ack_dispatch_many([]) == []
+
+
+def test_start_with_a_hint(store: JobStore) -> None:
+    job = created(store)
+    hint = record(store, job.id)
+    assert store.ack_dispatch(job.id, 1)  # no version bump: the hint is still current
+    done = store.start(job.id, 1, "w1", now=T0 + 1, hint=hint)
+    assert done.applied and done.previous is hint
+    stored = record(store, job.id)
+    assert (stored.job.state, stored.version, stored.dispatch_due) == ("active", 2, None)
+    # A stale hint costs a read, never a wrong write.
+    assert not store.start(job.id, 1, "w2", now=T0 + 2, hint=hint).applied
+    assert record(store, job.id).worker_id == "w1"
+    assert store.fail(job.id, 1, "w1", ERROR, now=T0 + 3).applied  # retry: token 2
+    done = store.start(job.id, 2, "w3", now=T0 + 20, hint=hint)  # hint: version 1, token 1
+    assert done.applied and done.previous is not hint
+    assert record(store, job.id).job.attempt == 2
+
+
 def test_concurrent_heartbeats_are_all_applied(store: JobStore) -> None:
     job = started(store)
     per_thread = 5

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,8 @@ from ..envelope import Job, JsonValue
 from ..lifecycle import Policy, Record, Transition
 
 Rule = Callable[[Record], Transition]
+#: One compare-and-set write: the new record, the version it replaces, its deadlines.
+Write = tuple[Record, int, dict[str, float | None]]
 
 
 class StoreError(RuntimeError):
@@ -139,6 +141,23 @@ class JobStore(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 
+    # ------------------------------------------------------------------ batch primitives
+    # One call for many jobs. These loops are correct for any backend; backends override them
+    # to cost one round trip (Redis pipeline) or one transaction (SQL).
+
+    def _load_many(self, job_ids: Sequence[str]) -> list[Record | None]:
+        """The records of ``job_ids`` in order (None where a job does not exist)."""
+        return [self._load(job_id) for job_id in job_ids]
+
+    def _cas_many(self, writes: Sequence[Write]) -> list[bool]:
+        """Independent compare-and-set writes (see :meth:`_cas`): each applies or not on its
+        own, whatever the others do; the result says which did."""
+        return [self._cas(record, expected, deadlines) for record, expected, deadlines in writes]
+
+    def _ack_dispatch_many(self, acks: Sequence[tuple[str, int]]) -> list[bool]:
+        """:meth:`_ack_dispatch` for each ``(job id, token)``."""
+        return [self._ack_dispatch(job_id, token) for job_id, token in acks]
+
     # ------------------------------------------------------------------ shared rules
 
     def _deadlines(self, record: Record) -> dict[str, float | None]:
@@ -159,6 +178,10 @@ class JobStore(ABC):
 
     def get_record(self, job_id: str) -> Record | None:
         return self._load(job_id)
+
+    def get_records(self, job_ids: Sequence[str]) -> list[Record | None]:
+        """Several records in one batched read (None where a job does not exist)."""
+        return self._load_many(job_ids) if job_ids else []
 
     def apply(self, job_id: str, rule: Rule, hint: Record | None = None) -> Transition:
         """Apply ``rule`` with compare-and-set, re-reading on conflict.
@@ -186,14 +209,60 @@ class JobStore(ABC):
             hint = None
         raise StoreError(f"job {job_id}: too many concurrent writers, gave up")
 
+    def apply_many(self, job_ids: Sequence[str], rule: Rule) -> list[Transition | None]:
+        """:meth:`apply` for several jobs with one batched read and one batched write.
+
+        An entry is None where that job's compare-and-set lost a race: the caller applies
+        the rule to it again with :meth:`apply` (which re-reads). Every other entry is what
+        :meth:`apply` would have returned: each job still changes by one compare-and-set, so
+        concurrent callers never apply a rule twice.
+        """
+        results: list[Transition | None] = []
+        writes: list[Write] = []
+        written: list[int] = []
+        for index, record in enumerate(self.get_records(job_ids)):
+            if record is None:
+                results.append(lifecycle.rejected("unknown_job"))
+                continue
+            transition = rule(record)
+            transition.previous = record
+            results.append(transition)
+            if transition.record is not None:
+                writes.append(
+                    (transition.record, record.version, self._deadlines(transition.record))
+                )
+                written.append(index)
+        if writes:
+            for index, won, (new, expected, _) in zip(
+                written, self._cas_many(writes), writes, strict=True
+            ):
+                if won:
+                    new.version = expected + 1
+                else:
+                    results[index] = None
+        return results
+
     def ack_dispatch(self, job_id: str, token: int) -> bool:
         return self._ack_dispatch(job_id, token)
 
+    def ack_dispatch_many(self, acks: Sequence[tuple[str, int]]) -> list[bool]:
+        """Clear several outbox entries at once (``(job id, token)`` pairs)."""
+        return self._ack_dispatch_many(acks) if acks else []
+
     def start(
-        self, job_id: str, token: int, worker_id: str, now: float | None = None
+        self,
+        job_id: str,
+        token: int,
+        worker_id: str,
+        now: float | None = None,
+        hint: Record | None = None,
     ) -> Transition:
+        """Start the attempt a message with ``token`` asks for. ``hint``: the record as the
+        message was published with it (one write instead of read + write when current)."""
         at = time.time() if now is None else now
-        return self.apply(job_id, lambda r: lifecycle.start(r, token, worker_id, at, self.policy))
+        return self.apply(
+            job_id, lambda r: lifecycle.start(r, token, worker_id, at, self.policy), hint
+        )
 
     def heartbeat(
         self,
@@ -308,8 +377,8 @@ class JobStore(ABC):
         """Delete terminal jobs whose retention has passed; returns how many."""
         at = time.time() if now is None else now
         removed = 0
-        for job_id, _ in self.due("retention", at, limit):
-            record = self._load(job_id)
+        due = [job_id for job_id, _ in self.due("retention", at, limit)]
+        for job_id, record in zip(due, self.get_records(due), strict=True):
             if record is None:
                 continue
             deadline = self._deadlines(record)["retention"]

@@ -5,24 +5,35 @@ and the fields of :data:`~ojs_celery.store.base.RECORD_FIELDS` (``""`` stands fo
 ``P:due:{clock}`` is a sorted set of job ids scored by that clock's deadline; ``P:worker:{id}``
 is a hash whose ``data`` is the worker's JSON, ``P:workers`` a sorted set of worker ids by last
 beat, and ``P:meta`` a hash. Every write is one ``EVALSHA``, so the hash and the deadline index
-change together, atomically, in one round trip; reads are one command.
+change together, atomically, in one round trip; reads are one command. The batch primitives
+send many of those in one pipeline (one round trip, each command still atomic on its own).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.commands.core import Script
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from ..lifecycle import CLOCKS, Policy, Record
-from .base import RECORD_FIELDS, JobStore, StoreError, WorkerInfo, decode_job, encode_job
+from .base import (
+    RECORD_FIELDS,
+    JobStore,
+    StoreError,
+    WorkerInfo,
+    Write,
+    decode_job,
+    encode_job,
+)
 
 __all__ = ["RedisStore"]
 
@@ -124,6 +135,23 @@ def _float(value: str | None) -> float | None:
     return None if value is None or value == "" else float(value)
 
 
+def _record(fields: dict[str, str]) -> Record | None:
+    """A job hash as the store wrote it (None: no such job)."""
+    if not fields or "data" not in fields:
+        return None
+    return Record(
+        job=decode_job(fields["data"]),
+        token=int(fields.get("token") or 1),
+        version=int(fields.get("version") or 0),
+        worker_id=fields.get("worker_id") or None,
+        heartbeat_at=_float(fields.get("heartbeat_at")),
+        extended_at=_float(fields.get("extended_at")),
+        dispatch_due=_float(fields.get("dispatch_due")),
+        promote_at=_float(fields.get("promote_at")),
+        dead_letter=fields.get("dead_letter") == "1",
+    )
+
+
 def _escape_glob(text: str) -> str:
     return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
 
@@ -186,19 +214,7 @@ class RedisStore(JobStore):
     @_wrap_errors
     def _load(self, job_id: str) -> Record | None:
         fields: dict[str, str] = self.client.hgetall(self._job_prefix + job_id)  # type: ignore[assignment]
-        if not fields or "data" not in fields:
-            return None
-        return Record(
-            job=decode_job(fields["data"]),
-            token=int(fields.get("token") or 1),
-            version=int(fields.get("version") or 0),
-            worker_id=fields.get("worker_id") or None,
-            heartbeat_at=_float(fields.get("heartbeat_at")),
-            extended_at=_float(fields.get("extended_at")),
-            dispatch_due=_float(fields.get("dispatch_due")),
-            promote_at=_float(fields.get("promote_at")),
-            dead_letter=fields.get("dead_letter") == "1",
-        )
+        return _record(fields)
 
     @_wrap_errors
     def _cas(self, record: Record, expected: int, deadlines: dict[str, float | None]) -> bool:
@@ -209,6 +225,55 @@ class RedisStore(JobStore):
     def _ack_dispatch(self, job_id: str, token: int) -> bool:
         keys = [self._job_prefix + job_id, self._due_keys["dispatch"]]
         return bool(self._ack_script(keys, [job_id, str(token)]))
+
+    @_wrap_errors
+    def _load_many(self, job_ids: Sequence[str]) -> list[Record | None]:
+        pipe = self.client.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self._job_prefix + job_id)
+        return [_record(fields) for fields in pipe.execute()]
+
+    @_wrap_errors
+    def _cas_many(self, writes: Sequence[Write]) -> list[bool]:
+        calls = [
+            ([self._job_prefix + record.job.id, *self._all_due_keys],
+             self._args(record, expected, deadlines))
+            for record, expected, deadlines in writes
+        ]
+        return [bool(done) for done in self._evalsha_many(self._cas_script, calls)]
+
+    @_wrap_errors
+    def _ack_dispatch_many(self, acks: Sequence[tuple[str, int]]) -> list[bool]:
+        dispatch = self._due_keys["dispatch"]
+        calls = [([self._job_prefix + job_id, dispatch], [job_id, str(token)])
+                 for job_id, token in acks]
+        return [bool(done) for done in self._evalsha_many(self._ack_script, calls)]
+
+    def _evalsha_many(self, script: Script, calls: list[tuple[list[str], list[str]]]) -> list[Any]:
+        """Run ``script`` once per ``(keys, args)`` in one pipeline (no transaction: each call
+        is atomic by itself). A call Redis refused with NOSCRIPT (a restart or SCRIPT FLUSH
+        since the script was loaded) did nothing: load the script and run those again."""
+        results: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for index in todo:
+                keys, args = calls[index]
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            answers = pipe.execute(raise_on_error=False)
+            retry: list[int] = []
+            for index, answer in zip(todo, answers, strict=True):
+                if isinstance(answer, NoScriptError) and attempt == 0:
+                    retry.append(index)
+                elif isinstance(answer, Exception):
+                    raise answer
+                else:
+                    results[index] = answer
+            if not retry:
+                break
+            self.client.script_load(script.script)
+            todo = retry
+        return results
 
     @_wrap_errors
     def due(self, clock: str, now: float, limit: int) -> list[tuple[str, float]]:

@@ -9,6 +9,10 @@ write statement takes the write lock when it starts (waiting on the busy timeout
 Each clock of :data:`ojs_celery.lifecycle.CLOCKS` has its own nullable deadline column with a
 partial index (``WHERE col IS NOT NULL``), so :meth:`SQLStore.due` is an index range scan:
 O(log n + k), and jobs without that deadline cost nothing in the index.
+
+The batch primitives are the exception: one ``SELECT ... WHERE id IN (...)`` for many records,
+and many compare-and-set statements on one connection in one transaction (rows in id order, so
+two batches never deadlock), which commits once instead of once per statement.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import json
 import os
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import sqlalchemy as sa
@@ -31,7 +35,15 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.pool import StaticPool
 
 from ..lifecycle import CLOCKS, Policy, Record
-from .base import RECORD_FIELDS, JobStore, StoreError, WorkerInfo, decode_job, encode_job
+from .base import (
+    RECORD_FIELDS,
+    JobStore,
+    StoreError,
+    WorkerInfo,
+    Write,
+    decode_job,
+    encode_job,
+)
 
 __all__ = ["SQLStore", "normalise_url"]
 
@@ -154,6 +166,7 @@ class SQLStore(JobStore):
         if backend not in ("sqlite", "postgresql"):
             raise ValueError(f"store_url: unsupported SQL backend {backend!r} (sqlite, postgresql)")
         self._sqlite = backend == "sqlite"
+        self._shared_connection = self._sqlite and self.url.database in (None, "", ":memory:")
         self.metadata = build_metadata(prefix)
         self._engine: Engine | None = None
         self._ready = False
@@ -174,6 +187,9 @@ class SQLStore(JobStore):
         self._select_record = sa.select(*(c[name] for name in self._record_columns)).where(
             c.id == sa.bindparam("k_id")
         )
+        self._select_records = sa.select(
+            c.id, *(c[name] for name in self._record_columns)
+        ).where(c.id.in_(sa.bindparam("k_ids", expanding=True)))
         # rowcount of an INSERT is only kept on request (0 when the id existed).
         self._insert_job = (
             insert(jobs)
@@ -260,7 +276,7 @@ class SQLStore(JobStore):
     def _create_engine(self) -> Engine:
         if self._sqlite:
             kwargs: dict[str, Any] = {"isolation_level": "AUTOCOMMIT"}
-            if self.url.database in (None, "", ":memory:"):
+            if self._shared_connection:
                 # One shared connection, else every pooled connection sees its own database.
                 kwargs["poolclass"] = StaticPool
                 kwargs["connect_args"] = {"check_same_thread": False}
@@ -337,8 +353,10 @@ class SQLStore(JobStore):
     def _load(self, job_id: str) -> Record | None:
         with self.engine.connect() as conn:
             row = conn.execute(self._select_record, {"k_id": job_id}).first()
-        if row is None:
-            return None
+        return None if row is None else self._record(row)
+
+    def _record(self, row: Sequence[Any]) -> Record:
+        """A row of ``_record_columns`` as a record."""
         fields = dict(zip(self._record_columns, row, strict=True))
         return Record(
             job=decode_job(fields["data"]),
@@ -365,6 +383,58 @@ class SQLStore(JobStore):
     def _ack_dispatch(self, job_id: str, token: int) -> bool:
         with self.engine.connect() as conn:
             return conn.execute(self._ack, {"k_id": job_id, "k_token": token}).rowcount == 1
+
+    @_wrap_errors
+    def _load_many(self, job_ids: Sequence[str]) -> list[Record | None]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(self._select_records, {"k_ids": list(job_ids)}).all()
+        found = {row[0]: self._record(row[1:]) for row in rows}
+        return [found.get(job_id) for job_id in job_ids]
+
+    @_wrap_errors
+    def _cas_many(self, writes: Sequence[Write]) -> list[bool]:
+        results = [False] * len(writes)
+        order = sorted(range(len(writes)), key=lambda i: writes[i][0].job.id)
+        with self._transaction() as conn:
+            for index in order:
+                record, expected, deadlines = writes[index]
+                values = self._values(record, deadlines)
+                values["version"] = expected + 1
+                values["k_id"] = record.job.id
+                values["k_expected"] = expected
+                results[index] = conn.execute(self._update_job, values).rowcount == 1
+        return results
+
+    @_wrap_errors
+    def _ack_dispatch_many(self, acks: Sequence[tuple[str, int]]) -> list[bool]:
+        results = [False] * len(acks)
+        order = sorted(range(len(acks)), key=lambda i: acks[i][0])
+        with self._transaction() as conn:
+            for index in order:
+                job_id, token = acks[index]
+                params = {"k_id": job_id, "k_token": token}
+                results[index] = conn.execute(self._ack, params).rowcount == 1
+        return results
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sa.Connection]:
+        """One connection in one transaction for a batch of writes (``BEGIN IMMEDIATE`` on
+        SQLite: the write lock is taken up front, so no lock upgrade can fail midway). An
+        in-memory SQLite database has one connection shared by all threads: there a
+        transaction would take in other threads' statements, so each statement commits alone.
+        """
+        with self.engine.connect() as conn:
+            if self._shared_connection:
+                yield conn
+                return
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if self._sqlite else "BEGIN")
+            try:
+                yield conn
+            except BaseException:
+                with contextlib.suppress(sa_exc.SQLAlchemyError):
+                    conn.exec_driver_sql("ROLLBACK")
+                raise
+            conn.exec_driver_sql("COMMIT")
 
     @_wrap_errors
     def due(self, clock: str, now: float, limit: int) -> list[tuple[str, float]]:
