@@ -65,7 +65,7 @@ def install(app: Celery) -> Runtime:
         children.protect_child()
 
     def on_child_shutdown(**_: Any) -> None:
-        get_runtime(app).bus.flush()
+        get_runtime(app).flush()
 
     _add_sweeper(app, runtime)
     signals.worker_init.connect(on_worker_init, weak=False)

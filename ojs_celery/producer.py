@@ -2,8 +2,11 @@
 
 A message is only a request to run one attempt: it carries the job id as Celery task id (for
 every attempt, so ``AsyncResult(job_id)`` follows the job) and an ``ojs`` header with the
-dispatch token and the deadlines. OJS never uses Celery's ``expires`` or revoke-by-id for its
-jobs: both would make Celery drop every later message with the same task id, retries included.
+dispatch token, the deadlines and, when the publisher has it, a snapshot of the stored record
+(``record``): the worker starts the attempt from it with one compare-and-set instead of a read
+and a write (a stale snapshot only costs the read it tried to save). OJS never uses Celery's
+``expires`` or revoke-by-id for its jobs: both would make Celery drop every later message with
+the same task id, retries included.
 """
 
 from __future__ import annotations
@@ -16,13 +19,17 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 
 from .envelope import Job, from_epoch, parse_envelope
-from .lifecycle import Publish
+from .lifecycle import Publish, Record
 from .runtime import Runtime, get_runtime
+from .store.base import decode_job, encode_job
 
 #: Publish retries: fail fast enough that ``enqueue`` can report a broker that is down.
 PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.5,
                         "interval_max": 1.0}
 DEFAULT_QUEUE = "default"
+#: Only jobs whose JSON is at most this long travel with a record snapshot: AMQP puts all
+#: headers in one frame, and a big job would double the message for a saving of one read.
+SNAPSHOT_MAX_CHARS = 8192
 
 
 class BrokerUnavailable(RuntimeError):
@@ -85,18 +92,74 @@ def time_limits(job: Job, start_at: float) -> tuple[float | None, float]:
     return soft, hard
 
 
-def ojs_header(job: Job, token: int) -> dict[str, Any]:
+def ojs_header(job: Job, token: int, record: Record | None = None) -> dict[str, Any]:
+    """The ``ojs`` message header; with ``record`` (the stored record, just written) it also
+    carries the record's snapshot, unless the job is too big for one."""
     created = job.created_at.timestamp() if job.created_at else time.time()
-    return {
+    header: dict[str, Any] = {
         "token": token,
         "created_at": created,
         "ttl_deadline": created + job.enqueue_ttl if job.enqueue_ttl else None,
         "total_deadline": created + job.total_timeout if job.total_timeout else None,
     }
+    if record is not None:
+        data = encode_job(record.job)
+        if len(data) <= SNAPSHOT_MAX_CHARS:
+            header["record"] = {
+                "version": record.version,
+                "token": record.token,
+                "worker_id": record.worker_id,
+                "heartbeat_at": record.heartbeat_at,
+                "extended_at": record.extended_at,
+                "dispatch_due": record.dispatch_due,
+                "promote_at": record.promote_at,
+                "dead_letter": record.dead_letter,
+                "job": data,
+            }
+    return header
 
 
-def publish(runtime: Runtime, job: Job, request: Publish, now: float | None = None) -> None:
-    """Send the message for ``request`` and clear its outbox entry.
+def record_from_header(header: dict[str, Any], job_id: str) -> Record | None:
+    """The record snapshot an ``ojs`` header carries, or None: absent (an older publisher, a
+    big job), malformed, or not this message's job and token."""
+    snapshot = header.get("record")
+    if not isinstance(snapshot, dict):
+        return None
+    try:
+        record = Record(
+            job=decode_job(snapshot["job"]),
+            token=int(snapshot["token"]),
+            version=int(snapshot["version"]),
+            worker_id=str(snapshot["worker_id"]) if snapshot["worker_id"] else None,
+            heartbeat_at=_optional_float(snapshot["heartbeat_at"]),
+            extended_at=_optional_float(snapshot["extended_at"]),
+            dispatch_due=_optional_float(snapshot["dispatch_due"]),
+            promote_at=_optional_float(snapshot["promote_at"]),
+            dead_letter=bool(snapshot["dead_letter"]),
+        )
+        token = int(header["token"])
+    except Exception:  # whatever is wrong with it, reading the store instead is always right
+        return None
+    if record.job.id != job_id or record.token != token or record.version < 1:
+        return None
+    return record
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def publish(
+    runtime: Runtime,
+    job: Job,
+    request: Publish,
+    now: float | None = None,
+    *,
+    record: Record | None = None,
+) -> None:
+    """Send the message for ``request`` and clear its outbox entry (in the background: see
+    :mod:`ojs_celery.outbox`). Pass ``record``, the record the store write that owes this
+    message returned, to put its snapshot in the header.
 
     Raises :class:`BrokerUnavailable` if the broker cannot be reached; the outbox entry stays,
     so the sweeper publishes it later.
@@ -108,7 +171,7 @@ def publish(runtime: Runtime, job: Job, request: Publish, now: float | None = No
     options: dict[str, Any] = {
         "task_id": job.id,
         "queue": celery_queue(app, job.queue),
-        "headers": {"ojs": ojs_header(job, request.token)},
+        "headers": {"ojs": ojs_header(job, request.token, record)},
         "time_limit": hard,
         "retry": True,
         "retry_policy": PUBLISH_RETRY_POLICY,
@@ -135,7 +198,7 @@ def publish(runtime: Runtime, job: Job, request: Publish, now: float | None = No
             f"job {job.id} is stored but the broker is unreachable ({exc}); it stays in the "
             "outbox and the sweeper publishes it when the broker is back"
         ) from exc
-    runtime.store.ack_dispatch(job.id, request.token)
+    runtime.acks.ack(job.id, request.token)
 
 
 def enqueue(envelope: dict[str, Any] | str | bytes | Job, *, app: Celery | None = None) -> Job:
@@ -166,7 +229,7 @@ def enqueue_job(runtime: Runtime, job: Job) -> Job:
     assert transition.record is not None
     runtime.emit(transition)
     if transition.publish is not None:
-        publish(runtime, transition.record.job, transition.publish)
+        publish(runtime, transition.record.job, transition.publish, record=transition.record)
     return transition.record.job
 
 

@@ -66,7 +66,7 @@ class OJSRequest(Request):  # type: ignore[misc]
         runtime.emit(done)
         if done.publish is not None:
             try:
-                publish(runtime, done.record.job, done.publish)
+                publish(runtime, done.record.job, done.publish, record=done.record)
             except BrokerUnavailable as exc:
                 logger.error("ojs_celery: %s", exc)
         self._ojs_settled = "retried" if done.record.job.state == "retryable" else "discarded"

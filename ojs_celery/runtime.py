@@ -1,4 +1,4 @@
-"""Per-app OJS state: validated settings, the job store and the event bus.
+"""Per-app OJS state: validated settings, the job store, the event bus and the outbox acker.
 
 ``install(app)`` attaches one :class:`Runtime` to the Celery app; everything else finds it with
 :func:`get_runtime`. The store is opened lazily so that importing a project never connects.
@@ -13,6 +13,7 @@ from celery import Celery, current_app
 
 from .conf import Settings, read_settings
 from .events import EventBus
+from .outbox import DispatchAcker
 from .store import JobStore, open_store
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class Runtime:
         self._store: JobStore | None = None
         self._lock = threading.Lock()
         self.bus = EventBus(app, enabled=self.settings.events)
+        self.acks = DispatchAcker(lambda: self.store)
 
     @property
     def store(self) -> JobStore:
@@ -73,7 +75,13 @@ class Runtime:
             f"@app.task(name={ojs_type!r}, base=OJSTask) or map it in ojs.type_map)"
         )
 
+    def flush(self) -> None:
+        """Wait for this process's pending outbox acknowledgements and bus events."""
+        self.acks.flush()
+        self.bus.flush()
+
     def close(self) -> None:
+        self.acks.flush()
         if self._store is not None:
             self._store.close()
             self._store = None

@@ -157,12 +157,17 @@ def sweep(runtime: Runtime, now: float | None = None, batch: int | None = None) 
     at = time.time() if now is None else now
     limit = batch or runtime.settings.sweep_batch
     report = SweepReport(started=at)
+    # Outbox entries this process has published are cleared before the pass reads the outbox
+    # (else it would publish them again), and the pass's own are cleared when it returns.
+    runtime.acks.flush()
     try:
         _sweep(runtime, at, limit, report)
         runtime.store.set_meta(LAST_SWEEP_KEY, repr(at))
     except (StoreError, BrokerUnavailable) as exc:
         report.error = str(exc)
         logger.warning("ojs_celery: sweep skipped, will retry next interval: %s", exc)
+    finally:
+        runtime.acks.flush()
     return report
 
 
@@ -227,7 +232,7 @@ def _bury_dead_workers(runtime: Runtime, now: float, limit: int, report: SweepRe
 def _publish(runtime: Runtime, done: Transition, report: SweepReport) -> None:
     if done.publish is None or done.record is None:
         return
-    publish(runtime, done.record.job, done.publish)
+    publish(runtime, done.record.job, done.publish, record=done.record)
     report.published += 1
 
 

@@ -28,7 +28,14 @@ from .context import JobContext, _current, maybe_current_job
 from .envelope import JsonValue, parse_envelope
 from .identity import current_worker_id
 from .lifecycle import Record, Transition
-from .producer import BrokerUnavailable, enqueue_job, ojs_queue_of, publish, scheduled_at_from
+from .producer import (
+    BrokerUnavailable,
+    enqueue_job,
+    ojs_queue_of,
+    publish,
+    record_from_header,
+    scheduled_at_from,
+)
 from .runtime import Runtime, get_runtime
 from .store import StoreError
 
@@ -160,7 +167,8 @@ class OJSTask(Task):  # type: ignore[misc]
         worker_id = current_worker_id()
         job_id = str(self.request.id)
         try:
-            started = runtime.store.start(job_id, int(header["token"]), worker_id)
+            started = runtime.store.start(job_id, int(header["token"]), worker_id,
+                                          hint=record_from_header(header, job_id))
         except StoreError as exc:
             logger.error("ojs_celery: store unreachable, job %s goes back to the broker: %s",
                          job_id, exc)
@@ -269,7 +277,7 @@ class OJSTask(Task):  # type: ignore[misc]
             return value
         if done.publish is not None:
             try:
-                publish(runtime, record.job, done.publish)
+                publish(runtime, record.job, done.publish, record=record)
             except BrokerUnavailable as err:
                 logger.error("ojs_celery: %s", err)
         if record.job.state == "retryable":

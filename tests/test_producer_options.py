@@ -193,3 +193,23 @@ def test_ojs_header_deadlines_fixed_from_created_at() -> None:
     j = job(timeout=10, total_timeout=600, enqueue_ttl=30)
     assert ojs_header(j, 2)["total_deadline"] == ojs_header(j, 7)["total_deadline"]
     assert ojs_header(j, 7)["token"] == 7
+
+
+def test_ojs_header_carries_a_record_snapshot_the_worker_can_start_from() -> None:
+    from ojs_celery import lifecycle
+    from ojs_celery.producer import record_from_header
+
+    created = lifecycle.create(job(timeout=10, args=[1, {"k": None}]), T0, lifecycle.Policy())
+    record = created.record
+    assert record is not None
+    record.version = 1
+    header = ojs_header(record.job, 1, record)
+    assert {k: v for k, v in header.items() if k != "record"} == ojs_header(record.job, 1)
+    assert record_from_header(header, record.job.id) == record
+    assert record_from_header(header, "01890a5d-ac96-774b-bcce-b302099a8057") is None
+    assert record_from_header({**header, "token": 2}, record.job.id) is None
+    assert record_from_header(ojs_header(record.job, 1), record.job.id) is None  # none sent
+    broken = {**header, "record": {**header["record"], "job": "{not json"}}
+    assert record_from_header(broken, record.job.id) is None
+    big = lifecycle.create(job(args=["x" * 10_000]), T0, lifecycle.Policy()).record
+    assert big is not None and "record" not in ojs_header(big.job, 1, big)

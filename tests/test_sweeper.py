@@ -148,6 +148,19 @@ def test_outbox_publishes_a_message_that_was_never_sent(app: Celery) -> None:
     assert record is not None and record.dispatch_due is None
 
 
+def test_a_message_this_process_published_is_not_published_again(app: Celery) -> None:
+    """Outbox acknowledgements are deferred to a background thread; a sweep in the same
+    process waits for them, so it never republishes what was just published."""
+    runtime = runtime_of(app)
+    job = enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+    assert len(messages(app)) == 1
+    report = sweep(runtime, now=time.time() + 11)
+    assert report.applied["dispatch"] == 0 and report.published == 0
+    assert len(messages(app)) == 1
+    record = runtime.store.get_record(job.id)
+    assert record is not None and record.dispatch_due is None
+
+
 def test_scheduled_job_beyond_the_horizon_is_published_when_due(app: Celery) -> None:
     runtime = runtime_of(app)
     due = time.time() + 600
