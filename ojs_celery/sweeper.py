@@ -3,8 +3,10 @@
 One pass takes what is due on each clock (``store.due``, O(log n + k)), applies the transition
 with compare-and-set, emits the events, terminates a running attempt that lost its job, and
 publishes what is owed (retries, the outbox, scheduled jobs that came due). Only the process
-whose compare-and-set won acts, so any number of sweepers may run at once. It knows nothing of
-Celery beyond publishing and one control command: the Celery task, the beat entry and
+whose compare-and-set won acts, so any number of sweepers may run at once. The jobs due on one
+clock are read in one batch and written in one batch (``store.apply_many``); a job whose write
+lost a race goes through ``store.apply`` alone, which re-reads it. It knows nothing of Celery
+beyond publishing and one control command: the Celery task, the beat entry and
 ``ojs-celery sweep --loop`` are thin shells around :func:`sweep`.
 """
 
@@ -183,25 +185,56 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
         ("visibility", now, _invisible(now)),
     ]
     for clock, cutoff, rule in rules:
-        for job_id, _ in store.due(clock, cutoff, limit):
-            done = store.apply(job_id, rule)
-            if done.record is None:
-                continue
-            report.applied[clock] += 1
-            runtime.emit(done)
-            before = done.previous
-            if before is not None and before.job.state == "active":
-                terminate_attempt(runtime, job_id, before.token)
-            _publish(runtime, done, report)
+        _enforce(runtime, clock, store.due(clock, cutoff, limit), rule, report)
     _bury_dead_workers(runtime, now, limit, report)
     for clock in ("dispatch", "promote"):
         owed = _owed_message(now, clock, settings.dispatch_grace)
-        for job_id, _ in store.due(clock, now, limit):
-            done = store.apply(job_id, owed)
-            if done.record is not None:
-                report.applied[clock] += 1
-                _publish(runtime, done, report)
+        _enforce(runtime, clock, store.due(clock, now, limit), owed, report)
     report.pruned = store.prune(now, limit)
+
+
+def _enforce(
+    runtime: Runtime,
+    clock: str,
+    due: list[tuple[str, float]],
+    rule: Callable[[Record], Transition],
+    report: SweepReport,
+) -> None:
+    """Apply ``rule`` to the jobs due on ``clock`` and act on every transition that applied:
+    emit its events, stop the attempt it took the job from, publish what it owes.
+
+    A store or broker error does not stop the acting on transitions already written (their
+    events are emitted; a message that could not be published stays in the outbox); it is
+    raised at the end, and what was not written is still due next pass.
+    """
+    store = runtime.store
+    job_ids = [job_id for job_id, _ in due]
+    if not job_ids:
+        return
+    failure: StoreError | BrokerUnavailable | None = None
+    for job_id, done in zip(job_ids, store.apply_many(job_ids, rule), strict=True):
+        if done is None:  # lost a race: decide again on fresh data
+            if failure is not None:
+                continue
+            try:
+                done = store.apply(job_id, rule)
+            except StoreError as exc:
+                failure = exc
+                continue
+        if done.record is None:
+            continue
+        report.applied[clock] += 1
+        runtime.emit(done)
+        before = done.previous
+        if before is not None and before.job.state == "active":
+            terminate_attempt(runtime, job_id, before.token)
+        if failure is None:
+            try:
+                _publish(runtime, done, report)
+            except BrokerUnavailable as exc:
+                failure = exc
+    if failure is not None:
+        raise failure
 
 
 def _bury_dead_workers(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:

@@ -161,6 +161,44 @@ def test_a_message_this_process_published_is_not_published_again(app: Celery) ->
     assert record is not None and record.dispatch_due is None
 
 
+def test_a_broker_fault_mid_pass_keeps_written_transitions_whole(
+    app: Celery, seen: Counter[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Transitions are written in a batch: when publishing fails, the events of every written
+    one are still emitted and its message stays owed (the outbox), for the next pass."""
+    from ojs_celery import sweeper
+    from ojs_celery.producer import BrokerUnavailable
+
+    runtime = runtime_of(app)
+    store = runtime.store
+    retry = {"max_attempts": 3, "initial_interval": "PT1S", "jitter": False}
+    jobs = [enqueue({"type": "e2e.add", "args": [i, 1], "timeout": 10, "grace_period": 0,
+                     "retry": retry}, app=app) for i in range(3)]
+    start = time.time()
+    for job in jobs:
+        assert store.start(job.id, 1, "worker_a", now=start).applied
+    before = len(messages(app))
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise BrokerUnavailable("broker down")
+
+    monkeypatch.setattr(sweeper, "publish", broken)
+    report = sweep(runtime, now=start + 12)
+    assert report.error == "broker down" and report.applied["execution"] == 3
+    assert seen["job.timeout"] == 3 and seen["job.retrying"] == 3
+    assert len(messages(app)) == before
+    for job in jobs:
+        stored = store.get_record(job.id)
+        assert stored is not None and stored.job.state == "retryable"
+        assert stored.dispatch_due is not None  # still owed
+
+    monkeypatch.undo()
+    report = sweep(runtime, now=start + 12 + 11.5)
+    assert report.error is None and report.applied["dispatch"] == 3 and report.published == 3
+    assert len(messages(app)) == before + 3
+    assert seen["job.timeout"] == 3
+
+
 def test_scheduled_job_beyond_the_horizon_is_published_when_due(app: Celery) -> None:
     runtime = runtime_of(app)
     due = time.time() + 600
