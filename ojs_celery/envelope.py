@@ -8,6 +8,7 @@ defaults and turns every violation into one :class:`InvalidJob` that names each 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from datetime import datetime, timezone
@@ -103,10 +104,12 @@ def format_timestamp(value: datetime) -> str:
     return text[:-6] + "Z" if text.endswith("+00:00") else text
 
 
+@functools.lru_cache(maxsize=256)
 def parse_duration(text: str) -> float:
     """Seconds in an ISO 8601 duration (``PT1S``, ``PT5M``, ``P1DT2H``).
 
-    Years count 365 days and months 30.
+    Years count 365 days and months 30. Cached: every decoded job validates its retry
+    intervals again, and a deployment uses a handful of distinct durations.
     """
     match = _DURATION.match(text)
     if match is None:

@@ -95,7 +95,10 @@ class Record:
     dead_letter: bool = False
 
     def copy(self) -> Record:
-        return replace(self, job=self.job.model_copy(deep=True))
+        """A record to build the next version in: the job is copied shallowly, because the
+        rules only ever assign attributes and build new containers (``[*j.errors, entry]``,
+        ``{**j.progress, ...}``), never change a list or dict of the record they read."""
+        return replace(self, job=self.job.model_copy())
 
 
 @dataclass(frozen=True)
@@ -272,7 +275,7 @@ def _history_entry(error: dict[str, JsonValue], attempt: int, now: float) -> dic
 
 def create(job: Job, now: float, policy: Policy) -> Transition:
     """A new job: ``scheduled`` (held in the store beyond the horizon) or ``available``."""
-    new = Record(job=job.model_copy(deep=True), token=1)
+    new = Record(job=job.model_copy(), token=1)  # the caller's job is left as it was
     j = new.job
     j.created_at = from_epoch(now)
     j.attempt = 0

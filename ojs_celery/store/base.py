@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic_core import PydanticSerializationError
+
 from .. import lifecycle
 from ..envelope import Job, JsonValue
 from ..lifecycle import Policy, Record, Transition
@@ -402,8 +404,18 @@ RECORD_FIELDS = (
 
 
 def encode_job(job: Job) -> str:
-    """The job as stored: compact OJS JSON (system fields included)."""
-    return job.to_json()
+    """The job as stored: compact OJS JSON (system fields included), as ``Job.to_json``.
+
+    pydantic's own JSON writer does it several times faster and decodes to the same job, with
+    one exception: it writes NaN and infinities as ``null``. So a text with a ``null`` in it
+    (rare: JSON nulls inside args, result or extensions), or one pydantic cannot write (a lone
+    surrogate), is made by ``to_json`` instead, which fails or succeeds as it always did.
+    """
+    try:
+        text = job.model_dump_json(by_alias=True, exclude_none=True)
+    except PydanticSerializationError:
+        return job.to_json()
+    return job.to_json() if "null" in text else text
 
 
 def decode_job(text: str | bytes) -> Job:
