@@ -40,6 +40,7 @@ class Runtime:
         self._lock = threading.Lock()
         self.bus = EventBus(app, enabled=self.settings.events)
         self.acks = DispatchAcker(lambda: self.store)
+        self._task_names: dict[str, str] = {}  # OJS type -> task name, found by task_name_for
 
     @property
     def store(self) -> JobStore:
@@ -65,10 +66,13 @@ class Runtime:
         mapped = self.settings.type_map.get(ojs_type)
         if mapped is not None:
             return mapped
-        for name, task in self.app.tasks.items():
-            if not getattr(task, "__ojs_task__", False):
-                continue
-            if (getattr(task, "ojs_type", None) or name) == ojs_type:
+        tasks = self.app.tasks
+        known = self._task_names.get(ojs_type)
+        if known is not None and _handles(tasks.get(known), known, ojs_type):
+            return known  # the first match found before is still the first (tasks only append)
+        for name, task in tasks.items():
+            if _handles(task, name, ojs_type):
+                self._task_names[ojs_type] = str(name)
                 return str(name)
         raise UnknownType(
             f"type: {ojs_type!r} is not an OJS task (register it with "
@@ -85,6 +89,13 @@ class Runtime:
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+def _handles(task: Any, name: str, ojs_type: str) -> bool:
+    """Is ``task`` (registered as ``name``) the OJS task of ``ojs_type``?"""
+    if task is None or not getattr(task, "__ojs_task__", False):
+        return False
+    return bool((getattr(task, "ojs_type", None) or name) == ojs_type)
 
 
 def attach(app: Celery) -> Runtime:
