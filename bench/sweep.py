@@ -51,8 +51,8 @@ entries in the index, and measure a non-default batch; re-creating costs ~10 ms,
 simpler honest choice. The table shows the best pass and all passes.
 
 After the timed passes at each N one more pass runs instrumented (not in the table): the store's
-``due``/``apply``/``_load``/``_cas``/``set_meta`` and ``runtime.emit`` are wrapped on the
-instances (no package code changed) to show where a pass spends its time.
+``due``/``apply``/``_load(_many)``/``_cas(_many)``/``set_meta`` and ``runtime.emit`` are
+wrapped on the instances (no package code changed) to show where a pass spends its time.
 """
 
 from __future__ import annotations
@@ -457,7 +457,7 @@ def breakdown(runtime: Runtime, loader: Loader, rows: Rows, now: float, due: int
     meter = Meter()
 
     def wrap() -> None:  # only around sweep(): the checks in one_pass are not counted
-        for name in ("due", "apply", "_load", "_cas", "set_meta"):
+        for name in ("due", "apply", "_load", "_cas", "_load_many", "_cas_many", "set_meta"):
             meter.wrap(store, name)
         meter.wrap(runtime, "emit")
 
@@ -467,9 +467,9 @@ def breakdown(runtime: Runtime, loader: Loader, rows: Rows, now: float, due: int
         meter.restore()
     rule = meter.secs["apply"] - meter.secs["_load"] - meter.secs["_cas"]
     parts = [f"instrumented pass {total * 1000:.1f} ms:"]
-    for key in ("due", "_load", "_cas", "emit", "set_meta"):
+    for key in ("due", "_load_many", "_cas_many", "_load", "_cas", "emit", "set_meta"):
         parts.append(f"{key.lstrip('_')} {meter.calls[key]}x {meter.secs[key] * 1000:.1f} ms")
-    parts.append(f"rule in apply (+ wrapper overhead) {rule * 1000:.1f} ms")
+    parts.append(f"rule in apply of a lost race (+ wrapper overhead) {rule * 1000:.1f} ms")
     return " ".join(parts[:1]) + " " + ", ".join(parts[1:])
 
 
