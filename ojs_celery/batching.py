@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -50,6 +51,17 @@ class Batcher(ABC, Generic[T]):
         self._wake = threading.Event()  # ends a linger early: a flush, or a full batch
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        # A forked child has no thread yet: forget the parent's at the fork itself, so that
+        # put() need not compare pids (a system call) every time.
+        ref = weakref.ref(self)
+
+        def forget_thread() -> None:
+            batcher = ref()
+            if batcher is not None:
+                batcher._thread = None
+                batcher._lock = threading.Lock()
+
+        os.register_at_fork(after_in_child=forget_thread)
 
     @abstractmethod
     def _open(self) -> Handler[T]:
@@ -74,7 +86,7 @@ class Batcher(ABC, Generic[T]):
         marker.done.wait(timeout)
 
     def _ensure_thread(self) -> None:
-        if self._pid == os.getpid() and self._thread is not None:
+        if self._thread is not None:
             return
         with self._lock:
             if self._pid == os.getpid() and self._thread is not None:
