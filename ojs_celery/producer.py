@@ -11,6 +11,7 @@ the same task id, retries included.
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import datetime
 from typing import Any
@@ -19,9 +20,11 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 
 from .envelope import Job, from_epoch, parse_envelope
-from .lifecycle import Publish, Record
+from .lifecycle import Publish, Record, Transition
 from .runtime import Runtime, get_runtime
 from .store.base import decode_job, encode_job
+
+logger = logging.getLogger(__name__)
 
 #: Publish retries: fail fast enough that ``enqueue`` can report a broker that is down.
 PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.5,
@@ -199,6 +202,21 @@ def publish(
             "outbox and the sweeper publishes it when the broker is back"
         ) from exc
     runtime.acks.ack(job.id, request.token)
+
+
+def settle(runtime: Runtime, done: Transition) -> None:
+    """After a transition the store accepted: emit its events and publish the message it owes.
+
+    A broker that is down is logged, not raised: the outbox entry stays and the sweeper
+    publishes the message later.
+    """
+    runtime.emit(done)
+    if done.publish is None or done.record is None:
+        return
+    try:
+        publish(runtime, done.record.job, done.publish, record=done.record)
+    except BrokerUnavailable as exc:
+        logger.error("ojs_celery: %s", exc)
 
 
 def enqueue(envelope: dict[str, Any] | str | bytes | Job, *, app: Celery | None = None) -> Job:

@@ -21,7 +21,7 @@ from celery.worker.state import task_ready
 from . import lifecycle
 from .identity import current_worker_id
 from .lifecycle import Transition
-from .producer import BrokerUnavailable, publish
+from .producer import settle
 from .runtime import get_runtime
 from .store import StoreError
 
@@ -63,12 +63,7 @@ class OJSRequest(Request):  # type: ignore[misc]
             logger.info("ojs_celery: late failure of job %s ignored (%s)", self.id, done.reason)
             self._ojs_settled = "stale"
             return "stale"
-        runtime.emit(done)
-        if done.publish is not None:
-            try:
-                publish(runtime, done.record.job, done.publish, record=done.record)
-            except BrokerUnavailable as exc:
-                logger.error("ojs_celery: %s", exc)
+        settle(runtime, done)
         self._ojs_settled = "retried" if done.record.job.state == "retryable" else "discarded"
         return self._ojs_settled
 

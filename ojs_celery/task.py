@@ -29,12 +29,11 @@ from .envelope import JsonValue, parse_envelope
 from .identity import current_worker_id
 from .lifecycle import Record, Transition
 from .producer import (
-    BrokerUnavailable,
     enqueue_job,
     ojs_queue_of,
-    publish,
     record_from_header,
     scheduled_at_from,
+    settle,
 )
 from .runtime import Runtime, get_runtime
 from .store import StoreError
@@ -271,15 +270,10 @@ class OJSTask(Task):  # type: ignore[misc]
                 ctx.job.id, ctx.attempt, reason,
             )
             raise Ignore()
-        runtime.emit(done)
+        settle(runtime, done)
         record = done.record
         if record.job.state == "completed":
             return value
-        if done.publish is not None:
-            try:
-                publish(runtime, record.job, done.publish, record=record)
-            except BrokerUnavailable as err:
-                logger.error("ojs_celery: %s", err)
         if record.job.state == "retryable":
             when = record.job.next_retry_at
             raise Retry(f"OJS retry at {when}", exc, when=when)

@@ -26,7 +26,7 @@ from typing import Any
 from celery.worker import state as worker_state
 
 from .. import lifecycle
-from ..producer import BrokerUnavailable, publish
+from ..producer import settle
 from ..request import token_of
 from ..store import StoreError
 from . import children
@@ -113,6 +113,15 @@ class GracefulShutdown:
                          daemon=True).start()
 
     def _drain(self, source: str) -> None:
+        """Wait, cancel, fail what is left, leave; whatever goes wrong, Celery gets the end."""
+        try:
+            self._wait_and_fail(source)
+        except Exception:
+            logger.exception("ojs_celery: the shutdown drain failed; stopping the worker")
+        finally:
+            self._hand_over_to_celery()
+
+    def _wait_and_fail(self, source: str) -> None:
         deadline = time.monotonic() + self.grace
         signalled: set[str] = set()
         while _snapshot_active() and time.monotonic() < deadline:
@@ -133,7 +142,6 @@ class GracefulShutdown:
             pass
         logger.warning("ojs_celery: worker %s drained (%d job(s) failed with `shutdown`)",
                        self.agent.worker_id, len(leftovers))
-        self._hand_over_to_celery()
 
     def _cancel(self, request: Any) -> None:
         """Deliver the cancellation signal: the soft time limit in the job's pool process."""
@@ -162,12 +170,7 @@ class GracefulShutdown:
                          "recover it): %s", request.id, exc)
             done = None
         if done is not None and done.record is not None:
-            self.runtime.emit(done)
-            if done.publish is not None:
-                try:
-                    publish(self.runtime, done.record.job, done.publish)
-                except BrokerUnavailable as exc:
-                    logger.error("ojs_celery: %s", exc)
+            settle(self.runtime, done)
         pid = getattr(request, "worker_pid", None)
         if pid and pid != os.getpid():
             try:
