@@ -227,10 +227,21 @@ def enqueue(envelope: dict[str, Any] | str | bytes | Job, *, app: Celery | None 
     """
     runtime = get_runtime(app)
     job = parse_envelope(envelope)
-    return enqueue_job(runtime, job)
+    return enqueue_job(runtime, job, id_chosen=client_chose_id(envelope))
 
 
-def enqueue_job(runtime: Runtime, job: Job) -> Job:
+def client_chose_id(envelope: Any) -> bool:
+    """Whether the producer may have set the job id (then it may be taken). Errs on "yes"."""
+    if isinstance(envelope, dict):
+        return envelope.get("id") is not None
+    if isinstance(envelope, str):
+        return '"id"' in envelope
+    if isinstance(envelope, bytes):
+        return b'"id"' in envelope
+    return True
+
+
+def enqueue_job(runtime: Runtime, job: Job, *, id_chosen: bool = True) -> Job:
     """Store and publish a job that is already valid."""
     from .envelope import InvalidJob
     from .runtime import UnknownType
@@ -240,14 +251,28 @@ def enqueue_job(runtime: Runtime, job: Job) -> Job:
         runtime.task_name_for(job.type)
     except UnknownType as exc:
         raise InvalidJob([("type", str(exc).removeprefix("type: "))]) from None
-    try:
-        transition = runtime.store.create(job)
-    except DuplicateJob as exc:
-        raise InvalidJob([("id", str(exc).removeprefix("id: "))]) from None
+    if id_chosen:
+        # A client-chosen id may be taken: the store answers before anything is published.
+        try:
+            transition = runtime.store.create(job)
+        except DuplicateJob as exc:
+            raise InvalidJob([("id", str(exc).removeprefix("id: "))]) from None
+        assert transition.record is not None
+        runtime.emit(transition)
+        if transition.publish is not None:
+            publish(runtime, transition.record.job, transition.publish, record=transition.record)
+        return transition.record.job
+    # A fresh UUIDv7 cannot collide: publish while the store write is in flight (one round
+    # trip instead of two). If the write fails, enqueue raises and the message already sent
+    # names a job that does not exist, which a worker drops.
+    transition, confirm = runtime.store.begin_create(job)
     assert transition.record is not None
+    try:
+        if transition.publish is not None:
+            publish(runtime, transition.record.job, transition.publish, record=transition.record)
+    finally:
+        confirm()
     runtime.emit(transition)
-    if transition.publish is not None:
-        publish(runtime, transition.record.job, transition.publish, record=transition.record)
     return transition.record.job
 
 

@@ -130,7 +130,7 @@ class OJSTask(Task):  # type: ignore[misc]
                 value = options[name]
                 envelope[f"x_celery_{name}"] = [dict(s) for s in value] if isinstance(
                     value, (list, tuple)) else dict(value)
-        job = enqueue_job(runtime, parse_envelope(envelope))
+        job = enqueue_job(runtime, parse_envelope(envelope), id_chosen="id" in envelope)
         return self.AsyncResult(job.id)
 
     # ------------------------------------------------------------------ Celery retry paths

@@ -213,3 +213,15 @@ def test_ojs_header_carries_a_record_snapshot_the_worker_can_start_from() -> Non
     assert record_from_header(broken, record.job.id) is None
     big = lifecycle.create(job(args=["x" * 10_000]), T0, lifecycle.Policy()).record
     assert big is not None and "record" not in ojs_header(big.job, 1, big)
+
+
+def test_client_chose_id_errs_on_yes() -> None:
+    from ojs_celery.producer import client_chose_id
+
+    assert not client_chose_id({"type": "a", "args": []})
+    assert not client_chose_id({"type": "a", "args": [], "id": None})
+    assert client_chose_id({"type": "a", "args": [], "id": "x"})
+    assert not client_chose_id('{"type": "a", "args": []}')
+    assert client_chose_id('{"type": "a", "args": ["\\"id\\""]}')  # a false "yes" is safe
+    assert client_chose_id(b'{"id": "x"}')
+    assert client_chose_id(object())

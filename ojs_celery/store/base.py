@@ -167,12 +167,38 @@ class JobStore(ABC):
 
     def create(self, job: Job, now: float | None = None) -> Transition:
         """Store a new job (``available`` or ``scheduled``) with its outbox entry."""
-        transition = lifecycle.create(job, time.time() if now is None else now, self.policy)
-        assert transition.record is not None
-        if not self._insert(transition.record, self._deadlines(transition.record)):
-            raise DuplicateJob(job.id)
-        transition.record.version = 1
+        transition, confirm = self.begin_create(job, now)
+        confirm()
         return transition
+
+    def begin_create(
+        self, job: Job, now: float | None = None
+    ) -> tuple[Transition, Callable[[], None]]:
+        """Start storing a new job; ``confirm()`` waits for the write and raises
+        :class:`DuplicateJob` or :class:`StoreError` if it failed.
+
+        Backends that can send a write without waiting for its reply (Redis) let the caller do
+        something in between, such as publishing the job's message: enqueue then costs one
+        round trip instead of two.
+        """
+        transition = lifecycle.create(job, time.time() if now is None else now, self.policy)
+        record = transition.record
+        assert record is not None
+        written = self._insert_begin(record, self._deadlines(record))
+
+        def confirm() -> None:
+            if not written():
+                raise DuplicateJob(job.id)
+            record.version = 1
+
+        return transition, confirm
+
+    def _insert_begin(
+        self, record: Record, deadlines: dict[str, float | None]
+    ) -> Callable[[], bool]:
+        """:meth:`_insert`, possibly sent now and answered later (default: right away)."""
+        inserted = self._insert(record, deadlines)
+        return lambda: inserted
 
     def get(self, job_id: str) -> Job | None:
         record = self._load(job_id)

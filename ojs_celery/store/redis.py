@@ -211,6 +211,39 @@ class RedisStore(JobStore):
         keys = [self._job_prefix + record.job.id, *self._all_due_keys]
         return bool(self._insert_script(keys, self._args(record, 1, deadlines)))
 
+    def _insert_begin(
+        self, record: Record, deadlines: dict[str, float | None]
+    ) -> Callable[[], bool]:
+        """Send the insert script now, read its answer when asked (one pooled connection)."""
+        keys = [self._job_prefix + record.job.id, *self._all_due_keys]
+        args = self._args(record, 1, deadlines)
+        pool = self.client.connection_pool
+        try:
+            connection = pool.get_connection()
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise StoreError(f"job store unreachable: {exc}") from exc
+        try:
+            connection.send_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", self._insert_script.sha, len(keys), *keys, *args
+            )
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            pool.release(connection)
+            inserted = self._insert(record, deadlines)  # redis-py's retries, then StoreError
+            return lambda: inserted
+
+        def answer() -> bool:
+            try:
+                return bool(connection.read_response())
+            except redis.exceptions.NoScriptError:
+                return bool(self._insert(record, deadlines))  # script flushed: load and retry
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                connection.disconnect()  # type: ignore[no-untyped-call]
+                raise StoreError(f"job store unreachable: {exc}") from exc
+            finally:
+                pool.release(connection)
+
+        return answer
+
     @_wrap_errors
     def _load(self, job_id: str) -> Record | None:
         fields: dict[str, str] = self.client.hgetall(self._job_prefix + job_id)  # type: ignore[assignment]
