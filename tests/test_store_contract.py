@@ -795,3 +795,27 @@ def test_take_meta_races_give_the_value_once(store: JobStore) -> None:
     for thread in threads:
         thread.join()
     assert [t for t in taken if t is not None] == ["terminate"]
+
+
+def test_a_message_snapshot_starts_the_job_without_a_read(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record a message carries (taken before the store confirmed the insert) is the
+    stored one: the worker's start is a single compare-and-set."""
+    from ojs_celery.envelope import parse_envelope
+    from ojs_celery.producer import ojs_header, record_from_header
+
+    transition, confirm = store.begin_create(parse_envelope({"type": "a.b", "args": [1]}))
+    record = transition.record
+    assert record is not None
+    header = ojs_header(record.job, record.token, record)  # built before confirm, as enqueue does
+    confirm()
+    hint = record_from_header(header, record.job.id)
+    assert hint is not None
+
+    def no_read(job_id: str) -> Record | None:
+        raise AssertionError("the snapshot was stale: start had to read the record")
+
+    monkeypatch.setattr(store, "_load", no_read)
+    started = store.start(record.job.id, record.token, "w1", hint=hint)
+    assert started.record is not None and started.record.job.state == "active"

@@ -185,11 +185,11 @@ class JobStore(ABC):
         record = transition.record
         assert record is not None
         written = self._insert_begin(record, self._deadlines(record))
+        record.version = 1  # what it is once written (a message may carry it before confirm)
 
         def confirm() -> None:
             if not written():
                 raise DuplicateJob(job.id)
-            record.version = 1
 
         return transition, confirm
 
