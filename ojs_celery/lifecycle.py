@@ -11,20 +11,11 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from .envelope import Job, JsonValue, RetryPolicy, format_timestamp, from_epoch
+from .envelope import Job, JsonValue, RetryPolicy, State, format_timestamp, from_epoch
 
-STATES = (
-    "scheduled",
-    "available",
-    "pending",
-    "active",
-    "completed",
-    "retryable",
-    "cancelled",
-    "discarded",
-)
+STATES: tuple[str, ...] = get_args(State)
 TERMINAL = frozenset({"completed", "cancelled", "discarded"})
 NEVER_STARTED = frozenset({"scheduled", "available", "pending"})
 STARTABLE = frozenset({"scheduled", "available", "retryable"})

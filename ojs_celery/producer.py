@@ -22,7 +22,7 @@ from kombu.exceptions import OperationalError
 from .envelope import Job, from_epoch, parse_envelope
 from .lifecycle import Publish, Record, Transition
 from .runtime import Runtime, get_runtime
-from .store.base import decode_job, encode_job
+from .store.base import RECORD_FIELDS, decode_job, encode_job
 
 logger = logging.getLogger(__name__)
 
@@ -108,17 +108,8 @@ def ojs_header(job: Job, token: int, record: Record | None = None) -> dict[str, 
     if record is not None:
         data = encode_job(record.job)
         if len(data) <= SNAPSHOT_MAX_CHARS:
-            header["record"] = {
-                "version": record.version,
-                "token": record.token,
-                "worker_id": record.worker_id,
-                "heartbeat_at": record.heartbeat_at,
-                "extended_at": record.extended_at,
-                "dispatch_due": record.dispatch_due,
-                "promote_at": record.promote_at,
-                "dead_letter": record.dead_letter,
-                "job": data,
-            }
+            header["record"] = {name: getattr(record, name) for name in RECORD_FIELDS}
+            header["record"]["job"] = data
     return header
 
 
