@@ -275,22 +275,27 @@ def test_kill_9_worker_jobs_complete_once_on_another_worker(
         victim.wait_ready()
         victim_info = registered(env, victim)
         policy = {"initial_interval": "PT0.5S", "jitter": False}
-        jobs = [enqueue({"type": "e2e.whoami", "args": [1.5], "queue": queue,
+        jobs = [enqueue({"type": "e2e.whoami", "args": [3.0], "queue": queue,
                          "retry": policy}, app=env.app) for _ in range(4)]
         store = get_runtime(env.app).store
 
         def holding() -> WorkerInfo | None:
+            """The victim's last beat lists a running job (started in the store, not just
+            handed to a pool process) and jobs it holds without running them."""
             info = store.get_worker(victim_info.worker_id)
-            ok = info is not None and info.active_job_ids and info.reserved_job_ids
-            return info if ok else None
+            if info is None or not info.active_job_ids or not info.reserved_job_ids:
+                return None
+            running = [store.get(job_id) for job_id in info.active_job_ids]
+            return info if all(j is not None and j.state == "active" for j in running) else None
 
         held = wait_for(holding, 10, "the victim to run one job and hold others")
+        os.killpg(victim.process.pid, signal.SIGKILL)  # mid-job: it cannot finish any of them
+        killed_at = time.monotonic()
         survivor = Worker(config, tmp_path / "survivor.log", concurrency=2)
         survivor.wait_ready()
         survivor_id = registered(env, survivor).worker_id
-        os.killpg(victim.process.pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        bound = DEAD_AFTER + SWEEP + 0.5 + 1.5 * len(jobs) + SLACK
+        start_up = time.monotonic() - killed_at
+        bound = start_up + DEAD_AFTER + SWEEP + 0.5 + 3.0 * len(jobs) / 2 + SLACK
         for job in jobs:
             done = env.wait_state(job.id, "completed", timeout=bound)
             assert done.result == survivor_id
