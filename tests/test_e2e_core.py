@@ -97,4 +97,5 @@ def test_execution_timeout_grace_period_and_checkpoint(env: Env) -> None:
     timeouts = env.events.of(overrun.id, "job.timeout")
     assert [e["data"]["attempt"] for e in timeouts] == [1, 2]
     assert timeouts[0]["data"]["timeout_kind"] == "execution"
-    assert AsyncResult(overrun.id, app=env.app).state == "FAILURE"
+    result = AsyncResult(overrun.id, app=env.app)
+    wait_for(lambda: result.state == "FAILURE", 10, "FAILURE in the result backend")
