@@ -76,7 +76,7 @@ def main() -> int:
     ready.wait(10)
     print(f"ojs_celery demo (filesystem broker, SQLite store in {base})\n", flush=True)
     worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "examples.demo_app", "worker", "--pool",
+        [sys.executable, "-m", "celery", "--quiet", "-A", "examples.demo_app", "worker", "--pool",
          "prefork", "--concurrency", "3", "--without-gossip",
          "--loglevel", os.environ.get("OJS_DEMO_LOGLEVEL", "WARNING"),
          "--without-mingle", "--hostname", "demo@%h"],
