@@ -193,7 +193,7 @@ class WorkerAgent:
                 return  # no way back from terminate
             if wanted == "quiet" and current == "running":
                 self.state = "quiet"
-                self._call_soon(self._stop_consuming)
+                self.consumer.call_soon(self._stop_consuming)
                 logger.warning("ojs_celery: worker %s is quiet (%s): no new jobs", self.worker_id,
                                source)
                 self.runtime.bus.emit("worker.quiet", {
@@ -201,7 +201,7 @@ class WorkerAgent:
                 }, subject=self.worker_id)
             elif wanted in ("resume", "running") and current == "quiet":
                 self.state = "running"
-                self._call_soon(self._resume_consuming)
+                self.consumer.call_soon(self._resume_consuming)
                 logger.warning("ojs_celery: worker %s is running again (%s)", self.worker_id,
                                source)
             elif wanted == "terminate":
@@ -218,21 +218,20 @@ class WorkerAgent:
         threading.Thread(target=self.beat, name="ojs-beat-now", daemon=True).start()
 
     def stop_consuming(self) -> None:
-        self._call_soon(self._stop_consuming)
-
-    def _call_soon(self, fn: Callable[[], None]) -> None:
-        self.consumer.call_soon(fn)
+        self.consumer.call_soon(self._stop_consuming)
 
     def _stop_consuming(self) -> None:
-        for name in self._queues:
-            try:
-                self.consumer.cancel_task_queue(name)
-            except Exception as exc:
-                logger.debug("ojs_celery: cancel queue %s: %r", name, exc)
+        self._each_queue(self.consumer.cancel_task_queue)
 
     def _resume_consuming(self) -> None:
+        self._each_queue(self.consumer.add_task_queue)
+
+    def _each_queue(self, change: Callable[[str], Any]) -> None:
+        """Cancel or re-add every queue this worker consumed at start (in the consumer's
+        thread, via ``call_soon``); a queue already in that state is not an error."""
         for name in self._queues:
             try:
-                self.consumer.add_task_queue(name)
+                change(name)
             except Exception as exc:
-                logger.debug("ojs_celery: add queue %s: %r", name, exc)
+                logger.debug("ojs_celery: %s(%s): %r", getattr(change, "__name__", change),
+                             name, exc)
