@@ -34,6 +34,7 @@ from .base import (
     decode_job,
     encode_job,
 )
+from .redis_lane import LOST, MISSED, Lane
 
 __all__ = ["RedisStore"]
 
@@ -77,13 +78,22 @@ end
 return 1
 """
 
-# KEYS: job hash, dispatch zset; ARGV: id, token. No version bump: see JobStore._ack_dispatch.
+# KEYS: the dispatch zset, then one job hash per acknowledgement; ARGV: id, token per job.
+# One call clears a whole batch. No version bump: see JobStore._ack_dispatch.
 _ACK_DISPATCH = """
-local current = redis.call('HMGET', KEYS[1], 'token', 'dispatch_due')
-if current[1] ~= ARGV[2] or not current[2] or current[2] == '' then return 0 end
-redis.call('HSET', KEYS[1], 'dispatch_due', '')
-redis.call('ZREM', KEYS[2], ARGV[1])
-return 1
+local done = {}
+for i = 2, #KEYS do
+  local id, token = ARGV[2 * i - 3], ARGV[2 * i - 2]
+  local current = redis.call('HMGET', KEYS[i], 'token', 'dispatch_due')
+  if current[1] == token and current[2] and current[2] ~= '' then
+    redis.call('HSET', KEYS[i], 'dispatch_due', '')
+    redis.call('ZREM', KEYS[1], id)
+    done[#done + 1] = 1
+  else
+    done[#done + 1] = 0
+  end
+end
+return done
 """
 
 # KEYS: job hash, every clock's zset; ARGV: id, expected version.
@@ -185,6 +195,7 @@ class RedisStore(JobStore):
         self._delete_script = self.client.register_script(_DELETE)
         self._list_workers_script = self.client.register_script(_LIST_WORKERS)
         self._take_meta_script = self.client.register_script(_TAKE_META)
+        self._lane = Lane(self.client)
 
     def close(self) -> None:
         self.client.close()
@@ -214,35 +225,24 @@ class RedisStore(JobStore):
     def _insert_begin(
         self, record: Record, deadlines: dict[str, float | None]
     ) -> Callable[[], bool]:
-        """Send the insert script now, read its answer when asked (one pooled connection)."""
+        """Send the insert script now, read its answer when asked."""
         keys = [self._job_prefix + record.job.id, *self._all_due_keys]
         args = self._args(record, 1, deadlines)
-        pool = self.client.connection_pool
-        try:
-            connection = pool.get_connection()
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-            raise StoreError(f"job store unreachable: {exc}") from exc
-        try:
-            connection.send_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", self._insert_script.sha, len(keys), *keys, *args
-            )
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            pool.release(connection)
+        answer = self._lane.send("EVALSHA", self._insert_script.sha, len(keys), *keys, *args)
+        if answer is None:
             inserted = self._insert(record, deadlines)  # redis-py's retries, then StoreError
             return lambda: inserted
 
-        def answer() -> bool:
+        def confirm() -> bool:
             try:
-                return bool(connection.read_response())
-            except redis.exceptions.NoScriptError:
-                return bool(self._insert(record, deadlines))  # script flushed: load and retry
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-                connection.disconnect()  # type: ignore[no-untyped-call]
+                done = answer()
+            except LOST as exc:  # not sent again: a second insert would find the first
                 raise StoreError(f"job store unreachable: {exc}") from exc
-            finally:
-                pool.release(connection)
+            if done is MISSED:
+                return self._insert(record, deadlines)  # script flushed: load and retry
+            return bool(done)
 
-        return answer
+        return confirm
 
     @_wrap_errors
     def _load(self, job_id: str) -> Record | None:
@@ -252,12 +252,14 @@ class RedisStore(JobStore):
     @_wrap_errors
     def _cas(self, record: Record, expected: int, deadlines: dict[str, float | None]) -> bool:
         keys = [self._job_prefix + record.job.id, *self._all_due_keys]
-        return bool(self._cas_script(keys, self._args(record, expected, deadlines)))
+        args = self._args(record, expected, deadlines)
+        done = self._lane.call("EVALSHA", self._cas_script.sha, len(keys), *keys, *args)
+        if done is MISSED:
+            done = self._cas_script(keys, args)
+        return bool(done)
 
-    @_wrap_errors
     def _ack_dispatch(self, job_id: str, token: int) -> bool:
-        keys = [self._job_prefix + job_id, self._due_keys["dispatch"]]
-        return bool(self._ack_script(keys, [job_id, str(token)]))
+        return self._ack_dispatch_many([(job_id, token)])[0]
 
     @_wrap_errors
     def _load_many(self, job_ids: Sequence[str]) -> list[Record | None]:
@@ -277,10 +279,9 @@ class RedisStore(JobStore):
 
     @_wrap_errors
     def _ack_dispatch_many(self, acks: Sequence[tuple[str, int]]) -> list[bool]:
-        dispatch = self._due_keys["dispatch"]
-        calls = [([self._job_prefix + job_id, dispatch], [job_id, str(token)])
-                 for job_id, token in acks]
-        return [bool(done) for done in self._evalsha_many(self._ack_script, calls)]
+        keys = [self._due_keys["dispatch"], *(self._job_prefix + job_id for job_id, _ in acks)]
+        args = [part for job_id, token in acks for part in (job_id, str(token))]
+        return [bool(done) for done in self._ack_script(keys, args)]
 
     def _evalsha_many(self, script: Script, calls: list[tuple[list[str], list[str]]]) -> list[Any]:
         """Run ``script`` once per ``(keys, args)`` in one pipeline (no transaction: each call

@@ -1,0 +1,126 @@
+"""A fast lane for the Redis store's hot round trips (start, complete, fail, insert).
+
+redis-py spends about as much CPU on a command's way through its layers (pool checkout and
+return, retry wrapper, command dispatch, response callbacks) as on the round trip itself. A
+worker pays that twice per job, so the store keeps one connection per process aside and talks
+to it directly; a thread that finds it taken borrows a connection from the client's pool for
+the call, still past the other layers.
+
+The lane never changes what a call does, only how fast the usual case goes: a script Redis has
+forgotten (``NOSCRIPT``) and a connection error send the caller back to the client's ordinary
+path, with its retries and script loading. The lane's connection is checked out of the client's
+pool once and never returned, so ``client.close()`` closes it; a forked child forgets its
+parent's and checks out its own.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+__all__ = ["LOST", "MISSED", "Lane"]
+
+#: What a reply reads as when Redis ran nothing (``NOSCRIPT``): take the ordinary path.
+MISSED: Any = object()
+#: The errors of a lost connection: the command may or may not have run.
+LOST = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class Lane:
+    """One connection of this process, used by whichever thread finds it free."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._pool = client.connection_pool
+        self._lock = threading.Lock()
+        self._connection: Any = None
+        ref = weakref.ref(self)
+
+        def forget_parent() -> None:
+            lane = ref()
+            if lane is not None:
+                lane._lock = threading.Lock()
+                lane._connection = None
+
+        os.register_at_fork(after_in_child=forget_parent)
+
+    def call(self, *command: str | int) -> Any:
+        """Redis's reply to ``command``, or :data:`MISSED` when the caller must take the
+        ordinary path (which sends it again if the reply was lost, as redis-py's retry would)."""
+        answer = self._send(command, check=False)  # a dead connection only costs a detour
+        if answer is None:
+            return MISSED
+        try:
+            return answer()
+        except LOST:
+            return MISSED
+
+    def send(self, *command: str | int) -> Callable[[], Any] | None:
+        """Send ``command`` now and return the function that reads its reply, so the caller
+        may do something else in between. The reader returns :data:`MISSED` for ``NOSCRIPT``
+        and raises one of :data:`LOST` when the reply is lost. None: nothing was sent."""
+        return self._send(command, check=True)
+
+    def _send(self, command: tuple[str | int, ...], check: bool) -> Callable[[], Any] | None:
+        own = self._lock.acquire(blocking=False)
+        connection: Any = None
+        try:
+            if not own:
+                connection = self._pool.get_connection()
+            elif self._connection is None:
+                connection = self._connection = self._pool.get_connection()
+            else:
+                connection = self._connection
+                if check:
+                    _ready(connection)
+            connection.send_command(*command)
+        except LOST:
+            self._done(connection, own, broken=True)
+            return None
+        except BaseException:
+            self._done(connection, own, broken=False)
+            raise
+
+        def answer() -> Any:
+            broken = False
+            try:
+                return connection.read_response()
+            except NoScriptError:
+                return MISSED
+            except LOST:
+                broken = True
+                raise
+            finally:
+                self._done(connection, own, broken)
+
+        return answer
+
+    def _done(self, connection: Any, own: bool, broken: bool) -> None:
+        """Give the connection back (a broken one is disconnected and reopened on next use)."""
+        if connection is not None and broken:
+            connection.disconnect()
+        if own:
+            if broken:
+                self._connection = None
+            self._lock.release()
+        elif connection is not None:
+            self._pool.release(connection)
+
+
+def _ready(connection: Any) -> None:
+    """Make a kept connection fit to send, as the pool checks one it hands out: a socket
+    with something to read was closed by the server (a restart, ``CLIENT KILL``, a timeout)
+    and is replaced, so that a command is never written into a dead connection."""
+    try:
+        stale = connection.can_read()
+    except LOST:
+        stale = True
+    if stale:
+        connection.disconnect()
