@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -169,10 +170,14 @@ def test_queue_max_length_128() -> None:
 
 
 def test_id_generated_as_uuid7_when_absent() -> None:
+    before = time.time_ns() // 1_000_000
     job = parse_envelope(env())
+    after = time.time_ns() // 1_000_000
     assert UUID7_PATTERN.match(job.id)
-    assert uuid.UUID(job.id).version == 7
-    assert parse_envelope(env()).id != job.id
+    generated = uuid.UUID(job.id)
+    assert generated.version == 7 and generated.variant == uuid.RFC_4122
+    assert before <= generated.int >> 80 <= after  # RFC 9562: Unix milliseconds first
+    assert len({parse_envelope(env()).id for _ in range(1000)}) == 1000
 
 
 def test_id_kept_when_given() -> None:
