@@ -1,4 +1,4 @@
-"""A fast lane for the Redis store's hot round trips (start, complete, fail, insert).
+"""A fast lane for the Redis store's hot round trips (every compare-and-set write, inserts).
 
 redis-py spends about as much CPU on a command's way through its layers (pool checkout and
 return, retry wrapper, command dispatch, response callbacks) as on the round trip itself. A
@@ -8,8 +8,8 @@ the call, still past the other layers.
 
 The lane never changes what a call does, only how fast the usual case goes: a script Redis has
 forgotten (``NOSCRIPT``) and a connection error send the caller back to the client's ordinary
-path, with its retries and script loading. The lane's connection is checked out of the client's
-pool once and never returned, so ``client.close()`` closes it; a forked child forgets its
+path, with its retries and script loading. The lane's connection stays checked out of the
+client's pool (so ``client.close()`` closes it) until it breaks; a forked child forgets its
 parent's and checks out its own.
 """
 
@@ -103,15 +103,16 @@ class Lane:
         return answer
 
     def _done(self, connection: Any, own: bool, broken: bool) -> None:
-        """Give the connection back (a broken one is disconnected and reopened on next use)."""
+        """Free the lane, or give a borrowed connection back. A broken connection is
+        disconnected and returned to the pool: the lane checks out a fresh one next time."""
         if connection is not None and broken:
             connection.disconnect()
-        if own:
-            if broken:
-                self._connection = None
-            self._lock.release()
-        elif connection is not None:
+        if own and broken:
+            self._connection = None
+        if connection is not None and (broken or not own):
             self._pool.release(connection)
+        if own:
+            self._lock.release()
 
 
 def _ready(connection: Any) -> None:
