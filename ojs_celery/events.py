@@ -115,21 +115,31 @@ def listen(
     timeout: float | None = None,
     ready: threading.Event | None = None,
 ) -> None:
-    """Call ``handler`` for every OJS event on the bus until ``limit`` events or ``timeout``.
+    """Call ``handler`` for every OJS event on the bus until ``limit`` events, or until
+    ``timeout`` seconds pass without a message.
 
-    ``ready`` is set once the receiver is bound, so nothing published after it is missed.
+    ``ready`` is set once the receiver is bound, so nothing published after it is missed. The
+    limit counts events, not bus messages (one message carries a batch of them), and is not
+    passed to kombu, whose ``limit`` also counts the idle one-second polls.
     """
+    seen = 0
     with app.connection_for_read() as connection:
 
         def on_event(raw: dict[str, Any]) -> None:
+            nonlocal seen
             for event in raw.get("ojs_events") or ():
+                if limit is not None and seen >= limit:
+                    break
                 if isinstance(event, dict):
+                    seen += 1
                     handler(event)
+            if limit is not None and seen >= limit:
+                receiver.should_stop = True
 
         receiver = app.events.Receiver(connection, handlers={BUS_EVENT_TYPE: on_event})
         if ready is not None:
             receiver.on_consume_ready = lambda *_a, **_k: ready.set()
         try:
-            receiver.capture(limit=limit, timeout=timeout, wakeup=False)
+            receiver.capture(timeout=timeout, wakeup=False)
         except TimeoutError:
             return
