@@ -64,6 +64,7 @@ def main() -> int:
     from examples.demo_app import app
     from ojs_celery import enqueue, get_job
     from ojs_celery.events import listen
+    from ojs_celery.runtime import get_runtime
 
     started = time.monotonic()
     ready = threading.Event()
@@ -79,7 +80,11 @@ def main() -> int:
         [sys.executable, "-m", "celery", "--quiet", "-A", "examples.demo_app", "worker", "--pool",
          "prefork", "--concurrency", "3", "--without-gossip",
          "--loglevel", os.environ.get("OJS_DEMO_LOGLEVEL", "WARNING"),
-         "--without-mingle", "--hostname", "demo@%h"],
+         "--without-mingle", "--hostname", "demo@%h",
+         # the sweeper too (beat inside the worker, fine for a demo): it enforces every
+         # deadline again from the store, as a deployment's `celery beat` would
+         "-B", "--schedule", str(base / "celerybeat-schedule"),
+         "-Q", f"{app.conf.task_default_queue},{get_runtime(app).settings.sweep_queue}"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
