@@ -202,6 +202,11 @@ class RedisStore(JobStore):
 
     # ------------------------------------------------------------------ record codec
 
+    def _job_keys(self, job_id: str) -> list[str]:
+        """KEYS of the insert, compare-and-set and delete scripts: the job's hash, then every
+        clock's sorted set in CLOCKS order."""
+        return [self._job_prefix + job_id, *self._all_due_keys]
+
     def _args(self, record: Record, version: int, deadlines: dict[str, float | None]) -> list[str]:
         job = record.job
         args = [job.id, str(version), encode_job(job), job.state]
@@ -219,14 +224,14 @@ class RedisStore(JobStore):
 
     @_wrap_errors
     def _insert(self, record: Record, deadlines: dict[str, float | None]) -> bool:
-        keys = [self._job_prefix + record.job.id, *self._all_due_keys]
+        keys = self._job_keys(record.job.id)
         return bool(self._insert_script(keys, self._args(record, 1, deadlines)))
 
     def _insert_begin(
         self, record: Record, deadlines: dict[str, float | None]
     ) -> Callable[[], bool]:
         """Send the insert script now, read its answer when asked."""
-        keys = [self._job_prefix + record.job.id, *self._all_due_keys]
+        keys = self._job_keys(record.job.id)
         args = self._args(record, 1, deadlines)
         answer = self._lane.send("EVALSHA", self._insert_script.sha, len(keys), *keys, *args)
         if answer is None:
@@ -251,7 +256,7 @@ class RedisStore(JobStore):
 
     @_wrap_errors
     def _cas(self, record: Record, expected: int, deadlines: dict[str, float | None]) -> bool:
-        keys = [self._job_prefix + record.job.id, *self._all_due_keys]
+        keys = self._job_keys(record.job.id)
         args = self._args(record, expected, deadlines)
         done = self._lane.call("EVALSHA", self._cas_script.sha, len(keys), *keys, *args)
         if done is MISSED:
@@ -271,8 +276,7 @@ class RedisStore(JobStore):
     @_wrap_errors
     def _cas_many(self, writes: Sequence[Write]) -> list[bool]:
         calls = [
-            ([self._job_prefix + record.job.id, *self._all_due_keys],
-             self._args(record, expected, deadlines))
+            (self._job_keys(record.job.id), self._args(record, expected, deadlines))
             for record, expected, deadlines in writes
         ]
         return [bool(done) for done in self._evalsha_many(self._cas_script, calls)]
@@ -322,7 +326,7 @@ class RedisStore(JobStore):
 
     @_wrap_errors
     def _delete(self, job_id: str, expected: int) -> bool:
-        keys = [self._job_prefix + job_id, *self._all_due_keys]
+        keys = self._job_keys(job_id)
         return bool(self._delete_script(keys, [job_id, str(expected)]))
 
     # ------------------------------------------------------------------ workers and meta
