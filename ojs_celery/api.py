@@ -1,12 +1,16 @@
-"""The small public API around the store: read and cancel jobs."""
+"""The public API around the store: enqueue, read and cancel jobs."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
 
-from .envelope import Job, parse_batch
-from .producer import enqueue_job
-from .runtime import get_runtime
+from .effects import carry_out
+from .envelope import InvalidJob, Job, parse_batch, parse_envelope
+from .producer import publish
+from .runtime import Runtime, UnknownType, get_runtime
+from .store import DuplicateJob
 
 
 class JobNotFound(LookupError):
@@ -27,7 +31,7 @@ def cancel(job_id: str, *, app: Celery | None = None) -> Job:
     runtime = get_runtime(app)
     done = runtime.store.cancel(job_id.lower())
     if done.record is not None:
-        runtime.emit(done)
+        carry_out(runtime, done)
         return done.record.job
     job = runtime.store.get(job_id.lower())
     if job is None:
@@ -46,3 +50,54 @@ def enqueue_batch(
     for job in jobs:
         runtime.task_name_for(job.type)
     return [enqueue_job(runtime, job) for job in jobs]
+
+
+def enqueue(envelope: dict[str, Any] | str | bytes | Job, *, app: Celery | None = None) -> Job:
+    """Validate an OJS envelope, store it and publish it; return the stored job.
+
+    Raises :class:`~ojs_celery.InvalidJob` (nothing stored or published) for a bad envelope,
+    an unknown type or a duplicate id, and :class:`BrokerUnavailable` if the broker is down.
+    """
+    runtime = get_runtime(app)
+    job = parse_envelope(envelope)
+    return enqueue_job(runtime, job, id_chosen=client_chose_id(envelope))
+
+
+def client_chose_id(envelope: Any) -> bool:
+    """Whether the producer may have set the job id (then it may be taken). Errs on "yes"."""
+    if isinstance(envelope, dict):
+        return envelope.get("id") is not None
+    if isinstance(envelope, str):
+        return '"id"' in envelope
+    if isinstance(envelope, bytes):
+        return b'"id"' in envelope
+    return True
+
+
+def enqueue_job(runtime: Runtime, job: Job, *, id_chosen: bool = True) -> Job:
+    """Store and publish a job that is already valid."""
+    try:
+        runtime.task_name_for(job.type)
+    except UnknownType as exc:
+        raise InvalidJob([("type", str(exc).removeprefix("type: "))]) from None
+    if id_chosen:
+        # A client-chosen id may be taken: the store answers before anything is published.
+        try:
+            transition = runtime.store.create(job)
+        except DuplicateJob as exc:
+            raise InvalidJob([("id", str(exc).removeprefix("id: "))]) from None
+        assert transition.record is not None
+        carry_out(runtime, transition, raise_unpublished=True)
+        return transition.record.job
+    # A fresh UUIDv7 cannot collide: publish while the store write is in flight (one round
+    # trip instead of two). If the write fails, enqueue raises and the message already sent
+    # names a job that does not exist, which a worker drops.
+    transition, confirm = runtime.store.begin_create(job)
+    assert transition.record is not None
+    try:
+        if transition.publish is not None:
+            publish(runtime, transition.record.job, transition.publish, record=transition.record)
+    finally:
+        confirm()
+    runtime.emit(transition)
+    return transition.record.job

@@ -19,11 +19,11 @@ import click
 from celery import Celery
 from celery.app.utils import find_app
 
-from .api import JobNotFound, cancel, enqueue_batch, get_job
+from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job
 from .envelope import InvalidJob
 from .events import listen
 from .install import install
-from .producer import BrokerUnavailable, enqueue
+from .producer import BrokerUnavailable
 from .runtime import get_runtime
 from .sweeper import run_loop, sweep
 from .worker.agent import DIRECTIVES, directive_key

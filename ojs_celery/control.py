@@ -16,7 +16,7 @@ from typing import Any
 from celery.worker import state as worker_state
 from celery.worker.control import control_command
 
-from .request import token_of
+from .header import token_of
 
 logger = logging.getLogger(__name__)
 

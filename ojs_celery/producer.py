@@ -1,10 +1,8 @@
-"""From a job to a Celery message: enqueue, and the publish options of every attempt.
+"""From a job to a Celery message: the publish options of every attempt, and the publish.
 
 A message is only a request to run one attempt: it carries the job id as Celery task id (for
-every attempt, so ``AsyncResult(job_id)`` follows the job) and an ``ojs`` header with the
-dispatch token, the deadlines and, when the publisher has it, a snapshot of the stored record
-(``record``): the worker starts the attempt from it with one compare-and-set instead of a read
-and a write (a stale snapshot only costs the read it tried to save). OJS never uses Celery's
+every attempt, so ``AsyncResult(job_id)`` follows the job) and the ``ojs`` header
+(:mod:`ojs_celery.header`) with the dispatch token. OJS never uses Celery's
 ``expires`` or revoke-by-id for its jobs: both would make Celery drop every later message with
 the same task id, retries included.
 """
@@ -19,10 +17,10 @@ from typing import Any
 from celery import Celery
 from kombu.exceptions import OperationalError
 
-from .envelope import Job, from_epoch, parse_envelope
-from .lifecycle import Publish, Record, Transition
-from .runtime import Runtime, get_runtime
-from .store.base import RECORD_FIELDS, decode_job, encode_job
+from . import header
+from .envelope import Job, from_epoch
+from .lifecycle import Publish, Record
+from .runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +28,6 @@ logger = logging.getLogger(__name__)
 PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.5,
                         "interval_max": 1.0}
 DEFAULT_QUEUE = "default"
-#: Only jobs whose JSON is at most this long travel with a record snapshot: AMQP puts all
-#: headers in one frame, and a big job would double the message for a saving of one read.
-SNAPSHOT_MAX_CHARS = 8192
 
 
 class BrokerUnavailable(RuntimeError):
@@ -95,54 +90,6 @@ def time_limits(job: Job, start_at: float) -> tuple[float | None, float]:
     return soft, hard
 
 
-def ojs_header(job: Job, token: int, record: Record | None = None) -> dict[str, Any]:
-    """The ``ojs`` message header; with ``record`` (the stored record, just written) it also
-    carries the record's snapshot, unless the job is too big for one."""
-    created = job.created_at.timestamp() if job.created_at else time.time()
-    header: dict[str, Any] = {
-        "token": token,
-        "created_at": created,
-        "ttl_deadline": created + job.enqueue_ttl if job.enqueue_ttl else None,
-        "total_deadline": created + job.total_timeout if job.total_timeout else None,
-    }
-    if record is not None:
-        data = encode_job(record.job)
-        if len(data) <= SNAPSHOT_MAX_CHARS:
-            header["record"] = {name: getattr(record, name) for name in RECORD_FIELDS}
-            header["record"]["job"] = data
-    return header
-
-
-def record_from_header(header: dict[str, Any], job_id: str) -> Record | None:
-    """The record snapshot an ``ojs`` header carries, or None: absent (an older publisher, a
-    big job), malformed, or not this message's job and token."""
-    snapshot = header.get("record")
-    if not isinstance(snapshot, dict):
-        return None
-    try:
-        record = Record(
-            job=decode_job(snapshot["job"]),
-            token=int(snapshot["token"]),
-            version=int(snapshot["version"]),
-            worker_id=str(snapshot["worker_id"]) if snapshot["worker_id"] else None,
-            heartbeat_at=_optional_float(snapshot["heartbeat_at"]),
-            extended_at=_optional_float(snapshot["extended_at"]),
-            dispatch_due=_optional_float(snapshot["dispatch_due"]),
-            promote_at=_optional_float(snapshot["promote_at"]),
-            dead_letter=bool(snapshot["dead_letter"]),
-        )
-        token = int(header["token"])
-    except Exception:  # whatever is wrong with it, reading the store instead is always right
-        return None
-    if record.job.id != job_id or record.token != token or record.version < 1:
-        return None
-    return record
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
 def publish(
     runtime: Runtime,
     job: Job,
@@ -165,7 +112,7 @@ def publish(
     options: dict[str, Any] = {
         "task_id": job.id,
         "queue": celery_queue(app, job.queue),
-        "headers": {"ojs": ojs_header(job, request.token, record)},
+        "headers": {header.NAME: header.build(job, request.token, record)},
         "time_limit": hard,
         "retry": True,
         "retry_policy": PUBLISH_RETRY_POLICY,
@@ -193,78 +140,6 @@ def publish(
             "outbox and the sweeper publishes it when the broker is back"
         ) from exc
     runtime.acks.ack(job.id, request.token)
-
-
-def settle(runtime: Runtime, done: Transition) -> None:
-    """After a transition the store accepted: emit its events and publish the message it owes.
-
-    A broker that is down is logged, not raised: the outbox entry stays and the sweeper
-    publishes the message later.
-    """
-    runtime.emit(done)
-    if done.publish is None or done.record is None:
-        return
-    try:
-        publish(runtime, done.record.job, done.publish, record=done.record)
-    except BrokerUnavailable as exc:
-        logger.error("ojs_celery: %s", exc)
-
-
-def enqueue(envelope: dict[str, Any] | str | bytes | Job, *, app: Celery | None = None) -> Job:
-    """Validate an OJS envelope, store it and publish it; return the stored job.
-
-    Raises :class:`~ojs_celery.InvalidJob` (nothing stored or published) for a bad envelope,
-    an unknown type or a duplicate id, and :class:`BrokerUnavailable` if the broker is down.
-    """
-    runtime = get_runtime(app)
-    job = parse_envelope(envelope)
-    return enqueue_job(runtime, job, id_chosen=client_chose_id(envelope))
-
-
-def client_chose_id(envelope: Any) -> bool:
-    """Whether the producer may have set the job id (then it may be taken). Errs on "yes"."""
-    if isinstance(envelope, dict):
-        return envelope.get("id") is not None
-    if isinstance(envelope, str):
-        return '"id"' in envelope
-    if isinstance(envelope, bytes):
-        return b'"id"' in envelope
-    return True
-
-
-def enqueue_job(runtime: Runtime, job: Job, *, id_chosen: bool = True) -> Job:
-    """Store and publish a job that is already valid."""
-    from .envelope import InvalidJob
-    from .runtime import UnknownType
-    from .store import DuplicateJob
-
-    try:
-        runtime.task_name_for(job.type)
-    except UnknownType as exc:
-        raise InvalidJob([("type", str(exc).removeprefix("type: "))]) from None
-    if id_chosen:
-        # A client-chosen id may be taken: the store answers before anything is published.
-        try:
-            transition = runtime.store.create(job)
-        except DuplicateJob as exc:
-            raise InvalidJob([("id", str(exc).removeprefix("id: "))]) from None
-        assert transition.record is not None
-        runtime.emit(transition)
-        if transition.publish is not None:
-            publish(runtime, transition.record.job, transition.publish, record=transition.record)
-        return transition.record.job
-    # A fresh UUIDv7 cannot collide: publish while the store write is in flight (one round
-    # trip instead of two). If the write fails, enqueue raises and the message already sent
-    # names a job that does not exist, which a worker drops.
-    transition, confirm = runtime.store.begin_create(job)
-    assert transition.record is not None
-    try:
-        if transition.publish is not None:
-            publish(runtime, transition.record.job, transition.publish, record=transition.record)
-    finally:
-        confirm()
-    runtime.emit(transition)
-    return transition.record.job
 
 
 def scheduled_at_from(eta: datetime | None, countdown: float | None) -> datetime | None:

@@ -19,21 +19,14 @@ from celery.worker.request import Request
 from celery.worker.state import task_ready
 
 from . import lifecycle
+from .effects import carry_out
+from .header import token_of
 from .identity import current_worker_id
 from .lifecycle import Transition
-from .producer import settle
 from .runtime import get_runtime
 from .store import StoreError
 
 logger = logging.getLogger(__name__)
-
-
-def token_of(request: Any) -> int | None:
-    """The dispatch token of a worker ``Request`` (None for a message that is no OJS job)."""
-    header = (getattr(request, "_request_dict", None) or {}).get("ojs")
-    if isinstance(header, dict) and "token" in header:
-        return int(header["token"])
-    return None
 
 
 class OJSRequest(Request):  # type: ignore[misc]
@@ -63,7 +56,7 @@ class OJSRequest(Request):  # type: ignore[misc]
             logger.info("ojs_celery: late failure of job %s ignored (%s)", self.id, done.reason)
             self._ojs_settled = "stale"
             return "stale"
-        settle(runtime, done)
+        carry_out(runtime, done)
         self._ojs_settled = "retried" if done.record.job.state == "retryable" else "discarded"
         return self._ojs_settled
 

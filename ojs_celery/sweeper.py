@@ -19,9 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import lifecycle
+from .effects import carry_out
 from .envelope import JsonValue
 from .lifecycle import Publish, Record, Transition
-from .producer import BrokerUnavailable, publish
+from .producer import BrokerUnavailable
 from .runtime import Runtime
 from .store import StoreError
 
@@ -29,7 +30,6 @@ logger = logging.getLogger(__name__)
 
 LAST_SWEEP_KEY = "last_sweep"
 SWEEP_TASK = "ojs_celery.sweep"
-TERMINATE_COMMAND = "ojs_terminate"
 
 
 @dataclass
@@ -224,15 +224,12 @@ def _enforce(
         if done.record is None:
             continue
         report.applied[clock] += 1
-        runtime.emit(done)
-        before = done.previous
-        if before is not None and before.job.state == "active":
-            terminate_attempt(runtime, job_id, before.token)
-        if failure is None:
-            try:
-                _publish(runtime, done, report)
-            except BrokerUnavailable as exc:
-                failure = exc
+        try:
+            report.published += carry_out(runtime, done, stop_attempt=True,
+                                          publish_message=failure is None,
+                                          raise_unpublished=True)
+        except BrokerUnavailable as exc:
+            failure = exc
     if failure is not None:
         raise failure
 
@@ -254,30 +251,10 @@ def _bury_dead_workers(runtime: Runtime, now: float, limit: int, report: SweepRe
         }, subject=worker_id)
         for job_id in info.active_job_ids:
             done = store.apply(job_id, _orphaned(worker_id, now))
-            if done.record is not None:
-                runtime.emit(done)
-                _publish(runtime, done, report)
+            report.published += carry_out(runtime, done, raise_unpublished=True)
         for job_id in info.reserved_job_ids:
             done = store.apply(job_id, _redispatch(now, runtime.settings.dispatch_grace))
-            _publish(runtime, done, report)
-
-
-def _publish(runtime: Runtime, done: Transition, report: SweepReport) -> None:
-    if done.publish is None or done.record is None:
-        return
-    publish(runtime, done.record.job, done.publish, record=done.record)
-    report.published += 1
-
-
-def terminate_attempt(runtime: Runtime, job_id: str, token: int) -> None:
-    """Ask every worker to kill the attempt that ``token`` started (never revoke-by-id, which
-    would make Celery drop the job's later messages too)."""
-    try:
-        runtime.app.control.broadcast(
-            TERMINATE_COMMAND, arguments={"job_id": job_id, "token": token}, reply=False
-        )
-    except Exception as exc:
-        logger.warning("ojs_celery: could not ask workers to stop job %s: %r", job_id, exc)
+            report.published += carry_out(runtime, done, raise_unpublished=True)
 
 
 def last_sweep(runtime: Runtime) -> float | None:

@@ -23,18 +23,15 @@ from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 
+from . import header as ojs_header
 from . import lifecycle
+from .api import enqueue_job
 from .context import JobContext, _current, maybe_current_job
+from .effects import carry_out
 from .envelope import JsonValue, parse_envelope
 from .identity import current_worker_id
 from .lifecycle import Record, Transition
-from .producer import (
-    enqueue_job,
-    ojs_queue_of,
-    record_from_header,
-    scheduled_at_from,
-    settle,
-)
+from .producer import ojs_queue_of, scheduled_at_from
 from .runtime import Runtime, get_runtime
 from .store import StoreError
 
@@ -158,27 +155,25 @@ class OJSTask(Task):  # type: ignore[misc]
     # ------------------------------------------------------------------ running
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        header = (self.request.headers or {}).get("ojs") if self.request.headers else None
-        header = header or getattr(self.request, "ojs", None)
-        if not isinstance(header, dict) or self.request.called_directly:
+        header = ojs_header.of_task_request(self.request)
+        if header is None or self.request.called_directly:
             return self.run(*args, **kwargs)
         runtime = get_runtime(self.app)
         worker_id = current_worker_id()
         job_id = str(self.request.id)
         try:
             started = runtime.store.start(job_id, int(header["token"]), worker_id,
-                                          hint=record_from_header(header, job_id))
+                                          hint=ojs_header.snapshot(header, job_id))
         except StoreError as exc:
             logger.error("ojs_celery: store unreachable, job %s goes back to the broker: %s",
                          job_id, exc)
             time.sleep(STORE_DOWN_PAUSE)
             raise Reject(f"store unreachable: {exc}", requeue=True) from exc
+        carry_out(runtime, started)
         if started.record is None or started.record.job.state != "active":
             logger.info("ojs_celery: job %s not started (%s): message dropped", job_id,
                         started.reason)
-            runtime.emit(started)
             raise Ignore()
-        runtime.emit(started)
         ctx = JobContext(runtime, started.record, worker_id)
         _watch_soft_limit()
         reset = _current.set(ctx)
@@ -228,7 +223,7 @@ class OJSTask(Task):  # type: ignore[misc]
             done = _write(lambda: store.apply(job.id, _owner_cancel(ctx.attempt, ctx.worker_id,
                                                                     now)))
             if done is not None and done.applied:
-                runtime.emit(done)
+                carry_out(runtime, done)
                 self.backend.mark_as_revoked(job.id, reason="ignored", request=self.request)
             raise Ignore()
         delay: float | None = None
@@ -270,7 +265,7 @@ class OJSTask(Task):  # type: ignore[misc]
                 ctx.job.id, ctx.attempt, reason,
             )
             raise Ignore()
-        settle(runtime, done)
+        carry_out(runtime, done)
         record = done.record
         if record.job.state == "completed":
             return value

@@ -8,7 +8,9 @@ import pytest
 from celery import Celery
 
 from ojs_celery.envelope import Job, from_epoch, parse_envelope
-from ojs_celery.producer import broker_priority, celery_queue, ojs_header, time_limits
+from ojs_celery.header import build as ojs_header
+from ojs_celery.header import snapshot as record_from_header
+from ojs_celery.producer import broker_priority, celery_queue, time_limits
 
 T0 = 1_800_000_000.0
 
@@ -197,7 +199,6 @@ def test_ojs_header_deadlines_fixed_from_created_at() -> None:
 
 def test_ojs_header_carries_a_record_snapshot_the_worker_can_start_from() -> None:
     from ojs_celery import lifecycle
-    from ojs_celery.producer import record_from_header
 
     created = lifecycle.create(job(timeout=10, args=[1, {"k": None}]), T0, lifecycle.Policy())
     record = created.record
@@ -216,7 +217,7 @@ def test_ojs_header_carries_a_record_snapshot_the_worker_can_start_from() -> Non
 
 
 def test_client_chose_id_errs_on_yes() -> None:
-    from ojs_celery.producer import client_chose_id
+    from ojs_celery.api import client_chose_id
 
     assert not client_chose_id({"type": "a", "args": []})
     assert not client_chose_id({"type": "a", "args": [], "id": None})

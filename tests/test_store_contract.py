@@ -803,7 +803,8 @@ def test_a_message_snapshot_starts_the_job_without_a_read(
     """The record a message carries (taken before the store confirmed the insert) is the
     stored one: the worker's start is a single compare-and-set."""
     from ojs_celery.envelope import parse_envelope
-    from ojs_celery.producer import ojs_header, record_from_header
+    from ojs_celery.header import build as ojs_header
+    from ojs_celery.header import snapshot as record_from_header
 
     transition, confirm = store.begin_create(parse_envelope({"type": "a.b", "args": [1]}))
     record = transition.record

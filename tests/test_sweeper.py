@@ -166,7 +166,7 @@ def test_a_broker_fault_mid_pass_keeps_written_transitions_whole(
 ) -> None:
     """Transitions are written in a batch: when publishing fails, the events of every written
     one are still emitted and its message stays owed (the outbox), for the next pass."""
-    from ojs_celery import sweeper
+    from ojs_celery import effects
     from ojs_celery.producer import BrokerUnavailable
 
     runtime = runtime_of(app)
@@ -182,7 +182,7 @@ def test_a_broker_fault_mid_pass_keeps_written_transitions_whole(
     def broken(*args: object, **kwargs: object) -> None:
         raise BrokerUnavailable("broker down")
 
-    monkeypatch.setattr(sweeper, "publish", broken)
+    monkeypatch.setattr(effects, "publish", broken)
     report = sweep(runtime, now=start + 12)
     assert report.error == "broker down" and report.applied["execution"] == 3
     assert seen["job.timeout"] == 3 and seen["job.retrying"] == 3

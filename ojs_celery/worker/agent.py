@@ -19,8 +19,8 @@ from typing import Any
 
 from celery.worker import state as worker_state
 
+from ..header import token_of
 from ..identity import current_worker_id
-from ..request import token_of
 from ..runtime import Runtime
 from ..store import StoreError, WorkerInfo
 

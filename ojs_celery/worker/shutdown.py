@@ -26,8 +26,8 @@ from typing import Any
 from celery.worker import state as worker_state
 
 from .. import lifecycle
-from ..producer import settle
-from ..request import token_of
+from ..effects import carry_out
+from ..header import token_of
 from ..store import StoreError
 from . import children
 from .agent import WorkerAgent, ojs_requests, shutdown_key
@@ -170,7 +170,7 @@ class GracefulShutdown:
                          "recover it): %s", request.id, exc)
             done = None
         if done is not None and done.record is not None:
-            settle(self.runtime, done)
+            carry_out(self.runtime, done)
         pid = getattr(request, "worker_pid", None)
         if pid and pid != os.getpid():
             try:
