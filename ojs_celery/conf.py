@@ -10,12 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from celery.exceptions import ImproperlyConfigured
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .envelope import TYPE_PATTERN
+from .envelope import TYPE_PATTERN, Job
 from .lifecycle import DAY, Policy
 
 PositiveSeconds = float
+#: The job ``heartbeat_timeout`` an envelope gets when it names none (the spec's default).
+DEFAULT_JOB_HEARTBEAT_TIMEOUT = int(Job.model_fields["heartbeat_timeout"].default)
 
 
 class Retention(BaseModel):
@@ -65,6 +67,37 @@ class Settings(BaseModel):
             if not isinstance(task_name, str) or not task_name:
                 raise ValueError(f"value for {ojs_type!r} must be a Celery task name")
         return value
+
+    @model_validator(mode="after")
+    def _worker_liveness(self) -> Settings:
+        """A worker is declared dead after ``worker_heartbeat_timeout`` without a beat; if
+        that is not longer than one beat interval plus one sweep interval, healthy workers are
+        declared dead and their jobs run twice."""
+        floor = self.heartbeat_interval + self.sweep_interval
+        if self.worker_heartbeat_timeout <= floor:
+            raise ValueError(
+                f"worker_heartbeat_timeout ({self.worker_heartbeat_timeout}s) must be longer "
+                f"than heartbeat_interval + sweep_interval ({floor}s), or live workers are "
+                "declared dead"
+            )
+        return self
+
+    def warnings(self) -> list[str]:
+        """Legal settings that go against the worker protocol's recommendations."""
+        found = []
+        if self.worker_heartbeat_timeout < 3 * self.heartbeat_interval:
+            found.append(
+                f"ojs.worker_heartbeat_timeout ({self.worker_heartbeat_timeout}s) is under 3x "
+                f"heartbeat_interval ({self.heartbeat_interval}s), as the worker protocol "
+                "recommends: one slow beat gets a live worker declared dead"
+            )
+        if 4 * self.heartbeat_interval > DEFAULT_JOB_HEARTBEAT_TIMEOUT:
+            found.append(
+                f"ojs.heartbeat_interval ({self.heartbeat_interval}s) is over a quarter of the "
+                f"default job heartbeat_timeout ({DEFAULT_JOB_HEARTBEAT_TIMEOUT}s), as the "
+                "timeouts extension recommends: jobs relying on worker beats may stall"
+            )
+        return found
 
     @property
     def policy(self) -> Policy:

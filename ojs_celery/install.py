@@ -8,8 +8,10 @@ import time
 from typing import Any
 
 from celery import Celery, signals
+from celery.exceptions import ImproperlyConfigured
 
 from . import control  # noqa: F401 - registers the ojs_terminate remote-control command
+from .conf import Settings
 from .identity import assign_worker_id
 from .runtime import Runtime, attach, get_runtime
 from .sweeper import SWEEP_TASK, last_sweep, sweep
@@ -34,9 +36,12 @@ def pool_name(pool_cls: Any) -> str:
 
 
 def install(app: Celery) -> Runtime:
-    """Make ``app`` an OJS job system; reads and validates ``app.conf.ojs``.
+    """Make ``app`` an OJS job system (idempotent).
 
-    Raises ``celery.exceptions.ImproperlyConfigured`` naming the first bad setting.
+    ``app.conf.ojs`` is read and validated when Celery configures the app, so ``install`` may
+    come before or after ``config_from_object``. On an app that is configured already, a bad
+    setting raises ``celery.exceptions.ImproperlyConfigured`` here, naming every bad key;
+    otherwise at first use (an enqueue, the worker's start).
     """
     existing = getattr(app, "_ojs_runtime", None)
     if existing is not None:
@@ -46,6 +51,7 @@ def install(app: Celery) -> Runtime:
     def on_worker_init(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is not app:
             return
+        _settings_or_exit()
         worker_id = assign_worker_id()
         children.prepare()
         name = pool_name(getattr(sender, "pool_cls", ""))
@@ -67,19 +73,44 @@ def install(app: Celery) -> Runtime:
     def on_child_shutdown(**_: Any) -> None:
         get_runtime(app).flush()
 
-    _add_sweeper(app, runtime)
+    _add_sweep_task(app)
+
+    def on_configured(sender: Any = None, source: Any = None, **_: Any) -> None:
+        conf = app.conf if source is None else source
+        settings = runtime.configure(conf)
+        if settings is not None:
+            _add_beat_entry(conf, settings)
+
+    def _settings_or_exit() -> None:
+        """Read the settings as the app module left them (it may have changed them after
+        Celery configured the app) before a worker or beat starts; exit naming a bad one
+        (Celery's signals log and swallow other exceptions)."""
+        on_configured()
+        try:
+            runtime.settings  # noqa: B018
+        except ImproperlyConfigured as exc:
+            raise SystemExit(f"ojs_celery: {exc}") from None
+
+    def on_beat_init(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is app:
+            _settings_or_exit()  # before the scheduler reads beat_schedule
+
+    app.on_after_configure.connect(on_configured, weak=False)
+    signals.beat_init.connect(on_beat_init, weak=False)
+    if app.configured:
+        on_configured(app, app.conf)
+        runtime.settings  # noqa: B018 - raises ImproperlyConfigured naming the bad settings
     signals.worker_init.connect(on_worker_init, weak=False)
     signals.worker_process_init.connect(on_child_start, weak=False)
     signals.worker_process_shutdown.connect(on_child_shutdown, weak=False)
-    app._ojs_signal_receivers = (on_worker_init, on_child_start, on_child_shutdown)
+    app._ojs_signal_receivers = (
+        on_worker_init, on_child_start, on_child_shutdown, on_configured, on_beat_init)
     app.steps["consumer"].add(OJSWorkerStep)
     return runtime
 
 
-def _add_sweeper(app: Celery, runtime: Runtime) -> None:
-    """The ``ojs_celery.sweep`` task and its beat entry (own queue, expiring within the
-    interval so that a backlog of sweeps never piles up)."""
-    settings = runtime.settings
+def _add_sweep_task(app: Celery) -> None:
+    """The ``ojs_celery.sweep`` task (see :func:`_add_beat_entry` for its schedule)."""
 
     @app.task(name=SWEEP_TASK, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
     def ojs_sweep() -> dict[str, Any]:
@@ -87,13 +118,19 @@ def _add_sweeper(app: Celery, runtime: Runtime) -> None:
         return {"applied": dict(report.applied), "published": report.published,
                 "pruned": report.pruned, "error": report.error}
 
-    schedule = dict(app.conf.beat_schedule or {})
+
+
+def _add_beat_entry(conf: Any, settings: Settings) -> None:
+    """The sweep's beat entry in Celery's configuration ``conf`` (own queue, expiring within
+    the interval so that a backlog of sweeps never piles up). Added each time Celery
+    (re)configures the app, since a new configuration replaces ``beat_schedule``."""
+    schedule = dict(conf.get("beat_schedule") or {})
     schedule["ojs-sweep"] = {
         "task": SWEEP_TASK,
         "schedule": settings.sweep_interval,
         "options": {"expires": settings.sweep_interval, "queue": settings.sweep_queue},
     }
-    app.conf.beat_schedule = schedule
+    conf.beat_schedule = schedule
 
 
 #: A worker warns when no sweep has run for this many intervals.

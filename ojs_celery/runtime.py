@@ -2,14 +2,23 @@
 
 ``install(app)`` attaches one :class:`Runtime` to the Celery app; everything else finds it with
 :func:`get_runtime`. The store is opened lazily so that importing a project never connects.
+
+Settings are read when Celery configures the app (its ``on_after_configure`` signal, sent again
+when ``config_from_object`` replaces the configuration), or at first use, never at ``install``
+time: a Django settings module that imports the Celery app, which calls ``install``, before
+``config_from_object`` runs must not freeze the defaults. Celery logs and swallows exceptions
+raised by signal receivers, so an invalid setting found there is kept and raised at first use
+(enqueue, worker start), never replaced by a default.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery, current_app
+from celery.exceptions import ImproperlyConfigured
 
 from .conf import Settings, read_settings
 from .events import EventBus
@@ -18,6 +27,8 @@ from .store import JobStore, open_store
 
 if TYPE_CHECKING:
     from .lifecycle import Transition
+
+logger = logging.getLogger(__name__)
 
 _ATTR = "_ojs_runtime"
 
@@ -35,12 +46,43 @@ class Runtime:
 
     def __init__(self, app: Celery) -> None:
         self.app = app
-        self.settings: Settings = read_settings(app.conf.get("ojs"))
+        self._settings: Settings | None = None
+        self._settings_error: ImproperlyConfigured | None = None
         self._store: JobStore | None = None
         self._lock = threading.Lock()
-        self.bus = EventBus(app, enabled=self.settings.events)
+        self.bus = EventBus(app)
         self.acks = DispatchAcker(lambda: self.store)
         self._task_names: dict[str, str] = {}  # OJS type -> task name, found by task_name_for
+
+    @property
+    def settings(self) -> Settings:
+        """The validated ``ojs`` settings of the app as Celery has configured it."""
+        if self._settings is None and self._settings_error is None:
+            self.configure(self.app.conf)  # configures the app if nothing has yet
+        if self._settings_error is not None:
+            raise self._settings_error
+        assert self._settings is not None
+        return self._settings
+
+    def configure(self, conf: Any) -> Settings | None:
+        """(Re)read the settings from Celery's configuration ``conf``; returns them, or None
+        when they are invalid (the error is raised by :attr:`settings`)."""
+        try:
+            settings = read_settings(conf.get("ojs"))
+        except ImproperlyConfigured as exc:
+            self._settings, self._settings_error = None, exc
+            return None
+        with self._lock:
+            previous, self._settings, self._settings_error = self._settings, settings, None
+            if previous is not None and self._store is not None and (
+                previous.store_url, previous.store_prefix, previous.policy
+            ) != (settings.store_url, settings.store_prefix, settings.policy):
+                self._store.close()  # opened on an earlier configuration: reopen on next use
+                self._store = None
+        self.bus.enabled = settings.events
+        for warning in settings.warnings():
+            logger.warning("ojs_celery: %s", warning)
+        return settings
 
     @property
     def store(self) -> JobStore:

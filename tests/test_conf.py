@@ -84,8 +84,11 @@ def test_partial_retention_keeps_other_defaults() -> None:
     ],
 )
 def test_floats_accepted_for_intervals(key: str) -> None:
-    assert getattr(read_settings({key: 0.05}), key) == 0.05
-    assert getattr(read_settings({key: 3}), key) == 3.0
+    # a worker heartbeat timeout must outlast one beat interval plus one sweep interval
+    fast = {"heartbeat_interval": 0.01, "sweep_interval": 0.01}
+    others = fast if key == "worker_heartbeat_timeout" else {}
+    assert getattr(read_settings({key: 0.05, **others}), key) == 0.05
+    assert getattr(read_settings({key: 3, **others}), key) == 3.0
 
 
 def test_zero_shutdown_grace_allowed() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pathlib
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -40,10 +42,60 @@ def test_a_bad_setting_raises_improperly_configured_naming_the_key(
 ) -> None:
     app = Celery("bad", set_as_current=False)
     app.conf.ojs = {"sweep_intervall": 2, "heartbeat_interval": -1}
+    runtime = install(app)  # not configured yet: Celery reads the settings later
     with pytest.raises(ImproperlyConfigured) as raised:
-        install(app)
+        runtime.settings  # noqa: B018 - first use
     assert "ojs.sweep_intervall: unknown setting" in str(raised.value)
     assert "ojs.heartbeat_interval" in str(raised.value)
+    with pytest.raises(ImproperlyConfigured):
+        enqueue({"type": "x.y", "args": []}, app=app)  # never a silent default
+
+
+def test_a_bad_setting_of_a_configured_app_raises_at_install() -> None:
+    app = Celery("bad_configured", set_as_current=False)
+    app.conf.ojs = {"sweep_intervall": 2}
+    assert app.conf.ojs  # configures the app
+    with pytest.raises(ImproperlyConfigured, match=r"ojs\.sweep_intervall: unknown setting"):
+        install(app)
+
+
+def test_install_before_config_from_object_reads_the_configured_settings(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A Django settings module that imports the Celery app (which calls ``install``) before
+    ``config_from_object`` runs: the settings and the beat entry come from the configuration."""
+    app = Celery("django_late", set_as_current=False)
+    runtime = install(app)
+    app.config_from_object(DjangoSettings(tmp_path), namespace="CELERY")
+    assert runtime.settings.sweep_interval == 0.25
+    assert runtime.settings.store_url.endswith("store.sqlite3")
+    assert app.conf.beat_schedule["ojs-sweep"]["schedule"] == 0.25
+
+
+def test_reconfiguring_replaces_the_settings_and_keeps_the_beat_entry(
+    tmp_path: pathlib.Path,
+) -> None:
+    app = Celery("reconfigured", set_as_current=False)
+    app.conf.beat_schedule = {"mine": {"task": "a", "schedule": 5}}
+    runtime = install(app)
+    assert runtime.settings.sweep_interval == 2.0  # the defaults, configured on first use
+    app.config_from_object(DjangoSettings(tmp_path), namespace="CELERY")
+    assert runtime.settings.sweep_interval == 0.25
+    assert set(app.conf.beat_schedule) == {"mine", "ojs-sweep"}
+
+
+def test_heartbeat_settings_are_checked_against_each_other() -> None:
+    app = Celery("beats", set_as_current=False)
+    app.conf.ojs = {"heartbeat_interval": 10, "worker_heartbeat_timeout": 3}
+    with pytest.raises(ImproperlyConfigured, match="live workers are declared dead"):
+        install(app).settings  # noqa: B018
+    app = Celery("beats_warn", set_as_current=False)
+    app.conf.ojs = {"heartbeat_interval": 20, "worker_heartbeat_timeout": 50}
+    warnings = install(app).settings.warnings()  # logged when the settings are read
+    assert [w.split(" ", 1)[0] for w in warnings] == [
+        "ojs.worker_heartbeat_timeout", "ojs.heartbeat_interval"]
+    assert Celery("beats_ok", set_as_current=False).conf and not install(
+        Celery("beats_ok", set_as_current=False)).settings.warnings()
 
 
 def test_signals_fire_in_the_process_where_the_event_happens(tmp_path: pathlib.Path) -> None:
@@ -75,3 +127,31 @@ def test_signals_fire_in_the_process_where_the_event_happens(tmp_path: pathlib.P
         signals.job_enqueued.disconnect(on_enqueued)
     assert seen == [("any", "job.enqueued"), ("enqueued", "sig.job")]
     assert get_runtime(app).store.get(job.id) is not None
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("command", [["worker", "--pool", "solo"], ["beat"]])
+def test_worker_and_beat_refuse_to_start_on_invalid_settings(
+    tmp_path: pathlib.Path, command: list[str]
+) -> None:
+    """Settings given after ``install`` are validated at start: the process exits with the
+    setting named, instead of running on defaults or without its sweep entry."""
+    (tmp_path / "badsettings_app.py").write_text(
+        "from celery import Celery\n"
+        "import ojs_celery\n"
+        "from ojs_celery.embedded import embedded_settings\n"
+        "app = Celery('badsettings_app')\n"
+        "ojs_celery.install(app)\n"
+        f"app.conf.update(embedded_settings({str(tmp_path / 'files')!r}))\n"
+        "app.conf.ojs = {**app.conf.ojs, 'heartbeat_interval': 10,"
+        " 'worker_heartbeat_timeout': 3}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "badsettings_app", *command,
+         "-s" if command == ["beat"] else "-n",
+         str(tmp_path / "schedule") if command == ["beat"] else "bad@%h"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode != 0
+    assert "ojs.worker_heartbeat_timeout" not in done.stdout
+    assert "worker_heartbeat_timeout (3.0s) must be longer" in done.stderr
