@@ -6,7 +6,6 @@ envelopes with ``enqueue``. See the README for the settings and the guarantees.
 
 from __future__ import annotations
 
-from . import embedded as _embedded  # noqa: F401 - registers the ojsfs:// transport
 from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job
 from .context import JobContext, NoCurrentJob, current_job
 from .envelope import InvalidJob, Job, RetryPolicy, parse_envelope

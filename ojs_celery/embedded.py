@@ -3,7 +3,9 @@
 kombu's filesystem transport writes a message file in place, and a consumer that lists the
 folder in between may read it half-written: the message is then lost (it shows as a JSON error).
 :class:`Transport` writes to a temporary name and renames, which is atomic, so consumers only
-ever see whole messages. It is registered as the ``ojsfs://`` transport.
+ever see whole messages. :func:`register_transport` makes it kombu's ``ojsfs://`` transport; it
+runs in ``install(app)`` and :func:`embedded_settings`, not at import (kombu keeps its aliases
+in a module-level dict: there is no per-app registry).
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ class Transport(filesystem.Transport):
     Channel = Channel
 
 
-TRANSPORT_ALIASES[SCHEME] = f"{__name__}:Transport"
+def register_transport() -> None:
+    """Make ``ojsfs://`` URLs use :class:`Transport` in this process (idempotent)."""
+    TRANSPORT_ALIASES[SCHEME] = f"{__name__}:Transport"
 
 
 def embedded_settings(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -50,6 +54,7 @@ def embedded_settings(directory: str | os.PathLike[str]) -> dict[str, Any]:
     Broker: atomic filesystem transport; results: SQLite; OJS job store: SQLite. Use
     ``app.conf.update(embedded_settings(path))``.
     """
+    register_transport()
     base = pathlib.Path(directory).resolve()
     for folder in ("broker", "processed", "control"):
         (base / folder).mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from celery.exceptions import ImproperlyConfigured
 
 from . import control  # noqa: F401 - registers the ojs_terminate remote-control command
 from .conf import Settings
+from .embedded import register_transport
 from .identity import assign_worker_id
 from .runtime import Runtime, attach, get_runtime
 from .sweeper import SWEEP_TASK, last_sweep, sweep
@@ -47,6 +48,7 @@ def install(app: Celery) -> Runtime:
     if existing is not None:
         return existing  # type: ignore[no-any-return]
     runtime = attach(app)
+    register_transport()
 
     def on_worker_init(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is not app:
