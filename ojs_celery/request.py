@@ -32,39 +32,42 @@ logger = logging.getLogger(__name__)
 class OJSRequest(Request):  # type: ignore[misc]
     """Celery ``Request`` for OJS tasks (``OJSTask.Request``)."""
 
-    _ojs_settled: str | None = None
+    #: What the main process wrote for this message's attempt ("retried", "discarded",
+    #: "stale", "plain"), so that Celery's repeated reports of one hard timeout write once.
+    _ojs_failure_recorded: str | None = None
 
     def _ojs_token(self) -> int | None:
         return token_of(self)
 
     def _ojs_fail(self, error: dict[str, Any]) -> str:
         """Fail this message's attempt in the store; returns 'retried', 'discarded' or 'stale'."""
-        if self._ojs_settled is not None:
+        if self._ojs_failure_recorded is not None:
             return "stale"
         token = self._ojs_token()
         if token is None:
-            self._ojs_settled = "plain"
+            self._ojs_failure_recorded = "plain"
             return "plain"
         runtime = get_runtime(self.task.app)
         try:
             done: Transition = runtime.store.fail_token(self.id, token, current_worker_id(), error)
         except StoreError as exc:
             logger.error("ojs_celery: cannot record the failure of job %s: %s", self.id, exc)
-            self._ojs_settled = "stale"
+            self._ojs_failure_recorded = "stale"
             return "stale"
         if done.record is None:
             logger.info("ojs_celery: late failure of job %s ignored (%s)", self.id, done.reason)
-            self._ojs_settled = "stale"
+            self._ojs_failure_recorded = "stale"
             return "stale"
         carry_out(runtime, done)
-        self._ojs_settled = "retried" if done.record.job.state == "retryable" else "discarded"
-        return self._ojs_settled
+        retried = done.record.job.state == "retryable"
+        self._ojs_failure_recorded = "retried" if retried else "discarded"
+        return self._ojs_failure_recorded
 
     def _elapsed(self) -> float:
         started = self.time_start or time.time()
         return max(time.time() - started, 0.0)
 
-    def _settle_quietly(self, outcome: str, exc: BaseException) -> None:
+    def _ack_without_failure(self, outcome: str, exc: BaseException) -> None:
         """Close the message for an outcome Celery must not report as a failure."""
         task_ready(self)
         if outcome == "retried":
@@ -78,12 +81,12 @@ class OJSRequest(Request):  # type: ignore[misc]
             f"execution timeout of {timeout_limit}s exceeded; the attempt was killed at the "
             "end of its grace period",
         )
-        first = self._ojs_settled is None
+        first = self._ojs_failure_recorded is None
         outcome = self._ojs_fail(error)
         if outcome in ("discarded", "plain") and first:
             super().on_timeout(False, timeout)
         else:
-            self._settle_quietly(outcome, TimeLimitExceeded(timeout))
+            self._ack_without_failure(outcome, TimeLimitExceeded(timeout))
 
     def _ojs_limit(self) -> int:
         hard, soft = self.time_limits
@@ -108,6 +111,6 @@ class OJSRequest(Request):  # type: ignore[misc]
                 error = lifecycle.make_error("WorkerLostError", str(exc))
                 outcome = self._ojs_fail(error)
                 if outcome != "discarded":
-                    self._settle_quietly(outcome, exc)
+                    self._ack_without_failure(outcome, exc)
                     return
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)

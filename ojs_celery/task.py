@@ -10,15 +10,13 @@ RETRY, FAILURE) when the store accepted it. Celery's own retry paths (``self.ret
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
-from billiard.exceptions import SoftTimeLimitExceeded
+import billiard.pool
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
@@ -28,48 +26,35 @@ from . import lifecycle
 from .api import enqueue_job
 from .context import JobContext, _current, maybe_current_job
 from .effects import carry_out
-from .envelope import JsonValue, parse_envelope
+from .envelope import parse_envelope
 from .identity import current_worker_id
 from .lifecycle import Record, Transition
+from .outcome import (
+    Cancelled,
+    Completed,
+    Failed,
+    JobError,
+    Outcome,
+    Rejected,
+    Retried,
+    RetryRequested,
+    TimedOut,
+    celery_exception,
+    error_from_exception,
+    run_handler,
+)
 from .producer import ojs_queue_of, scheduled_at_from
 from .runtime import Runtime, get_runtime
 from .store import StoreError
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["JobError", "OJSTask", "error_from_exception"]
+
 #: How long an outcome that cannot be written is retried before the sweeper is left to recover.
 OUTCOME_RETRY_SECONDS = 30.0
 #: Pause before a message goes back to the broker because the store is unreachable.
 STORE_DOWN_PAUSE = 1.0
-
-
-class JobError(Exception):
-    """Raise from a handler to fail the attempt with your own OJS error ``type``.
-
-    ``retryable=False`` discards the job at once, whatever the retry policy says.
-    """
-
-    def __init__(self, message: str, type: str = "error", retryable: bool = True) -> None:
-        super().__init__(message)
-        self.type = type
-        self.retryable = retryable
-
-
-class _RetryRequested(Exception):
-    """``self.retry()`` inside an OJS task: becomes an OJS failure with an optional delay."""
-
-    def __init__(self, exc: BaseException | None, delay: float | None) -> None:
-        super().__init__(str(exc) if exc else "retry requested by the handler")
-        self.exc = exc
-        self.delay = delay
-
-
-def error_from_exception(exc: BaseException) -> dict[str, JsonValue]:
-    """The OJS error object: ``type`` is the class name unless the handler chose one."""
-    type_ = exc.type if isinstance(exc, JobError) else type(exc).__name__
-    frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
-    backtrace: list[JsonValue] = [line.rstrip("\n") for line in frames[-50:]]
-    return lifecycle.make_error(type_, str(exc) or type(exc).__name__, backtrace=backtrace)
 
 
 def _owner_cancel(attempt: int, worker_id: str, now: float) -> Callable[[Record], Transition]:
@@ -150,7 +135,7 @@ class OJSTask(Task):  # type: ignore[misc]
         delay = countdown
         if eta is not None:
             delay = max(eta.timestamp() - time.time(), 0.0)
-        raise _RetryRequested(exc, delay)
+        raise RetryRequested(exc, delay)
 
     # ------------------------------------------------------------------ running
 
@@ -178,48 +163,24 @@ class OJSTask(Task):  # type: ignore[misc]
         _watch_soft_limit()
         reset = _current.set(ctx)
         try:
-            outcome = self._run_handler(ctx, args, kwargs)
+            outcome = run_handler(lambda: self.run(*args, **kwargs))
         finally:
             _current.reset(reset)
-        return self._settle(runtime, ctx, *outcome)
-
-    def _run_handler(
-        self, ctx: JobContext, args: Any, kwargs: Any
-    ) -> tuple[str, Any, BaseException | None]:
-        try:
-            result = self.run(*args, **kwargs)
-        except SoftTimeLimitExceeded as exc:
+        if isinstance(outcome, TimedOut):
             ctx.cancelled = True
-            return "timeout", None, exc
-        except _RetryRequested as exc:
-            return "retry", exc, exc.exc
-        except Ignore as exc:
-            return "ignore", None, exc
-        except Reject as exc:
-            return "reject", None, exc
-        except Retry as exc:  # raised by hand, not through self.retry()
-            return "retry", _RetryRequested(exc.exc, None), exc.exc
-        except Exception as exc:
-            return "error", None, exc
-        return "ok", result, None
+        return self._record_outcome(runtime, ctx, outcome)
 
-    def _settle(
-        self, runtime: Runtime, ctx: JobContext, kind: str, value: Any,
-        exc: BaseException | None,
-    ) -> Any:
+    def _record_outcome(self, runtime: Runtime, ctx: JobContext, outcome: Outcome) -> Any:
+        """Write the attempt's outcome to the store (fenced on attempt and worker), then tell
+        Celery only what the store accepted: the one mapping from outcome to effects."""
         job = ctx.job
         store = runtime.store
         now = time.time()
-        if kind == "ok":
-            try:
-                json.dumps(value)
-            except (TypeError, ValueError) as bad:
-                kind, exc = "error", TypeError(f"result is not JSON-serialisable: {bad}")
-            else:
-                done = _write(lambda: store.complete(job.id, ctx.attempt, ctx.worker_id, value,
-                                                     hint=ctx.record))
-                return self._after(runtime, ctx, done, value=value)
-        if kind == "ignore":
+        if isinstance(outcome, Completed):
+            done = _write(lambda: store.complete(job.id, ctx.attempt, ctx.worker_id,
+                                                 outcome.value, hint=ctx.record))
+            return self._tell_celery(runtime, ctx, done, outcome)
+        if isinstance(outcome, Cancelled):
             done = _write(lambda: store.apply(job.id, _owner_cancel(ctx.attempt, ctx.worker_id,
                                                                     now)))
             if done is not None and done.applied:
@@ -228,36 +189,37 @@ class OJSTask(Task):  # type: ignore[misc]
             raise Ignore()
         delay: float | None = None
         retryable = True
-        if kind == "timeout" and _worker_is_draining(runtime, ctx.worker_id):
+        if isinstance(outcome, TimedOut) and _worker_is_draining(runtime, ctx.worker_id):
             error = lifecycle.make_error(
                 "shutdown", "cancelled because the worker shut down before the job finished")
-        elif kind == "timeout":
+        elif isinstance(outcome, TimedOut):
             elapsed = time.monotonic() - ctx.started
             error = lifecycle.timeout_error(
                 "timeout", job.timeout, elapsed,
                 f"execution timeout of {job.timeout}s exceeded",
             )
-        elif kind == "retry":
-            error = (error_from_exception(exc) if exc is not None
+        elif isinstance(outcome, Retried):
+            error = (error_from_exception(outcome.cause) if outcome.cause is not None
                      else lifecycle.make_error("Retry", "retry requested by the handler"))
-            delay = value.delay
-        elif kind == "reject":
-            assert isinstance(exc, Reject)
-            error = lifecycle.make_error("Reject", str(exc.reason or "rejected by the handler"))
-            retryable = bool(exc.requeue)
+            delay = outcome.delay
+        elif isinstance(outcome, Rejected):
+            error = lifecycle.make_error(
+                "Reject", str(outcome.exc.reason or "rejected by the handler"))
+            retryable = bool(outcome.exc.requeue)
         else:
-            assert exc is not None
-            error = error_from_exception(exc)
-            if isinstance(exc, JobError):
-                retryable = exc.retryable
+            assert isinstance(outcome, Failed)
+            error = error_from_exception(outcome.exc)
+            retryable = outcome.retryable
         done = _write(lambda: store.fail(job.id, ctx.attempt, ctx.worker_id, error,
                                          delay=delay, retryable=retryable, hint=ctx.record))
-        return self._after(runtime, ctx, done, exc=exc)
+        return self._tell_celery(runtime, ctx, done, outcome)
 
-    def _after(
-        self, runtime: Runtime, ctx: JobContext, done: Transition | None, *,
-        value: Any = None, exc: BaseException | None = None,
+    def _tell_celery(
+        self, runtime: Runtime, ctx: JobContext, done: Transition | None, outcome: Outcome
     ) -> Any:
+        """Carry out the accepted transition and report it to Celery: the return value, a
+        ``Retry`` (the job runs again) or the exception that ended it; nothing (``Ignore``)
+        when the store rejected the outcome."""
         if done is None or done.record is None:
             reason = "store unreachable" if done is None else done.reason
             logger.warning(
@@ -267,12 +229,13 @@ class OJSTask(Task):  # type: ignore[misc]
             raise Ignore()
         carry_out(runtime, done)
         record = done.record
-        if record.job.state == "completed":
-            return value
+        if record.job.state == "completed" and isinstance(outcome, Completed):
+            return outcome.value
+        exc = celery_exception(outcome)
         if record.job.state == "retryable":
             when = record.job.next_retry_at
             raise Retry(f"OJS retry at {when}", exc, when=when)
-        if exc is None or isinstance(exc, (Reject, Retry, _RetryRequested)):
+        if exc is None or isinstance(exc, (Reject, Retry, RetryRequested)):
             raise RuntimeError(str((record.job.error or {}).get("message", "discarded")))
         raise exc
 
@@ -317,28 +280,39 @@ _soft_watch_installed = False
 
 
 def _watch_soft_limit() -> None:
-    """Mark the current job cancelled when the soft time limit (SIGUSR1 in prefork) fires,
-    before billiard's handler raises ``SoftTimeLimitExceeded`` in the handler."""
+    """Mark the current job cancelled when the soft time limit fires, before billiard's
+    handler raises ``SoftTimeLimitExceeded`` in the handler.
+
+    billiard gives no hook for this: a prefork child installs its own handler,
+    ``billiard.pool.soft_timeout_sighandler``, for ``billiard.pool.SIG_SOFT_TIMEOUT`` (SIGUSR1)
+    in ``Worker.after_fork``; we chain in front of it when, and only when,
+    that exact function is installed (any other pool, or a handler of the project's own, is
+    left alone). Checked on Celery 5.7.0 with billiard 4.3.2.
+    """
     global _soft_watch_installed
     if _soft_watch_installed:
         return
     _soft_watch_installed = True
-    try:
-        previous = signal.getsignal(signal.SIGUSR1)
-    except (ValueError, AttributeError):
+    signum = getattr(billiard.pool, "SIG_SOFT_TIMEOUT", None)
+    billiard_handler: Callable[[int, Any], None] | None = getattr(
+        billiard.pool, "soft_timeout_sighandler", None)
+    if signum is None or billiard_handler is None:
         return
-    if getattr(previous, "__name__", "") != "soft_timeout_sighandler" or not callable(previous):
+    chained = billiard_handler
+    try:
+        previous = signal.getsignal(signum)
+    except ValueError:
+        return
+    if previous is not billiard_handler:
         return  # not a prefork child: no soft limit to watch
 
     def on_soft_limit(signum: int, frame: Any) -> None:
         ctx = maybe_current_job()
         if ctx is not None:
             ctx.cancelled = True
-        previous(signum, frame)
+        chained(signum, frame)
 
     try:
-        signal.signal(signal.SIGUSR1, on_soft_limit)
+        signal.signal(signum, on_soft_limit)
     except ValueError:  # not the main thread (threads pool): nothing to watch
         pass
-
-

@@ -1,0 +1,134 @@
+"""What one attempt of a handler came to, as a type.
+
+:func:`run_handler` is the one place where a handler's return value or exception becomes an
+:data:`Outcome`; :meth:`ojs_celery.task.OJSTask._record_outcome` is the one place that maps an
+outcome to its store write and to what Celery is told. Celery's own control-flow exceptions
+(``Ignore``, ``Reject``, ``Retry`` and ``self.retry()``) and billiard's soft time limit each
+have their own outcome, so that none of them is mistaken for a handler error.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeAlias, cast
+
+from billiard.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Ignore, Reject, Retry
+
+from . import lifecycle
+from .envelope import JsonValue
+
+
+class JobError(Exception):
+    """Raise from a handler to fail the attempt with your own OJS error ``type``.
+
+    ``retryable=False`` discards the job at once, whatever the retry policy says.
+    """
+
+    def __init__(self, message: str, type: str = "error", retryable: bool = True) -> None:
+        super().__init__(message)
+        self.type = type
+        self.retryable = retryable
+
+
+class RetryRequested(Exception):
+    """``self.retry()`` inside an OJS task: an OJS failure with an optional delay."""
+
+    def __init__(self, exc: BaseException | None, delay: float | None) -> None:
+        super().__init__(str(exc) if exc else "retry requested by the handler")
+        self.exc = exc
+        self.delay = delay
+
+
+def error_from_exception(exc: BaseException) -> dict[str, JsonValue]:
+    """The OJS error object: ``type`` is the class name unless the handler chose one."""
+    type_ = exc.type if isinstance(exc, JobError) else type(exc).__name__
+    frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
+    backtrace: list[JsonValue] = [line.rstrip("\n") for line in frames[-50:]]
+    return lifecycle.make_error(type_, str(exc) or type(exc).__name__, backtrace=backtrace)
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The handler returned ``value`` (JSON data)."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The handler raised ``exc``; ``retryable=False`` (a :class:`JobError` asking for it)
+    discards the job whatever the retry policy says."""
+
+    exc: BaseException
+    retryable: bool = True
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    """The soft time limit's ``SoftTimeLimitExceeded`` escaped the handler."""
+
+    exc: BaseException
+
+
+@dataclass(frozen=True)
+class Retried:
+    """``self.retry()``, ``autoretry_for`` or a ``Retry`` raised by hand: fail this attempt,
+    with ``delay`` seconds instead of the backoff when the handler chose one."""
+
+    cause: BaseException | None
+    delay: float | None
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """The handler raised Celery's ``Ignore``: the job is cancelled by its own attempt."""
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The handler raised Celery's ``Reject``: discarded, or retried per policy when it asked
+    for a requeue (never requeued as it is: the message's token is spent)."""
+
+    exc: Reject
+
+
+Outcome: TypeAlias = Completed | Failed | TimedOut | Retried | Cancelled | Rejected
+
+
+def run_handler(call: Callable[[], Any]) -> Outcome:
+    """Run the handler and say what it came to; a result that is not JSON data fails it."""
+    try:
+        value = call()
+    except SoftTimeLimitExceeded as exc:
+        return TimedOut(exc)
+    except RetryRequested as exc:
+        return Retried(exc.exc, exc.delay)
+    except Ignore:
+        return Cancelled()
+    except Reject as exc:
+        return Rejected(exc)
+    except Retry as exc:  # raised by hand, not through self.retry()
+        return Retried(exc.exc, None)
+    except Exception as exc:
+        return Failed(exc, exc.retryable if isinstance(exc, JobError) else True)
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as bad:
+        return Failed(TypeError(f"result is not JSON-serialisable: {bad}"))
+    return Completed(value)
+
+
+def celery_exception(outcome: Outcome) -> BaseException | None:
+    """The exception Celery learns of for a failed attempt (its ``Retry``'s cause, or what
+    ends the task when the job is discarded); None where the handler raised none of its own."""
+    if isinstance(outcome, (Failed, TimedOut)):
+        return outcome.exc
+    if isinstance(outcome, Retried):
+        return outcome.cause
+    if isinstance(outcome, Rejected):
+        return cast(BaseException, outcome.exc)
+    return None
