@@ -14,7 +14,7 @@ from .identity import assign_worker_id
 from .runtime import Runtime, attach, get_runtime
 from .sweeper import SWEEP_TASK, last_sweep, sweep
 from .worker import children
-from .worker.step import OJSWorkerStep
+from .worker.steps import STEPS
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ def install(app: Celery) -> Runtime:
         if getattr(sender, "app", None) is not app:
             return
         worker_id = assign_worker_id()
-        children.prepare()
         name = pool_name(getattr(sender, "pool_cls", ""))
         logger.info("ojs_celery: worker id %s (pool %s)", worker_id, name)
         _watch_sweeps(runtime)
@@ -72,7 +71,8 @@ def install(app: Celery) -> Runtime:
     signals.worker_process_init.connect(on_child_start, weak=False)
     signals.worker_process_shutdown.connect(on_child_shutdown, weak=False)
     app._ojs_signal_receivers = (on_worker_init, on_child_start, on_child_shutdown)
-    app.steps["consumer"].add(OJSWorkerStep)
+    for step in STEPS:
+        app.steps["consumer"].add(step)
     return runtime
 
 
