@@ -26,7 +26,7 @@ from .install import install
 from .producer import BrokerUnavailable
 from .runtime import get_runtime
 from .sweeper import run_loop, sweep
-from .worker.agent import DIRECTIVES, directive_key
+from .worker.registry import DIRECTIVES, directive_key
 
 EXIT_INVALID = 2
 

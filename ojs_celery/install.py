@@ -17,7 +17,7 @@ from .identity import assign_worker_id
 from .runtime import Runtime, attach, get_runtime
 from .sweeper import SWEEP_TASK, last_sweep, sweep
 from .worker import children
-from .worker.step import OJSWorkerStep
+from .worker.steps import STEPS
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,6 @@ def install(app: Celery) -> Runtime:
             return
         _settings_or_exit()
         worker_id = assign_worker_id()
-        children.prepare()
         name = pool_name(getattr(sender, "pool_cls", ""))
         logger.info("ojs_celery: worker id %s (pool %s)", worker_id, name)
         _watch_sweeps(runtime)
@@ -107,7 +106,8 @@ def install(app: Celery) -> Runtime:
     signals.worker_process_shutdown.connect(on_child_shutdown, weak=False)
     app._ojs_signal_receivers = (
         on_worker_init, on_child_start, on_child_shutdown, on_configured, on_beat_init)
-    app.steps["consumer"].add(OJSWorkerStep)
+    for step in STEPS:
+        app.steps["consumer"].add(step)
     return runtime
 
 

@@ -97,7 +97,7 @@ def test_registration_beats_and_listing(env: Env, tmp_path: pathlib.Path) -> Non
         info = registered(env, worker)
         assert info.worker_id.startswith("worker_") and info.state == "running"
         assert info.queues == [queue_of(worker)] and info.concurrency == 2
-        job = enqueue({"type": "e2e.sleep", "args": [2.0], "queue": queue_of(worker)},
+        job = enqueue({"type": "e2e.sleep", "args": [5.0], "queue": queue_of(worker)},
                       app=env.app)
         env.wait_state(job.id, "active")
         beats_pass(env, info, 2)

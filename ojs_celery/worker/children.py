@@ -1,10 +1,12 @@
-"""Prefork children ignore SIGTSTP and SIGTERM, so that a signal sent to the whole process group
-(Ctrl-Z, or systemd's SIGTERM) lets the main process drain instead of killing running jobs.
+"""The pool-children bootstep: prefork children ignore SIGTSTP and SIGTERM, so that a signal sent
+to the whole process group (Ctrl-Z, or systemd's SIGTERM) lets the main process drain instead of
+killing running jobs.
 
 ``SIG_IGN`` is the one disposition billiard keeps when it resets a child's signals after
-``worker_process_init``. Billiard still stops a child at a hard time limit (it follows SIGTERM
-with SIGKILL after 0.1 s), and on a cold shutdown the main process kills its children itself,
-since they no longer obey the SIGTERM that Celery would send them.
+``worker_process_init`` (``install`` connects :func:`protect_child` to it). Billiard still stops
+a child at a hard time limit (it follows SIGTERM with SIGKILL after 0.1 s), and on a cold
+shutdown the main process kills its children itself (:meth:`PoolChildren.kill_all`), since they
+no longer obey the SIGTERM that Celery would send them.
 """
 
 from __future__ import annotations
@@ -14,33 +16,63 @@ import os
 import signal
 from typing import Any
 
+from billiard.process import current_process
+from celery import bootsteps
+
+from .node import node_of
+from .registration import RegistrationStep
+
 logger = logging.getLogger(__name__)
 
-_main_pid: int | None = None
-
-
-def prepare() -> None:
-    """In the main process, before the pool forks."""
-    global _main_pid
-    _main_pid = os.getpid()
+#: billiard's name for a worker's main process (pool children are ``ForkPoolWorker-N``).
+MAIN_PROCESS = "MainProcess"
 
 
 def protect_child() -> None:
-    """In each pool child (``worker_process_init``; the solo pool sends it in the main
-    process, which keeps its handlers)."""
-    if _main_pid is None or os.getpid() == _main_pid:
+    """In each pool child (``worker_process_init``; the solo pool sends it in the main process,
+    which keeps its handlers)."""
+    if current_process().name == MAIN_PROCESS:
         return
     signal.signal(signal.SIGTSTP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def kill_children(pool: Any) -> None:
-    """Cold shutdown: stop every pool process now (they ignore SIGTERM)."""
-    inner = getattr(pool, "_pool", None)
-    for process in list(getattr(inner, "_pool", None) or []):
-        pid = getattr(process, "pid", None)
-        if pid and pid != os.getpid():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError as exc:
-                logger.debug("ojs_celery: kill child %s: %r", pid, exc)
+class PoolChildren:
+    """The pool processes of one worker, as the main process can reach them."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    def kill(self, pid: int | None) -> bool:
+        """Stop the child ``pid`` now (SIGKILL through the pool); False if it cannot be."""
+        if not pid or pid == os.getpid():
+            return False  # solo/threads pools run jobs in this process
+        try:
+            self.pool.terminate_job(pid, signal.SIGKILL)
+        except (NotImplementedError, OSError) as exc:
+            logger.warning("ojs_celery: could not stop pool process %s: %r", pid, exc)
+            return False
+        return True
+
+    def kill_all(self) -> None:
+        """Cold shutdown: stop every pool process now (they ignore SIGTERM)."""
+        inner = getattr(self.pool, "_pool", None)
+        for process in list(getattr(inner, "_pool", None) or []):
+            pid = getattr(process, "pid", None)
+            if pid and pid != os.getpid():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError as exc:
+                    logger.debug("ojs_celery: kill child %s: %r", pid, exc)
+
+
+class PoolChildrenStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Gives the worker its :class:`PoolChildren`."""
+
+    requires = (RegistrationStep,)
+    label = "OJS pool children"
+
+    def start(self, parent: Any) -> None:
+        node = node_of(parent)
+        if getattr(node, "children", None) is None:
+            node.children = PoolChildren(parent.pool)

@@ -1,4 +1,4 @@
-"""Signals and the graceful shutdown of the OJS worker protocol.
+"""The signals-and-drain bootstep: the graceful shutdown of the OJS worker protocol.
 
 SIGTSTP → quiet, SIGCONT → running. SIGTERM, a first SIGINT or a ``terminate`` directive → stop
 consuming, report ``terminate`` (beats go on), and wait for the running jobs up to the worker
@@ -23,14 +23,16 @@ import time
 from types import FrameType
 from typing import Any
 
-from celery.worker import state as worker_state
+from celery import bootsteps
 
 from .. import lifecycle
 from ..effects import carry_out
 from ..header import token_of
 from ..store import StoreError
-from . import children
-from .agent import WorkerAgent, ojs_requests, shutdown_key
+from .beat import BeatStep
+from .children import PoolChildrenStep
+from .node import WorkerNode, anything_running, node_of, ojs_requests
+from .registration import deregister
 
 logger = logging.getLogger(__name__)
 
@@ -38,17 +40,16 @@ logger = logging.getLogger(__name__)
 POLL = 0.05
 
 
-class GracefulShutdown:
-    """Installs the signal handlers in the worker's main process and runs the drain."""
+class Drain:
+    """The signal handlers of the worker's main process, and the drain they start."""
 
-    def __init__(self, agent: WorkerAgent) -> None:
-        self.agent = agent
-        self.runtime = agent.runtime
-        self.grace = agent.settings.shutdown_grace_period
+    def __init__(self, node: WorkerNode) -> None:
+        self.node = node
+        self.runtime = node.runtime
+        self.grace = node.settings.shutdown_grace_period
         self._previous: dict[int, Any] = {}
         self._started = threading.Event()
         self._handover = False
-        agent.on_terminate = self.begin
 
     @property
     def started(self) -> bool:
@@ -69,11 +70,10 @@ class GracefulShutdown:
     # ------------------------------------------------------------------ handlers
 
     def _on_tstp(self, signum: int, frame: FrameType | None) -> None:
-        threading.Thread(target=self.agent.apply, args=("quiet", "SIGTSTP"), daemon=True).start()
+        self.node.directives.apply_soon("quiet", "SIGTSTP")
 
     def _on_cont(self, signum: int, frame: FrameType | None) -> None:
-        threading.Thread(target=self.agent.apply, args=("running", "SIGCONT"),
-                         daemon=True).start()
+        self.node.directives.apply_soon("running", "SIGCONT")
 
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
         if self._handover:
@@ -82,12 +82,11 @@ class GracefulShutdown:
                 warm(signum, frame)  # Celery's warm shutdown, in the main thread
             return
         if not self._started.is_set():
-            threading.Thread(target=self.agent.apply, args=("terminate", "SIGTERM"),
-                             daemon=True).start()
+            self.node.directives.apply_soon("terminate", "SIGTERM")
 
     def _on_quit(self, signum: int, frame: FrameType | None) -> None:
         """Celery's cold shutdown, at once (its pool children ignore SIGTERM: kill them)."""
-        children.kill_children(self.agent.consumer.pool)
+        self.node.children.kill_all()
         cold = self._previous.get(signal.SIGQUIT)
         if callable(cold):
             cold(signum, frame)
@@ -96,8 +95,7 @@ class GracefulShutdown:
         if self._started.is_set():  # a second Ctrl-C: Celery's cold shutdown, at once
             self._on_quit(signal.SIGQUIT, frame)
             return
-        threading.Thread(target=self.agent.apply, args=("terminate", "SIGINT"),
-                         daemon=True).start()
+        self.node.directives.apply_soon("terminate", "SIGINT")
 
     # ------------------------------------------------------------------ the drain
 
@@ -105,10 +103,11 @@ class GracefulShutdown:
         if self._started.is_set():
             return
         self._started.set()
+        node = self.node
         logger.warning("ojs_celery: worker %s shutting down (%s): draining for up to %ss",
-                       self.agent.worker_id, source, self.grace)
-        self.agent.stop_consuming()
-        self.agent.beat_soon()
+                       node.worker_id, source, self.grace)
+        node.directives.stop_consuming()
+        node.beat.soon()
         threading.Thread(target=self._drain, args=(source,), name="ojs-drain",
                          daemon=True).start()
 
@@ -122,9 +121,10 @@ class GracefulShutdown:
             self._hand_over_to_celery()
 
     def _wait_and_fail(self, source: str) -> None:
+        node = self.node
         deadline = time.monotonic() + self.grace
         signalled: set[str] = set()
-        while _snapshot_active() and time.monotonic() < deadline:
+        while anything_running() and time.monotonic() < deadline:
             remaining = deadline - time.monotonic()
             for request in ojs_requests():
                 if request.id not in signalled and remaining <= _job_grace(request):
@@ -134,14 +134,13 @@ class GracefulShutdown:
         leftovers = ojs_requests()
         for request in leftovers:
             self._fail(request)
-        reason = "signal" if source.startswith("SIG") else "shutdown"
-        self.agent.deregister(reason)
+        deregister(node, "signal" if source.startswith("SIG") else "shutdown")
         try:
-            self.runtime.store.take_meta(shutdown_key(self.agent.worker_id))
+            node.registry.clear_draining()
         except StoreError:
             pass
         logger.warning("ojs_celery: worker %s drained (%d job(s) failed with `shutdown`)",
-                       self.agent.worker_id, len(leftovers))
+                       node.worker_id, len(leftovers))
 
     def _cancel(self, request: Any) -> None:
         """Deliver the cancellation signal: the soft time limit in the job's pool process."""
@@ -149,7 +148,7 @@ class GracefulShutdown:
         if not pid or pid == os.getpid():
             return  # solo/threads pools run jobs in this process: nothing to interrupt
         try:
-            self.runtime.store.set_meta(shutdown_key(self.agent.worker_id), "1")
+            self.node.registry.mark_draining()
             os.kill(pid, signal.SIGUSR1)
             logger.warning("ojs_celery: cancelling job %s for the shutdown", request.id)
         except (OSError, StoreError) as exc:
@@ -164,19 +163,14 @@ class GracefulShutdown:
             "shutdown", f"the worker shut down and its grace period of {self.grace}s ended "
             "before the job finished")
         try:
-            done = self.runtime.store.fail_token(request.id, token, self.agent.worker_id, error)
+            done = self.runtime.store.fail_token(request.id, token, self.node.worker_id, error)
         except StoreError as exc:
             logger.error("ojs_celery: could not fail job %s at shutdown (the sweeper will "
                          "recover it): %s", request.id, exc)
             done = None
         if done is not None and done.record is not None:
             carry_out(self.runtime, done)
-        pid = getattr(request, "worker_pid", None)
-        if pid and pid != os.getpid():
-            try:
-                self.agent.consumer.pool.terminate_job(pid, signal.SIGKILL)
-            except (NotImplementedError, OSError) as exc:
-                logger.warning("ojs_celery: could not stop job %s: %r", request.id, exc)
+        self.node.children.kill(getattr(request, "worker_pid", None))
 
     def _hand_over_to_celery(self) -> None:
         """Celery's own warm shutdown, in the main thread (nothing is left to wait for)."""
@@ -184,11 +178,7 @@ class GracefulShutdown:
             self._handover = True
             os.kill(os.getpid(), signal.SIGTERM)
         else:
-            self.agent.consumer.controller.stop(in_sighandler=False)
-
-
-def _snapshot_active() -> bool:
-    return bool(worker_state.active_requests)
+            self.node.consumer.controller.stop(in_sighandler=False)
 
 
 def _job_grace(request: Any) -> float:
@@ -197,3 +187,16 @@ def _job_grace(request: Any) -> float:
     if hard and soft:
         return float(hard) - float(soft)
     return 0.0
+
+
+class DrainStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Installs the signal handlers (main thread, once) and gives the worker its drain."""
+
+    requires = (BeatStep, PoolChildrenStep)
+    label = "OJS signals and drain"
+
+    def start(self, parent: Any) -> None:
+        node = node_of(parent)
+        if getattr(node, "drain", None) is None:
+            node.drain = Drain(node)
+            node.drain.install()

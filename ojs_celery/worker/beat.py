@@ -1,0 +1,104 @@
+"""The BEAT bootstep: every ``heartbeat_interval``, from a thread of its own (a solo-pool worker
+running a long job still beats), the worker reports its state and the OJS jobs it runs and
+holds, extends the reservation of the jobs it owns, and picks up a pending directive."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from celery import bootsteps
+
+from ..header import token_of
+from ..store import StoreError
+from .directives import DirectivesStep
+from .node import WorkerNode, node_of, ojs_requests
+
+logger = logging.getLogger(__name__)
+
+#: One ``worker.heartbeat`` event every this many beats (the bus is not a metrics pipe).
+HEARTBEAT_EVENT_EVERY = 12
+
+
+class Beater:
+    """The beat thread of one worker."""
+
+    def __init__(self, node: WorkerNode) -> None:
+        self.node = node
+        self._lock = threading.Lock()  # one beat at a time; none after stop()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._beats = 0
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ojs-beat", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """No beat runs after this returns (the record may be deleted safely)."""
+        with self._lock:
+            self._stop.set()
+
+    def _run(self) -> None:
+        interval = self.node.settings.heartbeat_interval
+        while not self._stop.wait(interval):
+            self.beat()
+
+    def soon(self) -> None:
+        """Report a state change at once rather than at the next interval."""
+        threading.Thread(target=self.beat, name="ojs-beat-now", daemon=True).start()
+
+    def beat(self) -> None:
+        """One BEAT."""
+        with self._lock:
+            if not self._stop.is_set():
+                self._beat()
+
+    def _beat(self) -> None:
+        node = self.node
+        info = node.info()
+        try:
+            directive, known = node.registry.beat(info)
+            if not known:
+                logger.warning("ojs_celery: worker %s is not registered (declared dead while "
+                               "it was frozen or cut off?): registering again", node.worker_id)
+            for request in ojs_requests():
+                self._extend(request, info.last_beat)
+        except StoreError as exc:
+            logger.warning("ojs_celery: beat of worker %s failed, retrying at the next "
+                           "interval: %s", node.worker_id, exc)
+            return
+        self._beats += 1
+        if self._beats % HEARTBEAT_EVENT_EVERY == 1:
+            node.runtime.bus.emit("worker.heartbeat", {
+                "worker_id": node.worker_id, "state": node.state,
+                "active_jobs": len(info.active_job_ids), "queues": info.queues,
+            }, subject=node.worker_id)
+        if directive is not None:
+            node.directives.apply_soon(directive, "directive")
+
+    def _extend(self, request: Any, now: float) -> None:
+        token = token_of(request)
+        if token is None:
+            return
+        node = self.node
+        stall = getattr(request.task, "heartbeat", "worker") != "handler"
+        done = node.runtime.store.extend(request.id, token, node.worker_id, stall=stall, now=now)
+        if not done.applied and done.reason not in ("stale", "not_active", "unknown_job"):
+            logger.info("ojs_celery: beat did not extend job %s (%s)", request.id, done.reason)
+
+
+class BeatStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Starts the worker's beat thread (once; consumer restarts start steps again); stops it
+    when the worker leaves the registry (see ``registration.deregister``)."""
+
+    requires = (DirectivesStep,)  # a beat may bring a directive
+    label = "OJS beat"
+
+    def start(self, parent: Any) -> None:
+        node = node_of(parent)
+        if getattr(node, "beat", None) is None:
+            node.beat = Beater(node)
+            node.beat.start()

@@ -1,0 +1,92 @@
+"""The directives bootstep: the worker's state (running, quiet, terminate) and its changes.
+
+A change comes from a one-shot directive picked up by a beat (``ojs-celery workers quiet``) or
+from a signal (SIGTSTP, SIGCONT, SIGTERM, SIGINT). Quiet stops consuming (what is running or
+reserved finishes); resume consumes again; terminate hands over to the drain, for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from celery import bootsteps
+
+from .node import WorkerNode, node_of, ojs_requests
+from .registration import RegistrationStep
+
+logger = logging.getLogger(__name__)
+
+
+class Directives:
+    """Applies state changes to one worker."""
+
+    def __init__(self, node: WorkerNode) -> None:
+        self.node = node
+
+    def apply_soon(self, wanted: str, source: str) -> None:
+        """:meth:`apply` from a thread of its own (signal handlers and beats must not block)."""
+        threading.Thread(target=self.apply, args=(wanted, source), name="ojs-directive",
+                         daemon=True).start()
+
+    def apply(self, wanted: str, source: str) -> None:
+        """Adopt ``wanted`` (quiet, resume/running, terminate) if the transition is valid."""
+        node = self.node
+        with node.state_lock:
+            current = node.state
+            if current == "terminate":
+                return  # no way back from terminate
+            if wanted == "quiet" and current == "running":
+                node.state = "quiet"
+                self.stop_consuming()
+                logger.warning("ojs_celery: worker %s is quiet (%s): no new jobs",
+                               node.worker_id, source)
+                node.runtime.bus.emit("worker.quiet", {
+                    "worker_id": node.worker_id, "active_jobs": len(ojs_requests()),
+                }, subject=node.worker_id)
+            elif wanted in ("resume", "running") and current == "quiet":
+                node.state = "running"
+                node.consumer.call_soon(self._resume_consuming)
+                logger.warning("ojs_celery: worker %s is running again (%s)", node.worker_id,
+                               source)
+            elif wanted == "terminate":
+                node.state = "terminate"
+            else:
+                return
+        if node.state == "terminate":
+            node.drain.begin(source)
+        else:
+            node.beat.soon()
+
+    def stop_consuming(self) -> None:
+        self.node.consumer.call_soon(self._stop_consuming)
+
+    def _stop_consuming(self) -> None:
+        self._each_queue(self.node.consumer.cancel_task_queue)
+
+    def _resume_consuming(self) -> None:
+        self._each_queue(self.node.consumer.add_task_queue)
+
+    def _each_queue(self, change: Callable[[str], Any]) -> None:
+        """Cancel or re-add every queue this worker consumed at start (in the consumer's
+        thread, via ``call_soon``); a queue already in that state is not an error."""
+        for name in self.node.queues:
+            try:
+                change(name)
+            except Exception as exc:
+                logger.debug("ojs_celery: %s(%s): %r", getattr(change, "__name__", change),
+                             name, exc)
+
+
+class DirectivesStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Gives the worker its :class:`Directives`."""
+
+    requires = (RegistrationStep,)
+    label = "OJS directives"
+
+    def start(self, parent: Any) -> None:
+        node = node_of(parent)
+        if getattr(node, "directives", None) is None:
+            node.directives = Directives(node)

@@ -1,0 +1,105 @@
+"""What the OJS bootsteps of one worker process share: :class:`WorkerNode`.
+
+The registration step creates it and hangs it on Celery's consumer as ``consumer.ojs`` (Celery's
+own consumer steps share their parts the same way: ``c.task_consumer``, ``c.heart``); every
+later step finds it there and adds its own part (``beat``, ``directives``, ``drain``,
+``children``). Nothing of it is module state, so two workers in one process stay apart.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery.worker import state as worker_state
+
+from ..header import token_of
+from ..identity import current_worker_id
+from ..runtime import Runtime
+from ..store import WorkerInfo
+from .registry import Registry
+
+if TYPE_CHECKING:
+    from .beat import Beater
+    from .children import PoolChildren
+    from .directives import Directives
+    from .shutdown import Drain
+
+#: The states a worker reports in its beats.
+STATES = ("running", "quiet", "terminate")
+
+
+def _snapshot(requests: Any) -> list[Any]:
+    """A copy of one of Celery's request sets, which the main thread changes as we read."""
+    for _ in range(5):
+        try:
+            return list(requests)
+        except RuntimeError:
+            continue
+    return []
+
+
+def ojs_requests(active: bool = True) -> list[Any]:
+    """The OJS requests this worker runs (``active``) or holds without running."""
+    running = _snapshot(worker_state.active_requests)
+    if active:
+        return [r for r in running if token_of(r) is not None]
+    running_ids = {r.id for r in running}
+    return [r for r in _snapshot(worker_state.reserved_requests)
+            if token_of(r) is not None and r.id not in running_ids]
+
+
+def anything_running() -> bool:
+    """Any request (OJS or not) still running in this worker."""
+    return bool(worker_state.active_requests)
+
+
+class WorkerNode:
+    """One worker process as the OJS worker protocol sees it (see the module docstring)."""
+
+    beat: Beater
+    directives: Directives
+    drain: Drain
+    children: PoolChildren
+
+    def __init__(self, runtime: Runtime, consumer: Any) -> None:
+        self.runtime = runtime
+        self.consumer = consumer
+        self.settings = runtime.settings
+        self.worker_id = current_worker_id()
+        self.registry = Registry(runtime, self.worker_id)
+        self.started_at = time.time()
+        self.queues: list[str] = [q.name for q in consumer.task_consumer.queues]
+        self.state = "running"
+        self.state_lock = threading.Lock()
+        self.left = False  # deregistered: set once, under state_lock
+
+    def info(self) -> WorkerInfo:
+        """The registry record of this worker as of now."""
+        consumer = self.consumer
+        pool = getattr(consumer, "pool", None)
+        concurrency = getattr(consumer.controller, "concurrency", None) or getattr(
+            pool, "limit", None) or 1
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            nodename=str(getattr(consumer, "hostname", "")),
+            queues=list(self.queues),
+            concurrency=int(concurrency),
+            labels=list(self.settings.labels),
+            started_at=self.started_at,
+            state=self.state,
+            last_beat=time.time(),
+            active_job_ids=[r.id for r in ojs_requests()],
+            reserved_job_ids=[r.id for r in ojs_requests(active=False)],
+        )
+
+
+def node_of(consumer: Any) -> WorkerNode:
+    """The node the registration step created for ``consumer``."""
+    node: WorkerNode = consumer.ojs
+    return node

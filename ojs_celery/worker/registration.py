@@ -1,0 +1,79 @@
+"""The registration bootstep: the worker's record in the store, from start to exit."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery import bootsteps
+from celery.worker import state as worker_state
+
+from ..runtime import get_runtime
+from ..store import StoreError
+from .node import WorkerNode
+
+logger = logging.getLogger(__name__)
+
+
+class RegistrationStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Creates the worker's :class:`~.node.WorkerNode`, registers it and emits
+    ``worker.started``; deregisters on a shutdown that did not go through the drain."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+    label = "OJS registration"
+
+    def start(self, parent: Any) -> None:
+        if getattr(parent, "ojs", None) is not None:
+            return  # consumer restarts (broker reconnects) start steps again
+        node = WorkerNode(get_runtime(parent.app), parent)
+        parent.ojs = node
+        info = node.info()
+        try:
+            node.registry.register(info)
+        except StoreError as exc:
+            logger.warning("ojs_celery: could not register worker %s (will retry with the "
+                           "next beat): %s", node.worker_id, exc)
+        node.runtime.bus.emit("worker.started", {
+            "worker_id": node.worker_id, "queues": info.queues,
+            "concurrency": info.concurrency, "hostname": info.hostname, "pid": info.pid,
+        }, subject=node.worker_id)
+        logger.info("ojs_celery: worker %s registered (queues %s)", node.worker_id, info.queues)
+
+    def stop(self, parent: Any) -> None:
+        if worker_state.should_stop or worker_state.should_terminate:
+            self._leave(parent)
+
+    def shutdown(self, parent: Any) -> None:
+        self._leave(parent)
+
+    def _leave(self, parent: Any) -> None:
+        """A shutdown that did not go through the drain (Celery's own, e.g. the ``shutdown``
+        remote-control command): deregister so that nobody declares this worker dead."""
+        node: WorkerNode | None = getattr(parent, "ojs", None)
+        if node is None or node.left:
+            return
+        drain = getattr(node, "drain", None)
+        if drain is not None and drain.started:
+            return
+        deregister(node, "shutdown")
+
+
+def deregister(node: WorkerNode, reason: str) -> None:
+    """Leave the registry (once); no beat writes the record back after this."""
+    beat = getattr(node, "beat", None)
+    with node.state_lock:
+        if node.left:
+            return
+        node.left = True
+    if beat is not None:
+        beat.stop()
+    try:
+        node.registry.deregister()
+    except StoreError as exc:
+        logger.warning("ojs_celery: could not deregister worker %s: %s", node.worker_id, exc)
+    node.runtime.bus.emit("worker.stopped", {
+        "worker_id": node.worker_id, "reason": reason,
+        "uptime_ms": round((time.time() - node.started_at) * 1000),
+    }, subject=node.worker_id)
+    node.runtime.bus.flush()

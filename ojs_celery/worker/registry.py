@@ -1,0 +1,54 @@
+"""Every store call of the worker protocol about the worker itself, in one place.
+
+The worker's record in the registry, its one-shot directive and its "draining" mark live in the
+store's worker and meta areas; the bootsteps reach them only through :class:`Registry`, so that
+a change of the store's worker/meta API is a change of this module alone. Job writes (extend,
+fail) stay with the job store.
+"""
+
+from __future__ import annotations
+
+from ..runtime import Runtime
+from ..store import WorkerInfo
+
+#: The one-shot directives an operator can leave for a worker (``ojs-celery workers ...``).
+DIRECTIVES = ("quiet", "resume", "terminate")
+
+
+def directive_key(worker_id: str) -> str:
+    return f"directive:{worker_id}"
+
+
+def shutdown_key(worker_id: str) -> str:
+    """Set while this worker's drain cancels its jobs: a handler cancelled then fails with
+    ``shutdown`` rather than ``timeout``."""
+    return f"shutdown:{worker_id}"
+
+
+class Registry:
+    """One worker's record, directive and draining mark (raises ``StoreError`` as the store)."""
+
+    def __init__(self, runtime: Runtime, worker_id: str) -> None:
+        self.runtime = runtime
+        self.worker_id = worker_id
+
+    def register(self, info: WorkerInfo) -> None:
+        self.runtime.store.register_worker(info)
+
+    def beat(self, info: WorkerInfo) -> tuple[str | None, bool]:
+        """Save the beat; returns the pending directive (taken) and whether the worker was
+        still registered before this beat (False: it was declared dead meanwhile)."""
+        store = self.runtime.store
+        directive = store.take_meta(directive_key(self.worker_id))
+        known = store.get_worker(self.worker_id) is not None
+        store.save_worker(info)
+        return directive, known
+
+    def deregister(self) -> None:
+        self.runtime.store.deregister_worker(self.worker_id)
+
+    def mark_draining(self) -> None:
+        self.runtime.store.set_meta(shutdown_key(self.worker_id), "1")
+
+    def clear_draining(self) -> None:
+        self.runtime.store.take_meta(shutdown_key(self.worker_id))
