@@ -21,6 +21,7 @@ from tests.workers import (
     Worker,
     amqp_config,
     filesystem_config,
+    forget_redis_names,
     lines,
     redis_config,
     unique,
@@ -131,6 +132,10 @@ def start_env(kind: str, tmp: pathlib.Path, *, config: dict[str, Any] | None = N
         drop = getattr(store, "drop_tables", None)
         if drop is not None:
             drop()
+        if kind == "redis":
+            names = [config["queue"], config["event_exchange"], config["ojs"]["store_prefix"],
+                     config["ojs"].get("sweep_queue", config["queue"])]
+            forget_redis_names(config["broker_url"], names)
 
 
 @pytest.fixture(scope="module", params=BROKERS)

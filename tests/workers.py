@@ -38,6 +38,11 @@ def filesystem_config(tmp: pathlib.Path) -> dict[str, Any]:
     }
 
 
+#: Results of test jobs expire from the shared Redis soon after the run (Celery's default is
+#: a day); a test reads a job's result within seconds of its end.
+TEST_RESULT_EXPIRES = 600
+
+
 def redis_config(tmp: pathlib.Path, redis_url: str) -> dict[str, Any]:
     """Redis broker, Redis result backend, Redis job store (unique prefix and queue)."""
     (tmp / "files").mkdir(parents=True, exist_ok=True)
@@ -50,7 +55,23 @@ def redis_config(tmp: pathlib.Path, redis_url: str) -> dict[str, Any]:
         "result_backend": redis_url,
         "event_exchange": unique("ev"),
         "ojs": {"store_url": redis_url, "store_prefix": unique("t")},
+        "celery": {"result_expires": TEST_RESULT_EXPIRES},
     }
+
+
+def forget_redis_names(redis_url: str, names: list[str]) -> None:
+    """Delete what a test left in the shared Redis under its unique ``names`` (kombu's
+    queue and binding keys, event exchanges); other runs' keys are never touched."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for name in names:
+            keys = list(client.scan_iter(match=f"*{name}*", count=1000))
+            if keys:
+                client.delete(*keys)
+    finally:
+        client.close()
 
 
 def amqp_config(tmp: pathlib.Path, amqp_url: str, postgres_url: str) -> dict[str, Any]:
