@@ -32,15 +32,6 @@ DIRECTIVES = ("quiet", "resume", "terminate")
 HEARTBEAT_EVENT_EVERY = 12
 
 
-def directive_key(worker_id: str) -> str:
-    return f"directive:{worker_id}"
-
-
-def shutdown_key(worker_id: str) -> str:
-    """Set while this worker drains: a handler cancelled then fails with ``shutdown``."""
-    return f"shutdown:{worker_id}"
-
-
 def _snapshot(requests: Any) -> list[Any]:
     """A copy of one of Celery's request sets, which the main thread changes as we read."""
     for _ in range(5):
@@ -108,7 +99,7 @@ class WorkerAgent:
         self._queues = [q.name for q in self.consumer.task_consumer.queues]
         info = self.info()
         try:
-            self.runtime.store.register_worker(info)
+            self.runtime.store.workers.save(info)
         except StoreError as exc:
             logger.warning("ojs_celery: could not register worker %s (will retry with the "
                            "next beat): %s", self.worker_id, exc)
@@ -124,7 +115,7 @@ class WorkerAgent:
         with self._beat_lock:  # no beat may write the record back after this
             self._stop.set()
             try:
-                self.runtime.store.deregister_worker(self.worker_id)
+                self.runtime.store.workers.remove(self.worker_id)
             except StoreError as exc:
                 logger.warning("ojs_celery: could not deregister worker %s: %s",
                                self.worker_id, exc)
@@ -152,11 +143,11 @@ class WorkerAgent:
         store = self.runtime.store
         info = self.info()
         try:
-            directive = store.take_meta(directive_key(self.worker_id))
-            if store.get_worker(self.worker_id) is None:
+            directive = store.meta.take_directive(self.worker_id)
+            if store.workers.get(self.worker_id) is None:
                 logger.warning("ojs_celery: worker %s is not registered (declared dead while "
                                "it was frozen or cut off?): registering again", self.worker_id)
-            store.save_worker(info)
+            store.workers.save(info)
             for request in ojs_requests():
                 self._extend(request, info.last_beat)
         except StoreError as exc:

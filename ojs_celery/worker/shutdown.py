@@ -30,7 +30,7 @@ from ..effects import carry_out
 from ..header import token_of
 from ..store import StoreError
 from . import children
-from .agent import WorkerAgent, ojs_requests, shutdown_key
+from .agent import WorkerAgent, ojs_requests
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class GracefulShutdown:
         reason = "signal" if source.startswith("SIG") else "shutdown"
         self.agent.deregister(reason)
         try:
-            self.runtime.store.take_meta(shutdown_key(self.agent.worker_id))
+            self.runtime.store.meta.clear_draining(self.agent.worker_id)
         except StoreError:
             pass
         logger.warning("ojs_celery: worker %s drained (%d job(s) failed with `shutdown`)",
@@ -149,7 +149,7 @@ class GracefulShutdown:
         if not pid or pid == os.getpid():
             return  # solo/threads pools run jobs in this process: nothing to interrupt
         try:
-            self.runtime.store.set_meta(shutdown_key(self.agent.worker_id), "1")
+            self.runtime.store.meta.mark_draining(self.agent.worker_id)
             os.kill(pid, signal.SIGUSR1)
             logger.warning("ojs_celery: cancelling job %s for the shutdown", request.id)
         except (OSError, StoreError) as exc:
