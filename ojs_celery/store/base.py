@@ -10,9 +10,11 @@ rules live in one place and the backends only guarantee atomicity and indexing.
 
 from __future__ import annotations
 
+import functools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import ParamSpec, TypeVar
 
 from pydantic_core import PydanticSerializationError
 
@@ -21,6 +23,9 @@ from ..envelope import Job, JsonValue
 from ..lifecycle import Policy, Record, Transition
 from .meta import MetaArea
 from .workers import WorkerRegistry
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 Rule = Callable[[Record], Transition]
 #: One compare-and-set write: the new record, the version it replaces, its deadlines.
@@ -37,6 +42,34 @@ class DuplicateJob(ValueError):
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
         super().__init__(f"id: a job with id {job_id} exists already (ids must be unique)")
+
+
+def store_errors(
+    is_fault: Callable[[Exception], bool],
+    detail: Callable[[Exception], object] = lambda exc: exc,
+) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]:
+    """A decorator for a backend's operations: an exception that ``is_fault`` recognises as
+    its server's or driver's leaves as :class:`StoreError` with the server's message (``detail``
+    picks the part that says it) and the original as its cause, so that callers handle one
+    exception type whatever the backend. :class:`DuplicateJob` keeps its meaning.
+    """
+
+    def decorate(method: Callable[_P, _T]) -> Callable[_P, _T]:
+        @functools.wraps(method)
+        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+            try:
+                return method(*args, **kwargs)
+            except (StoreError, DuplicateJob):
+                raise
+            except Exception as exc:
+                if not is_fault(exc):
+                    raise
+                cause = detail(exc)
+                raise StoreError(f"job store error: {type(cause).__name__}: {cause}") from exc
+
+        return wrapper
+
+    return decorate
 
 
 class JobStore(ABC):

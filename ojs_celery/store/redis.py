@@ -17,7 +17,7 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from importlib import resources
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -28,15 +28,20 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from ..lifecycle import CLOCKS, Policy, Record
-from .base import RECORD_FIELDS, JobStore, StoreError, Write, decode_job, encode_job
+from .base import (
+    RECORD_FIELDS,
+    JobStore,
+    StoreError,
+    Write,
+    decode_job,
+    encode_job,
+    store_errors,
+)
 from .meta import MetaArea
 from .redis_lane import LOST, MISSED, Lane
 from .workers import WorkerInfo, WorkerRegistry
 
 __all__ = ["RedisMetaArea", "RedisStore", "RedisWorkerRegistry"]
-
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
 
 #: Record fields written by every write script, in ARGV order (``version`` is managed in Lua).
 _FIELDS = tuple(name for name in RECORD_FIELDS if name != "version")
@@ -73,17 +78,8 @@ def _record_prelude() -> str:
     return text
 
 
-def _wrap_errors(method: Callable[_P, _T]) -> Callable[_P, _T]:
-    """Turn "cannot reach Redis" into :class:`StoreError` (cause kept), as every backend does."""
-
-    @functools.wraps(method)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
-        try:
-            return method(*args, **kwargs)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise StoreError(f"job store unavailable: {type(exc).__name__}: {exc}") from exc
-
-    return wrapper
+#: Redis's errors that mean "cannot reach it" (the others are left to the caller for now).
+_wrap_errors = store_errors(lambda exc: isinstance(exc, (RedisConnectionError, RedisTimeoutError)))
 
 
 def _num(value: float | None) -> str:

@@ -18,13 +18,12 @@ two batches never deadlock), which commits once instead of once per statement.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import threading
 import zlib
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -35,41 +34,41 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.pool import StaticPool
 
 from ..lifecycle import CLOCKS, Policy, Record
-from .base import RECORD_FIELDS, JobStore, StoreError, Write, decode_job, encode_job
+from .base import RECORD_FIELDS, JobStore, Write, decode_job, encode_job, store_errors
 from .meta import MetaArea
 from .workers import WorkerInfo, WorkerRegistry
 
 __all__ = ["SQLMetaArea", "SQLStore", "SQLWorkerRegistry", "normalise_url"]
 
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
-
 #: SQLite waits this long for another process's write lock before giving up.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 
-def _unreachable(exc: sa_exc.SQLAlchemyError) -> StoreError:
-    """A short message (no SQL text or parameters: they may hold a whole job)."""
-    detail = getattr(exc, "orig", None) or exc
-    return StoreError(f"job store unavailable: {type(detail).__name__}: {detail}".strip())
+def _is_fault(exc: Exception) -> bool:
+    """A database error that means "cannot reach it" (the others are left to the caller)."""
+    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)):
+        return True
+    return isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
 
 
-def _wrap_errors(method: Callable[_P, _T]) -> Callable[_P, _T]:
-    """Turn connection-level database errors into :class:`StoreError` (cause kept), so callers
-    handle one exception type whatever the backend."""
+#: The driver's own exception says what happened; SQLAlchemy's adds the SQL text and its
+#: parameters (a whole job, perhaps), which have no place in a message.
+_wrap_errors = store_errors(_is_fault, lambda exc: getattr(exc, "orig", None) or exc)
 
-    @functools.wraps(method)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
-        try:
-            return method(*args, **kwargs)
-        except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError) as exc:
-            raise _unreachable(exc) from exc
-        except sa_exc.DBAPIError as exc:
-            if exc.connection_invalidated:
-                raise _unreachable(exc) from exc
-            raise
 
-    return wrapper
+@contextlib.contextmanager
+def transaction(conn: sa.Connection, sqlite: bool) -> Iterator[sa.Connection]:
+    """One transaction on ``conn`` (in driver autocommit mode): committed if the block ends
+    normally, else rolled back (and the connection stays usable). On SQLite ``BEGIN
+    IMMEDIATE`` takes the write lock up front, so no lock upgrade can fail midway."""
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if sqlite else "BEGIN")
+    try:
+        yield conn
+        conn.exec_driver_sql("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sa_exc.SQLAlchemyError):
+            conn.exec_driver_sql("ROLLBACK")
+        raise
 
 
 def normalise_url(url: str) -> URL:
@@ -259,20 +258,11 @@ class SQLStore(JobStore):
 
     def _create_tables(self, engine: Engine) -> None:
         """``create_all`` under a lock, so processes starting together do not both try."""
-        with engine.connect() as conn:
-            if self._sqlite:
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
-            else:
-                conn.exec_driver_sql("BEGIN")
+        with engine.connect() as conn, transaction(conn, self._sqlite):
+            if not self._sqlite:
                 key = zlib.crc32(f"ojs_celery:{self.prefix}".encode())
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
-            try:
-                self.metadata.create_all(conn, checkfirst=True)
-            except BaseException:
-                with contextlib.suppress(sa_exc.SQLAlchemyError):
-                    conn.exec_driver_sql("ROLLBACK")
-                raise
-            conn.exec_driver_sql("COMMIT")
+            self.metadata.create_all(conn, checkfirst=True)
 
     @_wrap_errors
     def drop_tables(self) -> None:
@@ -390,23 +380,16 @@ class SQLStore(JobStore):
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sa.Connection]:
-        """One connection in one transaction for a batch of writes (``BEGIN IMMEDIATE`` on
-        SQLite: the write lock is taken up front, so no lock upgrade can fail midway). An
-        in-memory SQLite database has one connection shared by all threads: there a
+        """One connection in one transaction (see :func:`transaction`) for a batch of writes.
+        An in-memory SQLite database has one connection shared by all threads: there a
         transaction would take in other threads' statements, so each statement commits alone.
         """
         with self.engine.connect() as conn:
             if self._shared_connection:
                 yield conn
                 return
-            conn.exec_driver_sql("BEGIN IMMEDIATE" if self._sqlite else "BEGIN")
-            try:
+            with transaction(conn, self._sqlite):
                 yield conn
-            except BaseException:
-                with contextlib.suppress(sa_exc.SQLAlchemyError):
-                    conn.exec_driver_sql("ROLLBACK")
-                raise
-            conn.exec_driver_sql("COMMIT")
 
     @_wrap_errors
     def due(self, clock: str, now: float, limit: int) -> list[tuple[str, float]]:
