@@ -51,7 +51,7 @@ entries in the index, and measure a non-default batch; re-creating costs ~10 ms,
 simpler honest choice. The table shows the best pass and all passes.
 
 After the timed passes at each N one more pass runs instrumented (not in the table): the store's
-``due``/``apply``/``_load(_many)``/``_cas(_many)``/``set_meta`` and ``runtime.emit`` are
+``due``/``apply``/``_load(_many)``/``_cas(_many)``/``meta.record_sweep`` and ``runtime.emit`` are
 wrapped on the instances (no package code changed) to show where a pass spends its time.
 """
 
@@ -457,8 +457,9 @@ def breakdown(runtime: Runtime, loader: Loader, rows: Rows, now: float, due: int
     meter = Meter()
 
     def wrap() -> None:  # only around sweep(): the checks in one_pass are not counted
-        for name in ("due", "apply", "_load", "_cas", "_load_many", "_cas_many", "set_meta"):
+        for name in ("due", "apply", "_load", "_cas", "_load_many", "_cas_many"):
             meter.wrap(store, name)
+        meter.wrap(store.meta, "record_sweep")
         meter.wrap(runtime, "emit")
 
     try:
@@ -467,7 +468,7 @@ def breakdown(runtime: Runtime, loader: Loader, rows: Rows, now: float, due: int
         meter.restore()
     rule = meter.secs["apply"] - meter.secs["_load"] - meter.secs["_cas"]
     parts = [f"instrumented pass {total * 1000:.1f} ms:"]
-    for key in ("due", "_load_many", "_cas_many", "_load", "_cas", "emit", "set_meta"):
+    for key in ("due", "_load_many", "_cas_many", "_load", "_cas", "emit", "record_sweep"):
         parts.append(f"{key.lstrip('_')} {meter.calls[key]}x {meter.secs[key] * 1000:.1f} ms")
     parts.append(f"rule in apply of a lost race (+ wrapper overhead) {rule * 1000:.1f} ms")
     return " ".join(parts[:1]) + " " + ", ".join(parts[1:])
@@ -502,7 +503,7 @@ def round_trip_us(store: JobStore) -> float:
     n = 500
     began = time.perf_counter()
     for _ in range(n):
-        store.get_meta("bench-rtt")
+        store.meta.last_sweep()
     return (time.perf_counter() - began) / n * US
 
 
@@ -533,7 +534,7 @@ def make_loader(runtime: Runtime, redis_url: str) -> Loader:
 
     assert isinstance(store, SQLStore)
     store.engine  # noqa: B018 - creates the tables (and indexes) the store uses
-    return SQLiteLoader(str(store.url.database), store.jobs.name)
+    return SQLiteLoader(str(store.url.database), store.job_table.name)
 
 
 def run_backend(backend: str, sizes: list[int], args: argparse.Namespace) -> list[Result]:
@@ -567,7 +568,7 @@ def run_backend(backend: str, sizes: list[int], args: argparse.Namespace) -> lis
             print(f"   N={n:,}: passes " + ", ".join(f"{p * 1000:.1f}" for p in passes)
                   + " ms", flush=True)
             detail = breakdown(runtime, loader, rows, now, args.due)
-            detail += f"; store round trip (get_meta) {round_trip_us(runtime.store):.0f} us"
+            detail += f"; store round trip (meta read) {round_trip_us(runtime.store):.0f} us"
             print(f"   N={n:,}: {detail}", flush=True)
             if n == sizes[-1]:
                 print("   " + loader.describe(), flush=True)

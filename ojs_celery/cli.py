@@ -26,7 +26,7 @@ from .install import install
 from .producer import BrokerUnavailable
 from .runtime import get_runtime
 from .sweeper import run_loop, sweep
-from .worker.registry import DIRECTIVES, directive_key
+from .worker.registry import DIRECTIVES
 
 EXIT_INVALID = 2
 
@@ -169,11 +169,11 @@ def _worker_rows(app: Celery) -> list[dict[str, Any]]:
     store = get_runtime(app).store
     now = time.time()
     rows = []
-    for info in store.list_workers():
+    for info in store.workers.all():
         rows.append({
             "worker_id": info.worker_id, "hostname": info.hostname, "pid": info.pid,
             "nodename": info.nodename, "state": info.state,
-            "directive": store.get_meta(directive_key(info.worker_id)),
+            "directive": store.meta.pending_directive(info.worker_id),
             "queues": info.queues, "concurrency": info.concurrency,
             "active_jobs": len(info.active_job_ids),
             "last_beat_age": round(now - info.last_beat, 3),
@@ -209,7 +209,7 @@ def _directive(name: str) -> click.Command:
     def send(ctx: click.Context, worker_ids: tuple[str, ...], everyone: bool) -> None:
         app = _app(ctx)
         store = get_runtime(app).store
-        known = {w.worker_id for w in store.list_workers()}
+        known = {w.worker_id for w in store.workers.all()}
         if everyone == bool(worker_ids):
             raise click.UsageError("give WORKER_ID(s) or --all (not both)")
         targets = sorted(known) if everyone else list(worker_ids)
@@ -218,7 +218,7 @@ def _directive(name: str) -> click.Command:
             click.echo(f"error: no registered worker {', '.join(unknown)}", err=True)
             sys.exit(1)
         for worker_id in targets:
-            store.set_meta(directive_key(worker_id), name)
+            store.meta.send_directive(worker_id, name)
             _line({"worker_id": worker_id, "directive": name})
 
     return send

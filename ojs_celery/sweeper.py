@@ -28,7 +28,6 @@ from .store import StoreError
 
 logger = logging.getLogger(__name__)
 
-LAST_SWEEP_KEY = "last_sweep"
 SWEEP_TASK = "ojs_celery.sweep"
 
 
@@ -164,7 +163,7 @@ def sweep(runtime: Runtime, now: float | None = None, batch: int | None = None) 
     runtime.acks.flush()
     try:
         _sweep(runtime, at, limit, report)
-        runtime.store.set_meta(LAST_SWEEP_KEY, repr(at))
+        runtime.store.meta.record_sweep(at)
     except (StoreError, BrokerUnavailable) as exc:
         report.error = str(exc)
         logger.warning("ojs_celery: sweep skipped, will retry next interval: %s", exc)
@@ -238,9 +237,9 @@ def _bury_dead_workers(runtime: Runtime, now: float, limit: int, report: SweepRe
     """Workers silent for the worker heartbeat timeout: remove them, recover their jobs."""
     store = runtime.store
     cutoff = now - runtime.settings.worker_heartbeat_timeout
-    for worker_id in store.stale_workers(cutoff, limit):
-        info = store.get_worker(worker_id)
-        if info is None or info.last_beat > cutoff or not store.deregister_worker(worker_id):
+    for worker_id in store.workers.stale(cutoff, limit):
+        info = store.workers.get(worker_id)
+        if info is None or info.last_beat > cutoff or not store.workers.remove(worker_id):
             continue  # it beat meanwhile, or another sweeper took it
         report.applied["worker"] += 1
         logger.warning("ojs_celery: worker %s (%s) missed its beats for %.1fs: declared dead",
@@ -258,8 +257,7 @@ def _bury_dead_workers(runtime: Runtime, now: float, limit: int, report: SweepRe
 
 
 def last_sweep(runtime: Runtime) -> float | None:
-    value = runtime.store.get_meta(LAST_SWEEP_KEY)
-    return float(value) if value else None
+    return runtime.store.meta.last_sweep()
 
 
 def run_loop(runtime: Runtime, interval: float | None = None,

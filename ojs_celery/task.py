@@ -242,10 +242,8 @@ class OJSTask(Task):  # type: ignore[misc]
 
 def _worker_is_draining(runtime: Runtime, worker_id: str) -> bool:
     """A cancellation during a worker's shutdown drain is a ``shutdown``, never a ``timeout``."""
-    from .worker.registry import shutdown_key
-
     try:
-        return runtime.store.get_meta(shutdown_key(worker_id)) is not None
+        return runtime.store.meta.is_draining(worker_id)
     except StoreError:
         return False
 

@@ -57,7 +57,7 @@ def queue_of(worker: Worker) -> str:
 
 def registered(env: Env, worker: Worker) -> WorkerInfo:
     def find() -> WorkerInfo | None:
-        for info in get_runtime(env.app).store.list_workers():
+        for info in get_runtime(env.app).store.workers.all():
             if info.pid == worker.process.pid:
                 return info
         return None
@@ -76,7 +76,7 @@ def beats_pass(env: Env, info: WorkerInfo, count: int = 3) -> None:
     seen = [info.last_beat]
 
     def advanced() -> bool:
-        current = store.get_worker(info.worker_id)
+        current = store.workers.get(info.worker_id)
         if current is not None and current.last_beat > seen[-1]:
             seen.append(current.last_beat)
         return len(seen) > count
@@ -124,20 +124,20 @@ def test_directives_quiet_resume_terminate(env: Env, tmp_path: pathlib.Path) -> 
         sent = cli(env, "workers", "quiet", info.worker_id)
         assert sent.returncode == 0, sent.stderr
         store = get_runtime(env.app).store
-        wait_for(lambda: (w := store.get_worker(info.worker_id)) and w.state == "quiet",
+        wait_for(lambda: (w := store.workers.get(info.worker_id)) and w.state == "quiet",
                  BEAT + SLACK, "quiet")
         env.wait_events(info.worker_id, lambda t: "worker.quiet" in t)
         job = enqueue({"type": "e2e.add", "args": [1, 1], "queue": queue_of(worker)},
                       app=env.app)
         beats_pass(env, info, 3)
         assert env.job(job.id).state == "available"  # not fetched while quiet
-        assert store.get_worker(info.worker_id).state == "quiet"  # type: ignore[union-attr]
+        assert store.workers.get(info.worker_id).state == "quiet"  # type: ignore[union-attr]
 
         assert cli(env, "workers", "resume", info.worker_id).returncode == 0
         env.wait_state(job.id, "completed")
         assert cli(env, "workers", "terminate", info.worker_id).returncode == 0
         assert worker.process.wait(BEAT + SLACK + 5) == 0
-        assert store.get_worker(info.worker_id) is None
+        assert store.workers.get(info.worker_id) is None
         stopped = wait_for(lambda: env.events.of(info.worker_id, "worker.stopped"), 5,
                            "worker.stopped")
         assert stopped[0]["data"]["reason"] == "shutdown"
@@ -151,7 +151,7 @@ def test_sigtstp_quiets_and_sigcont_resumes(env: Env, tmp_path: pathlib.Path) ->
         info = registered(env, worker)
         store = get_runtime(env.app).store
         os.killpg(worker.process.pid, signal.SIGTSTP)  # Ctrl-Z: the whole group
-        wait_for(lambda: (w := store.get_worker(info.worker_id)) and w.state == "quiet",
+        wait_for(lambda: (w := store.workers.get(info.worker_id)) and w.state == "quiet",
                  BEAT + SLACK, "quiet")
         job = enqueue({"type": "e2e.add", "args": [2, 2], "queue": queue_of(worker)},
                       app=env.app)
@@ -188,7 +188,7 @@ def test_sigterm_to_the_group_drains_then_fails_with_shutdown(
         assert [line for line in env.lines("cancelled") if long.id in line] == [
             f"{long.id} attempt=1 cancelled=True"]
         store = get_runtime(env.app).store
-        assert store.get_worker(info.worker_id) is None
+        assert store.workers.get(info.worker_id) is None
         wait_for(lambda: env.events.of(info.worker_id, "worker.stopped"), 5, "worker.stopped")
     finally:
         stop_all([worker])
@@ -282,7 +282,7 @@ def test_kill_9_worker_jobs_complete_once_on_another_worker(
         def holding() -> WorkerInfo | None:
             """The victim's last beat lists a running job (started in the store, not just
             handed to a pool process) and jobs it holds without running them."""
-            info = store.get_worker(victim_info.worker_id)
+            info = store.workers.get(victim_info.worker_id)
             if info is None or not info.active_job_ids or not info.reserved_job_ids:
                 return None
             running = [store.get(job_id) for job_id in info.active_job_ids]
@@ -305,7 +305,7 @@ def test_kill_9_worker_jobs_complete_once_on_another_worker(
         for job_id in held.reserved_job_ids:
             assert env.job(job_id).errors == []  # re-dispatched: no error, no attempt used
             assert env.job(job_id).attempt == 1
-        assert store.get_worker(victim_info.worker_id) is None
+        assert store.workers.get(victim_info.worker_id) is None
     finally:
         stop_all([victim] + ([survivor] if survivor else []))
 

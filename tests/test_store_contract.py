@@ -703,32 +703,38 @@ def test_workers(store: JobStore) -> None:
         last_beat=T0,
     )
     two = WorkerInfo(worker_id="w-2", hostname="host-b", pid=202, started_at=T0, last_beat=T0)
-    assert store.get_worker("w-1") is None
-    store.register_worker(one)
-    store.register_worker(two)
-    assert store.get_worker("w-1") == one
+    assert store.workers.get("w-1") is None
+    store.workers.save(one)
+    store.workers.save(two)
+    assert store.workers.get("w-1") == one
     one.state = "quiet"
     one.directive = "terminate"
     one.last_beat = T0 + 5
     one.active_job_ids = ["a", "b"]
     one.reserved_job_ids = ["c"]
-    store.save_worker(one)
-    assert store.get_worker("w-1") == one
-    assert store.list_workers() == [one, two]
-    assert store.deregister_worker("w-1") is True
-    assert store.deregister_worker("w-1") is False
-    assert store.get_worker("w-1") is None
-    assert store.list_workers() == [two]
+    store.workers.save(one)
+    assert store.workers.get("w-1") == one
+    assert store.workers.all() == [one, two]
+    assert store.workers.remove("w-1") is True
+    assert store.workers.remove("w-1") is False
+    assert store.workers.get("w-1") is None
+    assert store.workers.all() == [two]
 
 
 def test_meta(store: JobStore) -> None:
-    assert store.get_meta("schema") is None
-    store.set_meta("schema", "1")
-    store.set_meta("other", "x y z")
-    assert store.get_meta("schema") == "1"
-    store.set_meta("schema", "2")
-    assert store.get_meta("schema") == "2"
-    assert store.get_meta("other") == "x y z"
+    meta = store.meta
+    assert meta.last_sweep() is None
+    meta.record_sweep(T0 + 0.125)
+    assert meta.last_sweep() == T0 + 0.125
+    meta.record_sweep(T0 + 2)
+    assert meta.last_sweep() == T0 + 2
+    assert not meta.is_draining("w-1")
+    meta.mark_draining("w-1")
+    assert meta.is_draining("w-1") and not meta.is_draining("w-2")
+    meta.clear_draining("w-1")
+    meta.clear_draining("w-1")  # clearing what is not there is no error
+    assert not meta.is_draining("w-1")
+    assert meta.last_sweep() == T0 + 2
 
 
 def test_clear_and_prefix_isolation(make_store: MakeStore) -> None:
@@ -736,12 +742,12 @@ def test_clear_and_prefix_isolation(make_store: MakeStore) -> None:
     theirs = make_store()
     job = created(mine)
     other = created(theirs)
-    mine.register_worker(WorkerInfo(worker_id="w", hostname="h", pid=1))
-    mine.set_meta("k", "v")
+    mine.workers.save(WorkerInfo(worker_id="w", hostname="h", pid=1))
+    mine.meta.send_directive("w", "quiet")
     assert theirs.get(job.id) is None
     mine.clear()
     assert mine.get(job.id) is None
-    assert mine.list_workers() == [] and mine.get_meta("k") is None
+    assert mine.workers.all() == [] and mine.meta.pending_directive("w") is None
     assert mine.due("dispatch", T0 + 1e6, 10) == []
     assert theirs.get(other.id) is not None
     created(mine)  # still usable after clear
@@ -771,24 +777,27 @@ def test_unreachable_store_raises_store_error(url: str) -> None:
 
 def test_stale_workers_are_found_by_last_beat(store: JobStore) -> None:
     for name, beat in (("w-old", 10.0), ("w-mid", 20.0), ("w-new", 30.0)):
-        store.register_worker(WorkerInfo(worker_id=name, hostname="h", pid=1, last_beat=beat))
-    assert store.stale_workers(20.0, 10) == ["w-old", "w-mid"]
-    assert store.stale_workers(20.0, 1) == ["w-old"]
-    assert store.stale_workers(5.0, 10) == []
+        store.workers.save(WorkerInfo(worker_id=name, hostname="h", pid=1, last_beat=beat))
+    assert store.workers.stale(20.0, 10) == ["w-old", "w-mid"]
+    assert store.workers.stale(20.0, 1) == ["w-old"]
+    assert store.workers.stale(5.0, 10) == []
 
 
-def test_take_meta_is_one_shot(store: JobStore) -> None:
-    assert store.take_meta("directive:w-1") is None
-    store.set_meta("directive:w-1", "quiet")
-    assert store.take_meta("directive:w-1") == "quiet"
-    assert store.take_meta("directive:w-1") is None
-    assert store.get_meta("directive:w-1") is None
+def test_directive_is_one_shot(store: JobStore) -> None:
+    assert store.meta.take_directive("w-1") is None
+    store.meta.send_directive("w-1", "resume")
+    store.meta.send_directive("w-1", "quiet")  # replaces one not yet taken
+    assert store.meta.pending_directive("w-1") == "quiet"
+    assert store.meta.take_directive("w-2") is None
+    assert store.meta.take_directive("w-1") == "quiet"
+    assert store.meta.take_directive("w-1") is None
+    assert store.meta.pending_directive("w-1") is None
 
 
-def test_take_meta_races_give_the_value_once(store: JobStore) -> None:
-    store.set_meta("directive:w-2", "terminate")
+def test_directive_races_give_the_value_once(store: JobStore) -> None:
+    store.meta.send_directive("w-2", "terminate")
     taken: list[str | None] = []
-    threads = [threading.Thread(target=lambda: taken.append(store.take_meta("directive:w-2")))
+    threads = [threading.Thread(target=lambda: taken.append(store.meta.take_directive("w-2")))
                for _ in range(8)]
     for thread in threads:
         thread.start()

@@ -1,11 +1,26 @@
-"""Job stores: SQL (SQLite, PostgreSQL) and Redis, behind one protocol."""
+"""Job stores: SQL (SQLite, PostgreSQL) and Redis, behind one protocol.
+
+A store has three parts on one backend: the jobs (:class:`JobStore`), the worker registry
+(``store.workers``, :class:`WorkerRegistry`) and the meta area (``store.meta``,
+:class:`MetaArea`).
+"""
 
 from __future__ import annotations
 
 from ..lifecycle import Policy
-from .base import DuplicateJob, JobStore, StoreError, WorkerInfo
+from .base import DuplicateJob, JobStore, StoreError
+from .meta import MetaArea
+from .workers import WorkerInfo, WorkerRegistry
 
-__all__ = ["DuplicateJob", "JobStore", "StoreError", "WorkerInfo", "open_store"]
+__all__ = [
+    "DuplicateJob",
+    "JobStore",
+    "MetaArea",
+    "StoreError",
+    "WorkerInfo",
+    "WorkerRegistry",
+    "open_store",
+]
 
 
 def open_store(url: str, policy: Policy | None = None, prefix: str = "ojs") -> JobStore:

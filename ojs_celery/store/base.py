@@ -1,7 +1,8 @@
 """The job store protocol, and the rules every backend shares.
 
 A backend implements a handful of atomic primitives (insert, load, compare-and-set write,
-outbox acknowledgement, due-by-clock queries, workers). Every state change goes through
+outbox acknowledgement, due-by-clock queries) and, on the same connection, the worker registry
+(:mod:`.workers`) and the meta area (:mod:`.meta`). Every state change goes through
 :meth:`JobStore.apply`: load the record, apply a pure rule from :mod:`ojs_celery.lifecycle`,
 write it back only if nobody wrote in between (the record's ``version``), else start over. So the
 rules live in one place and the backends only guarantee atomicity and indexing.
@@ -9,17 +10,22 @@ rules live in one place and the backends only guarantee atomicity and indexing.
 
 from __future__ import annotations
 
+import functools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import ParamSpec, TypeVar
 
 from pydantic_core import PydanticSerializationError
 
 from .. import lifecycle
 from ..envelope import Job, JsonValue
 from ..lifecycle import Policy, Record, Transition
+from .meta import MetaArea
+from .workers import WorkerRegistry
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 Rule = Callable[[Record], Transition]
 #: One compare-and-set write: the new record, the version it replaces, its deadlines.
@@ -38,35 +44,45 @@ class DuplicateJob(ValueError):
         super().__init__(f"id: a job with id {job_id} exists already (ids must be unique)")
 
 
-@dataclass
-class WorkerInfo:
-    """A registered worker process (OJS worker protocol registration)."""
+def store_errors(
+    is_fault: Callable[[Exception], bool],
+    detail: Callable[[Exception], object] = lambda exc: exc,
+) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]:
+    """A decorator for a backend's operations: an exception that ``is_fault`` recognises as
+    its server's or driver's leaves as :class:`StoreError` with the server's message (``detail``
+    picks the part that says it) and the original as its cause, so that callers handle one
+    exception type whatever the backend. :class:`DuplicateJob` keeps its meaning.
+    """
 
-    worker_id: str
-    hostname: str
-    pid: int
-    nodename: str = ""
-    queues: list[str] = field(default_factory=list)
-    concurrency: int = 1
-    labels: list[str] = field(default_factory=list)
-    started_at: float = 0.0
-    state: str = "running"
-    directive: str | None = None
-    last_beat: float = 0.0
-    active_job_ids: list[str] = field(default_factory=list)
-    reserved_job_ids: list[str] = field(default_factory=list)
+    def decorate(method: Callable[_P, _T]) -> Callable[_P, _T]:
+        @functools.wraps(method)
+        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+            try:
+                return method(*args, **kwargs)
+            except (StoreError, DuplicateJob):
+                raise
+            except Exception as exc:
+                if not is_fault(exc):
+                    raise
+                cause = detail(exc)
+                raise StoreError(f"job store error: {type(cause).__name__}: {cause}") from exc
 
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return wrapper
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> WorkerInfo:
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
+    return decorate
 
 
 class JobStore(ABC):
-    """Where the OJS state of every job lives; see the module docstring."""
+    """Where the OJS state of every job lives; see the module docstring.
+
+    One backend holds three parts: the jobs (this class), the worker registry
+    (``store.workers``) and the meta area (``store.meta``), each behind its own interface.
+    """
+
+    #: Worker records (registration, beats, dead-worker detection).
+    workers: WorkerRegistry
+    #: Values processes leave for each other (directives, the shutdown drain, the last sweep).
+    meta: MetaArea
 
     #: How many times :meth:`apply` re-reads after losing a compare-and-set race.
     max_conflicts = 50
@@ -101,36 +117,6 @@ class JobStore(ABC):
     @abstractmethod
     def _delete(self, job_id: str, expected: int) -> bool:
         """Delete the record if its version is ``expected`` (pruning)."""
-
-    @abstractmethod
-    def register_worker(self, info: WorkerInfo) -> None: ...
-
-    @abstractmethod
-    def get_worker(self, worker_id: str) -> WorkerInfo | None: ...
-
-    @abstractmethod
-    def save_worker(self, info: WorkerInfo) -> None:
-        """Write a worker's record as it is (last writer wins; one writer per worker)."""
-
-    @abstractmethod
-    def deregister_worker(self, worker_id: str) -> bool: ...
-
-    @abstractmethod
-    def list_workers(self) -> list[WorkerInfo]: ...
-
-    @abstractmethod
-    def stale_workers(self, cutoff: float, limit: int) -> list[str]:
-        """Ids of workers whose last beat is at or before ``cutoff``, oldest first."""
-
-    @abstractmethod
-    def set_meta(self, key: str, value: str) -> None: ...
-
-    @abstractmethod
-    def take_meta(self, key: str) -> str | None:
-        """Read and delete a value in one atomic step (one-shot directives)."""
-
-    @abstractmethod
-    def get_meta(self, key: str) -> str | None: ...
 
     @abstractmethod
     def ping(self) -> None:

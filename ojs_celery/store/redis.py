@@ -7,14 +7,17 @@ is a hash whose ``data`` is the worker's JSON, ``P:workers`` a sorted set of wor
 beat, and ``P:meta`` a hash. Every write is one ``EVALSHA``, so the hash and the deadline index
 change together, atomically, in one round trip; reads are one command. The batch primitives
 send many of those in one pipeline (one round trip, each command still atomic on its own).
+The scripts are the ``*.lua`` files beside this module, read once per process.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from importlib import resources
+from typing import Any
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -29,111 +32,54 @@ from .base import (
     RECORD_FIELDS,
     JobStore,
     StoreError,
-    WorkerInfo,
     Write,
     decode_job,
     encode_job,
+    store_errors,
 )
+from .meta import MetaArea
 from .redis_lane import LOST, MISSED, Lane
+from .workers import WorkerInfo, WorkerRegistry
 
-__all__ = ["RedisStore"]
-
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
+__all__ = ["RedisMetaArea", "RedisStore", "RedisWorkerRegistry"]
 
 #: Record fields written by every write script, in ARGV order (``version`` is managed in Lua).
 _FIELDS = tuple(name for name in RECORD_FIELDS if name != "version")
-#: ARGV layout shared by the insert and CAS scripts: id, version, data, state, the fields, then
-#: one deadline per clock (KEYS[2..] are the clocks' sorted sets, in CLOCKS order).
-_FIRST_FIELD = 5
-_FIRST_DEADLINE = _FIRST_FIELD + len(_FIELDS)
 
 
-def _hset_fields() -> str:
-    return ", ".join(f"'{name}', ARGV[{_FIRST_FIELD + i}]" for i, name in enumerate(_FIELDS))
+#: The scripts that write a record (they start with ``record.lua``).
+_RECORD_SCRIPTS = ("insert", "cas")
 
 
-_INSERT = f"""
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'data', ARGV[3], 'state', ARGV[4], 'version', '1', {_hset_fields()})
-for i = 2, #KEYS do
-  local deadline = ARGV[{_FIRST_DEADLINE} + i - 2]
-  if deadline ~= '' then redis.call('ZADD', KEYS[i], deadline, ARGV[1]) end
-end
-return 1
-"""
-
-_CAS = f"""
-if redis.call('HGET', KEYS[1], 'version') ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], 'data', ARGV[3], 'state', ARGV[4], {_hset_fields()})
-redis.call('HINCRBY', KEYS[1], 'version', 1)
-for i = 2, #KEYS do
-  local deadline = ARGV[{_FIRST_DEADLINE} + i - 2]
-  if deadline == '' then
-    redis.call('ZREM', KEYS[i], ARGV[1])
-  else
-    redis.call('ZADD', KEYS[i], deadline, ARGV[1])
-  end
-end
-return 1
-"""
-
-# KEYS: the dispatch zset, then one job hash per acknowledgement; ARGV: id, token per job.
-# One call clears a whole batch. No version bump: see JobStore._ack_dispatch.
-_ACK_DISPATCH = """
-local done = {}
-for i = 2, #KEYS do
-  local id, token = ARGV[2 * i - 3], ARGV[2 * i - 2]
-  local current = redis.call('HMGET', KEYS[i], 'token', 'dispatch_due')
-  if current[1] == token and current[2] and current[2] ~= '' then
-    redis.call('HSET', KEYS[i], 'dispatch_due', '')
-    redis.call('ZREM', KEYS[1], id)
-    done[#done + 1] = 1
-  else
-    done[#done + 1] = 0
-  end
-end
-return done
-"""
-
-# KEYS: job hash, every clock's zset; ARGV: id, expected version.
-_DELETE = """
-if redis.call('HGET', KEYS[1], 'version') ~= ARGV[2] then return 0 end
-redis.call('DEL', KEYS[1])
-for i = 2, #KEYS do redis.call('ZREM', KEYS[i], ARGV[1]) end
-return 1
-"""
-
-# KEYS: the meta hash; ARGV: the field. Read and delete at once (one-shot directives).
-_TAKE_META = """
-local value = redis.call('HGET', KEYS[1], ARGV[1])
-if value then redis.call('HDEL', KEYS[1], ARGV[1]) end
-return value
-"""
-
-# KEYS: the workers zset; ARGV: the worker hash key prefix. All records in one round trip.
-_LIST_WORKERS = """
-local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
-local out = {}
-for _, id in ipairs(ids) do
-  local data = redis.call('HGET', ARGV[1] .. id, 'data')
-  if data then out[#out + 1] = data end
-end
-return out
-"""
+def _lua(name: str) -> str:
+    """The text of ``name.lua`` in this package."""
+    return resources.files(__package__).joinpath(f"{name}.lua").read_text(encoding="utf-8")
 
 
-def _wrap_errors(method: Callable[_P, _T]) -> Callable[_P, _T]:
-    """Turn "cannot reach Redis" into :class:`StoreError` (cause kept), as every backend does."""
+@functools.cache
+def script(name: str) -> str:
+    """A script as Redis runs it, read once per process. The scripts that write a record get
+    ``record.lua`` (the record's argument layout and helpers) in front."""
+    text = _lua(name)
+    if name in _RECORD_SCRIPTS:
+        text = _record_prelude() + "\n" + text
+    return text
 
-    @functools.wraps(method)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
-        try:
-            return method(*args, **kwargs)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise StoreError(f"job store unavailable: {type(exc).__name__}: {exc}") from exc
 
-    return wrapper
+@functools.cache
+def _record_prelude() -> str:
+    """``record.lua``, after checking that its field list is the one :meth:`RedisStore._args`
+    writes (one list in Python, one in Lua: they must not drift apart)."""
+    text = _lua("record")
+    found = re.search(r"local RECORD_FIELDS = \{([^}]*)\}", text)
+    fields = tuple(re.findall(r"'(\w+)'", found.group(1))) if found else ()
+    if fields != _FIELDS:
+        raise RuntimeError(f"record.lua lists the fields {fields}, the store writes {_FIELDS}")
+    return text
+
+
+#: Redis's errors that mean "cannot reach it" (the others are left to the caller for now).
+_wrap_errors = store_errors(lambda exc: isinstance(exc, (RedisConnectionError, RedisTimeoutError)))
 
 
 def _num(value: float | None) -> str:
@@ -184,18 +130,15 @@ class RedisStore(JobStore):
             retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.2), retries=2),
         )
         self._job_prefix = f"{prefix}:job:"
-        self._worker_prefix = f"{prefix}:worker:"
-        self._workers_key = f"{prefix}:workers"
-        self._meta_key = f"{prefix}:meta"
         self._due_keys = {clock: f"{prefix}:due:{clock}" for clock in CLOCKS}
         self._all_due_keys = [self._due_keys[clock] for clock in CLOCKS]
-        self._insert_script = self.client.register_script(_INSERT)
-        self._cas_script = self.client.register_script(_CAS)
-        self._ack_script = self.client.register_script(_ACK_DISPATCH)
-        self._delete_script = self.client.register_script(_DELETE)
-        self._list_workers_script = self.client.register_script(_LIST_WORKERS)
-        self._take_meta_script = self.client.register_script(_TAKE_META)
+        self._insert_script = self.client.register_script(script("insert"))
+        self._cas_script = self.client.register_script(script("cas"))
+        self._ack_script = self.client.register_script(script("ack_dispatch"))
+        self._delete_script = self.client.register_script(script("delete"))
         self._lane = Lane(self.client)
+        self.workers = RedisWorkerRegistry(self.client, prefix)
+        self.meta = RedisMetaArea(self.client, prefix)
 
     def close(self) -> None:
         self.client.close()
@@ -329,64 +272,6 @@ class RedisStore(JobStore):
         keys = self._job_keys(job_id)
         return bool(self._delete_script(keys, [job_id, str(expected)]))
 
-    # ------------------------------------------------------------------ workers and meta
-
-    @_wrap_errors
-    def register_worker(self, info: WorkerInfo) -> None:
-        self.save_worker(info)
-
-    @_wrap_errors
-    def get_worker(self, worker_id: str) -> WorkerInfo | None:
-        data: str | None = self.client.hget(self._worker_prefix + worker_id, "data")  # type: ignore[assignment]
-        return None if data is None else WorkerInfo.from_dict(json.loads(data))
-
-    @_wrap_errors
-    def save_worker(self, info: WorkerInfo) -> None:
-        """The record and its index entry in one MULTI/EXEC round trip."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(
-            self._worker_prefix + info.worker_id,
-            "data",
-            json.dumps(info.to_dict(), separators=(",", ":")),
-        )
-        pipe.zadd(self._workers_key, {info.worker_id: float(info.last_beat)})
-        pipe.execute()
-
-    @_wrap_errors
-    def deregister_worker(self, worker_id: str) -> bool:
-        pipe = self.client.pipeline(transaction=True)
-        pipe.delete(self._worker_prefix + worker_id)
-        pipe.zrem(self._workers_key, worker_id)
-        deleted, _ = pipe.execute()
-        return bool(deleted)
-
-    @_wrap_errors
-    def list_workers(self) -> list[WorkerInfo]:
-        rows: list[str] = self._list_workers_script([self._workers_key], [self._worker_prefix])
-        workers = [WorkerInfo.from_dict(json.loads(data)) for data in rows]
-        return sorted(workers, key=lambda w: w.worker_id)
-
-    @_wrap_errors
-    def stale_workers(self, cutoff: float, limit: int) -> list[str]:
-        ids: list[str] = self.client.zrangebyscore(  # type: ignore[assignment]
-            self._workers_key, "-inf", cutoff, start=0, num=limit
-        )
-        return list(ids)
-
-    @_wrap_errors
-    def set_meta(self, key: str, value: str) -> None:
-        self.client.hset(self._meta_key, key, value)
-
-    @_wrap_errors
-    def take_meta(self, key: str) -> str | None:
-        value: str | None = self._take_meta_script([self._meta_key], [key])
-        return value
-
-    @_wrap_errors
-    def get_meta(self, key: str) -> str | None:
-        value: str | None = self.client.hget(self._meta_key, key)  # type: ignore[assignment]
-        return value
-
     # ------------------------------------------------------------------ admin
 
     @_wrap_errors
@@ -408,3 +293,74 @@ class RedisStore(JobStore):
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url!r}, prefix={self.prefix!r})"
+
+
+class RedisWorkerRegistry(WorkerRegistry):
+    """Worker records: ``P:worker:{id}`` hashes and the ``P:workers`` sorted set by last beat."""
+
+    def __init__(self, client: redis.Redis, prefix: str) -> None:
+        self.client = client
+        self._worker_prefix = f"{prefix}:worker:"
+        self._workers_key = f"{prefix}:workers"
+        self._list_script = client.register_script(script("list_workers"))
+
+    @_wrap_errors
+    def save(self, info: WorkerInfo) -> None:
+        """The record and its index entry in one MULTI/EXEC round trip."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(
+            self._worker_prefix + info.worker_id,
+            "data",
+            json.dumps(info.to_dict(), separators=(",", ":")),
+        )
+        pipe.zadd(self._workers_key, {info.worker_id: float(info.last_beat)})
+        pipe.execute()
+
+    @_wrap_errors
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        data: str | None = self.client.hget(self._worker_prefix + worker_id, "data")  # type: ignore[assignment]
+        return None if data is None else WorkerInfo.from_dict(json.loads(data))
+
+    @_wrap_errors
+    def remove(self, worker_id: str) -> bool:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self._worker_prefix + worker_id)
+        pipe.zrem(self._workers_key, worker_id)
+        deleted, _ = pipe.execute()
+        return bool(deleted)
+
+    @_wrap_errors
+    def all(self) -> list[WorkerInfo]:
+        rows: list[str] = self._list_script([self._workers_key], [self._worker_prefix])
+        workers = [WorkerInfo.from_dict(json.loads(data)) for data in rows]
+        return sorted(workers, key=lambda w: w.worker_id)
+
+    @_wrap_errors
+    def stale(self, cutoff: float, limit: int) -> list[str]:
+        ids: list[str] = self.client.zrangebyscore(  # type: ignore[assignment]
+            self._workers_key, "-inf", cutoff, start=0, num=limit
+        )
+        return list(ids)
+
+
+class RedisMetaArea(MetaArea):
+    """The meta area: the ``P:meta`` hash."""
+
+    def __init__(self, client: redis.Redis, prefix: str) -> None:
+        self.client = client
+        self._meta_key = f"{prefix}:meta"
+        self._take_script = client.register_script(script("take_meta"))
+
+    @_wrap_errors
+    def _put(self, key: str, value: str) -> None:
+        self.client.hset(self._meta_key, key, value)
+
+    @_wrap_errors
+    def _get(self, key: str) -> str | None:
+        value: str | None = self.client.hget(self._meta_key, key)  # type: ignore[assignment]
+        return value
+
+    @_wrap_errors
+    def _take(self, key: str) -> str | None:
+        value: str | None = self._take_script([self._meta_key], [key])
+        return value

@@ -18,13 +18,12 @@ two batches never deadlock), which commits once instead of once per statement.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import threading
 import zlib
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -35,47 +34,41 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.pool import StaticPool
 
 from ..lifecycle import CLOCKS, Policy, Record
-from .base import (
-    RECORD_FIELDS,
-    JobStore,
-    StoreError,
-    WorkerInfo,
-    Write,
-    decode_job,
-    encode_job,
-)
+from .base import RECORD_FIELDS, JobStore, Write, decode_job, encode_job, store_errors
+from .meta import MetaArea
+from .workers import WorkerInfo, WorkerRegistry
 
-__all__ = ["SQLStore", "normalise_url"]
-
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
+__all__ = ["SQLMetaArea", "SQLStore", "SQLWorkerRegistry", "normalise_url"]
 
 #: SQLite waits this long for another process's write lock before giving up.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 
-def _unreachable(exc: sa_exc.SQLAlchemyError) -> StoreError:
-    """A short message (no SQL text or parameters: they may hold a whole job)."""
-    detail = getattr(exc, "orig", None) or exc
-    return StoreError(f"job store unavailable: {type(detail).__name__}: {detail}".strip())
+def _is_fault(exc: Exception) -> bool:
+    """A database error that means "cannot reach it" (the others are left to the caller)."""
+    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)):
+        return True
+    return isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
 
 
-def _wrap_errors(method: Callable[_P, _T]) -> Callable[_P, _T]:
-    """Turn connection-level database errors into :class:`StoreError` (cause kept), so callers
-    handle one exception type whatever the backend."""
+#: The driver's own exception says what happened; SQLAlchemy's adds the SQL text and its
+#: parameters (a whole job, perhaps), which have no place in a message.
+_wrap_errors = store_errors(_is_fault, lambda exc: getattr(exc, "orig", None) or exc)
 
-    @functools.wraps(method)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
-        try:
-            return method(*args, **kwargs)
-        except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError) as exc:
-            raise _unreachable(exc) from exc
-        except sa_exc.DBAPIError as exc:
-            if exc.connection_invalidated:
-                raise _unreachable(exc) from exc
-            raise
 
-    return wrapper
+@contextlib.contextmanager
+def transaction(conn: sa.Connection, sqlite: bool) -> Iterator[sa.Connection]:
+    """One transaction on ``conn`` (in driver autocommit mode): committed if the block ends
+    normally, else rolled back (and the connection stays usable). On SQLite ``BEGIN
+    IMMEDIATE`` takes the write lock up front, so no lock upgrade can fail midway."""
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if sqlite else "BEGIN")
+    try:
+        yield conn
+        conn.exec_driver_sql("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sa_exc.SQLAlchemyError):
+            conn.exec_driver_sql("ROLLBACK")
+        raise
 
 
 def normalise_url(url: str) -> URL:
@@ -172,16 +165,21 @@ class SQLStore(JobStore):
         self._ready = False
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        self.job_table = self.metadata.tables[f"{prefix}_jobs"]
+        self.worker_table = self.metadata.tables[f"{prefix}_workers"]
+        self.meta_table = self.metadata.tables[f"{prefix}_meta"]
+        #: ``INSERT`` with this dialect's ``ON CONFLICT`` clauses.
+        self.dialect_insert = sqlite_dialect.insert if self._sqlite else pg_dialect.insert
         self._prepare_statements()
+        self.workers = SQLWorkerRegistry(self)
+        self.meta = SQLMetaArea(self)
 
     # ------------------------------------------------------------------ engine and schema
 
     def _prepare_statements(self) -> None:
         """Build every statement once; SQLAlchemy then reuses their compiled form."""
-        jobs = self.jobs = self.metadata.tables[f"{self.prefix}_jobs"]
-        workers = self.workers = self.metadata.tables[f"{self.prefix}_workers"]
-        meta = self.meta = self.metadata.tables[f"{self.prefix}_meta"]
-        insert = sqlite_dialect.insert if self._sqlite else pg_dialect.insert
+        jobs = self.job_table
+        insert = self.dialect_insert
         c = jobs.c
         self._record_columns = ("data", *RECORD_FIELDS)
         self._select_record = sa.select(*(c[name] for name in self._record_columns)).where(
@@ -220,33 +218,6 @@ class SQLStore(JobStore):
                 .order_by(column)
                 .limit(sa.bindparam("k_limit", type_=sa.Integer))
             )
-        upsert_worker = insert(workers)
-        self._upsert_worker = upsert_worker.on_conflict_do_update(
-            index_elements=[workers.c.worker_id],
-            set_={
-                "data": upsert_worker.excluded.data,
-                "last_beat": upsert_worker.excluded.last_beat,
-            },
-        )
-        self._get_worker = sa.select(workers.c.data).where(
-            workers.c.worker_id == sa.bindparam("k_id")
-        )
-        self._list_workers = sa.select(workers.c.data).order_by(workers.c.worker_id)
-        self._delete_worker = sa.delete(workers).where(workers.c.worker_id == sa.bindparam("k_id"))
-        upsert_meta = insert(meta)
-        self._upsert_meta = upsert_meta.on_conflict_do_update(
-            index_elements=[meta.c.key], set_={"value": upsert_meta.excluded.value}
-        )
-        self._get_meta = sa.select(meta.c.value).where(meta.c.key == sa.bindparam("k_key"))
-        self._take_meta = (
-            sa.delete(meta).where(meta.c.key == sa.bindparam("k_key")).returning(meta.c.value)
-        )
-        self._stale_workers = (
-            sa.select(workers.c.worker_id)
-            .where(workers.c.last_beat <= sa.bindparam("k_cutoff", type_=sa.Double))
-            .order_by(workers.c.last_beat)
-            .limit(sa.bindparam("k_limit", type_=sa.Integer))
-        )
 
     @property
     def engine(self) -> Engine:
@@ -287,20 +258,11 @@ class SQLStore(JobStore):
 
     def _create_tables(self, engine: Engine) -> None:
         """``create_all`` under a lock, so processes starting together do not both try."""
-        with engine.connect() as conn:
-            if self._sqlite:
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
-            else:
-                conn.exec_driver_sql("BEGIN")
+        with engine.connect() as conn, transaction(conn, self._sqlite):
+            if not self._sqlite:
                 key = zlib.crc32(f"ojs_celery:{self.prefix}".encode())
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
-            try:
-                self.metadata.create_all(conn, checkfirst=True)
-            except BaseException:
-                with contextlib.suppress(sa_exc.SQLAlchemyError):
-                    conn.exec_driver_sql("ROLLBACK")
-                raise
-            conn.exec_driver_sql("COMMIT")
+            self.metadata.create_all(conn, checkfirst=True)
 
     @_wrap_errors
     def drop_tables(self) -> None:
@@ -418,23 +380,16 @@ class SQLStore(JobStore):
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sa.Connection]:
-        """One connection in one transaction for a batch of writes (``BEGIN IMMEDIATE`` on
-        SQLite: the write lock is taken up front, so no lock upgrade can fail midway). An
-        in-memory SQLite database has one connection shared by all threads: there a
+        """One connection in one transaction (see :func:`transaction`) for a batch of writes.
+        An in-memory SQLite database has one connection shared by all threads: there a
         transaction would take in other threads' statements, so each statement commits alone.
         """
         with self.engine.connect() as conn:
             if self._shared_connection:
                 yield conn
                 return
-            conn.exec_driver_sql("BEGIN IMMEDIATE" if self._sqlite else "BEGIN")
-            try:
+            with transaction(conn, self._sqlite):
                 yield conn
-            except BaseException:
-                with contextlib.suppress(sa_exc.SQLAlchemyError):
-                    conn.exec_driver_sql("ROLLBACK")
-                raise
-            conn.exec_driver_sql("COMMIT")
 
     @_wrap_errors
     def due(self, clock: str, now: float, limit: int) -> list[tuple[str, float]]:
@@ -452,62 +407,6 @@ class SQLStore(JobStore):
             result = conn.execute(self._delete_job, {"k_id": job_id, "k_expected": expected})
             return result.rowcount == 1
 
-    # ------------------------------------------------------------------ workers and meta
-
-    @_wrap_errors
-    def register_worker(self, info: WorkerInfo) -> None:
-        self.save_worker(info)
-
-    @_wrap_errors
-    def get_worker(self, worker_id: str) -> WorkerInfo | None:
-        with self.engine.connect() as conn:
-            data = conn.execute(self._get_worker, {"k_id": worker_id}).scalar()
-        return None if data is None else WorkerInfo.from_dict(json.loads(data))
-
-    @_wrap_errors
-    def save_worker(self, info: WorkerInfo) -> None:
-        values = {
-            "worker_id": info.worker_id,
-            "data": json.dumps(info.to_dict(), separators=(",", ":")),
-            "last_beat": float(info.last_beat),
-        }
-        with self.engine.connect() as conn:
-            conn.execute(self._upsert_worker, values)
-
-    @_wrap_errors
-    def deregister_worker(self, worker_id: str) -> bool:
-        with self.engine.connect() as conn:
-            return conn.execute(self._delete_worker, {"k_id": worker_id}).rowcount > 0
-
-    @_wrap_errors
-    def list_workers(self) -> list[WorkerInfo]:
-        with self.engine.connect() as conn:
-            rows = conn.execute(self._list_workers).scalars().all()
-        return [WorkerInfo.from_dict(json.loads(data)) for data in rows]
-
-    @_wrap_errors
-    def stale_workers(self, cutoff: float, limit: int) -> list[str]:
-        with self.engine.connect() as conn:
-            rows = conn.execute(self._stale_workers, {"k_cutoff": cutoff, "k_limit": limit})
-            return [str(worker_id) for worker_id in rows.scalars().all()]
-
-    @_wrap_errors
-    def take_meta(self, key: str) -> str | None:
-        with self.engine.connect() as conn:
-            value = conn.execute(self._take_meta, {"k_key": key}).scalar()
-        return None if value is None else str(value)
-
-    @_wrap_errors
-    def set_meta(self, key: str, value: str) -> None:
-        with self.engine.connect() as conn:
-            conn.execute(self._upsert_meta, {"key": key, "value": value})
-
-    @_wrap_errors
-    def get_meta(self, key: str) -> str | None:
-        with self.engine.connect() as conn:
-            value = conn.execute(self._get_meta, {"k_key": key}).scalar()
-        return None if value is None else str(value)
-
     # ------------------------------------------------------------------ admin
 
     @_wrap_errors
@@ -518,9 +417,97 @@ class SQLStore(JobStore):
     @_wrap_errors
     def clear(self) -> None:
         with self.engine.connect() as conn:
-            for table in (self.jobs, self.workers, self.meta):
+            for table in (self.job_table, self.worker_table, self.meta_table):
                 conn.execute(sa.delete(table))
 
     def __repr__(self) -> str:
         url = self.url.render_as_string(hide_password=True)
         return f"SQLStore({url!r}, prefix={self.prefix!r})"
+
+
+class SQLWorkerRegistry(WorkerRegistry):
+    """Worker records in ``{prefix}_workers`` (JSON data, an indexed ``last_beat``)."""
+
+    def __init__(self, store: SQLStore) -> None:
+        self._store = store
+        workers = store.worker_table
+        upsert = store.dialect_insert(workers)
+        self._upsert = upsert.on_conflict_do_update(
+            index_elements=[workers.c.worker_id],
+            set_={"data": upsert.excluded.data, "last_beat": upsert.excluded.last_beat},
+        )
+        self._get = sa.select(workers.c.data).where(workers.c.worker_id == sa.bindparam("k_id"))
+        self._all = sa.select(workers.c.data).order_by(workers.c.worker_id)
+        self._delete = sa.delete(workers).where(workers.c.worker_id == sa.bindparam("k_id"))
+        self._stale = (
+            sa.select(workers.c.worker_id)
+            .where(workers.c.last_beat <= sa.bindparam("k_cutoff", type_=sa.Double))
+            .order_by(workers.c.last_beat)
+            .limit(sa.bindparam("k_limit", type_=sa.Integer))
+        )
+
+    @_wrap_errors
+    def save(self, info: WorkerInfo) -> None:
+        values = {
+            "worker_id": info.worker_id,
+            "data": json.dumps(info.to_dict(), separators=(",", ":")),
+            "last_beat": float(info.last_beat),
+        }
+        with self._store.engine.connect() as conn:
+            conn.execute(self._upsert, values)
+
+    @_wrap_errors
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        with self._store.engine.connect() as conn:
+            data = conn.execute(self._get, {"k_id": worker_id}).scalar()
+        return None if data is None else WorkerInfo.from_dict(json.loads(data))
+
+    @_wrap_errors
+    def remove(self, worker_id: str) -> bool:
+        with self._store.engine.connect() as conn:
+            return conn.execute(self._delete, {"k_id": worker_id}).rowcount > 0
+
+    @_wrap_errors
+    def all(self) -> list[WorkerInfo]:
+        with self._store.engine.connect() as conn:
+            rows = conn.execute(self._all).scalars().all()
+        return [WorkerInfo.from_dict(json.loads(data)) for data in rows]
+
+    @_wrap_errors
+    def stale(self, cutoff: float, limit: int) -> list[str]:
+        with self._store.engine.connect() as conn:
+            rows = conn.execute(self._stale, {"k_cutoff": cutoff, "k_limit": limit})
+            return [str(worker_id) for worker_id in rows.scalars().all()]
+
+
+class SQLMetaArea(MetaArea):
+    """The meta area in ``{prefix}_meta`` (key, value)."""
+
+    def __init__(self, store: SQLStore) -> None:
+        self._store = store
+        meta = store.meta_table
+        upsert = store.dialect_insert(meta)
+        self._upsert = upsert.on_conflict_do_update(
+            index_elements=[meta.c.key], set_={"value": upsert.excluded.value}
+        )
+        self._select = sa.select(meta.c.value).where(meta.c.key == sa.bindparam("k_key"))
+        self._delete = (
+            sa.delete(meta).where(meta.c.key == sa.bindparam("k_key")).returning(meta.c.value)
+        )
+
+    @_wrap_errors
+    def _put(self, key: str, value: str) -> None:
+        with self._store.engine.connect() as conn:
+            conn.execute(self._upsert, {"key": key, "value": value})
+
+    @_wrap_errors
+    def _get(self, key: str) -> str | None:
+        with self._store.engine.connect() as conn:
+            value = conn.execute(self._select, {"k_key": key}).scalar()
+        return None if value is None else str(value)
+
+    @_wrap_errors
+    def _take(self, key: str) -> str | None:
+        with self._store.engine.connect() as conn:
+            value = conn.execute(self._delete, {"k_key": key}).scalar()
+        return None if value is None else str(value)

@@ -15,16 +15,6 @@ from ..store import WorkerInfo
 DIRECTIVES = ("quiet", "resume", "terminate")
 
 
-def directive_key(worker_id: str) -> str:
-    return f"directive:{worker_id}"
-
-
-def shutdown_key(worker_id: str) -> str:
-    """Set while this worker's drain cancels its jobs: a handler cancelled then fails with
-    ``shutdown`` rather than ``timeout``."""
-    return f"shutdown:{worker_id}"
-
-
 class Registry:
     """One worker's record, directive and draining mark (raises ``StoreError`` as the store)."""
 
@@ -33,22 +23,22 @@ class Registry:
         self.worker_id = worker_id
 
     def register(self, info: WorkerInfo) -> None:
-        self.runtime.store.register_worker(info)
+        self.runtime.store.workers.save(info)
 
     def beat(self, info: WorkerInfo) -> tuple[str | None, bool]:
         """Save the beat; returns the pending directive (taken) and whether the worker was
         still registered before this beat (False: it was declared dead meanwhile)."""
         store = self.runtime.store
-        directive = store.take_meta(directive_key(self.worker_id))
-        known = store.get_worker(self.worker_id) is not None
-        store.save_worker(info)
+        directive = store.meta.take_directive(self.worker_id)
+        known = store.workers.get(self.worker_id) is not None
+        store.workers.save(info)
         return directive, known
 
     def deregister(self) -> None:
-        self.runtime.store.deregister_worker(self.worker_id)
+        self.runtime.store.workers.remove(self.worker_id)
 
     def mark_draining(self) -> None:
-        self.runtime.store.set_meta(shutdown_key(self.worker_id), "1")
+        self.runtime.store.meta.mark_draining(self.worker_id)
 
     def clear_draining(self) -> None:
-        self.runtime.store.take_meta(shutdown_key(self.worker_id))
+        self.runtime.store.meta.clear_draining(self.worker_id)

@@ -1,0 +1,76 @@
+"""The meta area: small values that processes leave for each other in the store.
+
+A sweeper records when it last ran (a worker warns when sweeps stop); ``ojs-celery workers
+quiet`` leaves a one-shot directive that the worker takes with its next beat; a draining worker
+marks itself, so that a job cancelled in one of its pool processes fails with ``shutdown``, not
+``timeout``. Every key is named here and nowhere else: callers use the typed methods. The area
+lives on the same backend as the jobs (see :mod:`.base`), reached as ``store.meta``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+__all__ = ["MetaArea"]
+
+#: When the last sweep pass ended (epoch seconds, ``repr`` of a float).
+LAST_SWEEP = "last_sweep"
+
+
+def directive_key(worker_id: str) -> str:
+    """A directive waiting for ``worker_id``'s next beat (``quiet``, ``resume``, ``terminate``)."""
+    return f"directive:{worker_id}"
+
+
+def draining_key(worker_id: str) -> str:
+    """Present while ``worker_id`` drains for its shutdown."""
+    return f"shutdown:{worker_id}"
+
+
+class MetaArea(ABC):
+    """Typed values over three primitives a backend provides (a string key-value area)."""
+
+    @abstractmethod
+    def _put(self, key: str, value: str) -> None: ...
+
+    @abstractmethod
+    def _get(self, key: str) -> str | None: ...
+
+    @abstractmethod
+    def _take(self, key: str) -> str | None:
+        """Read and delete a value in one atomic step: of several takers, one gets it."""
+
+    # ------------------------------------------------------------------ directives
+
+    def send_directive(self, worker_id: str, directive: str) -> None:
+        """Leave ``directive`` for the worker (it replaces one not yet taken)."""
+        self._put(directive_key(worker_id), directive)
+
+    def take_directive(self, worker_id: str) -> str | None:
+        """The directive waiting for ``worker_id``, at most once."""
+        return self._take(directive_key(worker_id))
+
+    def pending_directive(self, worker_id: str) -> str | None:
+        """The directive waiting for ``worker_id``, left in place (for display)."""
+        return self._get(directive_key(worker_id))
+
+    # ------------------------------------------------------------------ shutdown drain
+
+    def mark_draining(self, worker_id: str) -> None:
+        self._put(draining_key(worker_id), "1")
+
+    def clear_draining(self, worker_id: str) -> None:
+        self._take(draining_key(worker_id))
+
+    def is_draining(self, worker_id: str) -> bool:
+        return self._get(draining_key(worker_id)) is not None
+
+    # ------------------------------------------------------------------ sweeps
+
+    def record_sweep(self, at: float) -> None:
+        self._put(LAST_SWEEP, repr(float(at)))
+
+    def last_sweep(self) -> float | None:
+        """When the last sweep pass ended, or None if none ever did."""
+        value = self._get(LAST_SWEEP)
+        return float(value) if value else None

@@ -1,0 +1,35 @@
+-- Shared by the scripts that write a job record: loaded in front of each of them.
+--
+-- A record's arguments, from ARGV[at]: id, version, data, state, then the record fields
+-- below (the Redis store checks that they are its own when it loads this file), then one
+-- deadline per clock ('' for none), in the order of the clocks' sorted sets.
+local RECORD_FIELDS = {'token', 'worker_id', 'heartbeat_at', 'extended_at', 'dispatch_due', 'promote_at', 'dead_letter'}
+local FIRST_DEADLINE = 4 + #RECORD_FIELDS
+
+-- HSET the record's data, state and fields (with 'version' when given) into `key`.
+local function write_record(key, at, version)
+  local args = {'data', ARGV[at + 2], 'state', ARGV[at + 3]}
+  if version then
+    args[#args + 1] = 'version'
+    args[#args + 1] = version
+  end
+  for i, name in ipairs(RECORD_FIELDS) do
+    args[#args + 1] = name
+    args[#args + 1] = ARGV[at + 3 + i]
+  end
+  redis.call('HSET', key, unpack(args))
+end
+
+-- Put the record's id into each clock's sorted set KEYS[first_zset..] scored by its deadline;
+-- with `remove`, take it out of the sets of the clocks it has no deadline on.
+local function index_record(first_zset, clocks, at, remove)
+  local id = ARGV[at]
+  for i = 0, clocks - 1 do
+    local deadline = ARGV[at + FIRST_DEADLINE + i]
+    if deadline ~= '' then
+      redis.call('ZADD', KEYS[first_zset + i], deadline, id)
+    elseif remove then
+      redis.call('ZREM', KEYS[first_zset + i], id)
+    end
+  end
+end

@@ -1,0 +1,66 @@
+"""The worker registry: one record per worker process (OJS worker protocol registration).
+
+A worker writes its record when it registers and with every beat; the sweeper finds workers
+whose beats stopped (:meth:`WorkerRegistry.stale`) and removes them; ``ojs-celery workers``
+lists them. The registry lives on the same backend as the jobs (see :mod:`.base`), reached as
+``store.workers``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["WorkerInfo", "WorkerRegistry"]
+
+
+@dataclass
+class WorkerInfo:
+    """A registered worker process (OJS worker protocol registration)."""
+
+    worker_id: str
+    hostname: str
+    pid: int
+    nodename: str = ""
+    queues: list[str] = field(default_factory=list)
+    concurrency: int = 1
+    labels: list[str] = field(default_factory=list)
+    started_at: float = 0.0
+    state: str = "running"
+    directive: str | None = None
+    last_beat: float = 0.0
+    active_job_ids: list[str] = field(default_factory=list)
+    reserved_job_ids: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerInfo:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+class WorkerRegistry(ABC):
+    """Worker records, indexed by last beat."""
+
+    @abstractmethod
+    def save(self, info: WorkerInfo) -> None:
+        """Write a worker's record as it is: registration and every beat (last writer wins;
+        each worker writes only its own record)."""
+
+    @abstractmethod
+    def get(self, worker_id: str) -> WorkerInfo | None: ...
+
+    @abstractmethod
+    def remove(self, worker_id: str) -> bool:
+        """Delete the record; False if there was none (another sweeper took it first)."""
+
+    @abstractmethod
+    def all(self) -> list[WorkerInfo]:
+        """Every registered worker, by worker id."""
+
+    @abstractmethod
+    def stale(self, cutoff: float, limit: int) -> list[str]:
+        """Ids of workers whose last beat is at or before ``cutoff``, oldest first."""
