@@ -9,7 +9,7 @@ from typing import Any
 
 from celery import Celery, signals
 
-from . import control  # noqa: F401 - registers the ojs_terminate remote-control command
+from . import control
 from .identity import assign_worker_id
 from .runtime import Runtime, attach, get_runtime
 from .sweeper import SWEEP_TASK, last_sweep, sweep
@@ -67,6 +67,7 @@ def install(app: Celery) -> Runtime:
         get_runtime(app).flush()
 
     _add_sweeper(app, runtime)
+    control.register()
     signals.worker_init.connect(on_worker_init, weak=False)
     signals.worker_process_init.connect(on_child_start, weak=False)
     signals.worker_process_shutdown.connect(on_child_shutdown, weak=False)
