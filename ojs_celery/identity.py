@@ -2,17 +2,28 @@
 
 Completing and failing an attempt are fenced on it, so it must be the same in the main process
 (hard time limits, lost children) and in the children (handler outcomes). ``install`` assigns a
-fresh id when a worker starts, before the pool forks.
+fresh id when a worker starts (``worker_init``), before the pool forks.
+
+Why process state and not an attribute of a per-worker object: the pool children, where handler
+outcomes are written, have no worker object at all (Celery gives a child its app and the task
+request, nothing of the ``WorkController`` or consumer that forked it); what a child knows of
+its worker is what it inherited at fork. One ``celery worker`` runs per process tree, so a
+value set in the main process before the fork is exactly "this worker". The main process's
+bootsteps read it once into their :class:`~ojs_celery.worker.node.WorkerNode`.
 """
 
 from __future__ import annotations
 
-import os
-
 from .envelope import new_job_id
 
-_worker_id: str | None = None
-_pid: int | None = None
+
+class _Identity:
+    """The one value this module keeps (see the module docstring for why it is per process)."""
+
+    worker_id: str | None = None
+
+
+_identity = _Identity()
 
 
 def new_worker_id() -> str:
@@ -21,14 +32,12 @@ def new_worker_id() -> str:
 
 def assign_worker_id() -> str:
     """Give this process (and the children it will fork) a new worker id."""
-    global _worker_id, _pid
-    _worker_id = new_worker_id()
-    _pid = os.getpid()
-    return _worker_id
+    _identity.worker_id = new_worker_id()
+    return _identity.worker_id
 
 
 def current_worker_id() -> str:
     """This worker's id; a process that is no worker (a producer, a test) gets its own."""
-    if _worker_id is None:
+    if _identity.worker_id is None:
         return assign_worker_id()
-    return _worker_id
+    return _identity.worker_id

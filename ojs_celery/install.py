@@ -10,7 +10,7 @@ from typing import Any
 from celery import Celery, signals
 from celery.exceptions import ImproperlyConfigured
 
-from . import control  # noqa: F401 - registers the ojs_terminate remote-control command
+from . import control
 from .conf import Settings
 from .embedded import register_transport
 from .identity import assign_worker_id
@@ -101,6 +101,7 @@ def install(app: Celery) -> Runtime:
     if app.configured:
         on_configured(app, app.conf)
         runtime.settings  # noqa: B018 - raises ImproperlyConfigured naming the bad settings
+    control.register()
     signals.worker_init.connect(on_worker_init, weak=False)
     signals.worker_process_init.connect(on_child_start, weak=False)
     signals.worker_process_shutdown.connect(on_child_shutdown, weak=False)
