@@ -30,7 +30,7 @@ from .context import JobContext, _current, maybe_current_job
 from .effects import carry_out
 from .envelope import JsonValue, parse_envelope
 from .identity import current_worker_id
-from .lifecycle import Record, Transition
+from .lifecycle import Transition
 from .producer import ojs_queue_of, scheduled_at_from
 from .runtime import Runtime, get_runtime
 from .store import StoreError
@@ -70,17 +70,6 @@ def error_from_exception(exc: BaseException) -> dict[str, JsonValue]:
     frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
     backtrace: list[JsonValue] = [line.rstrip("\n") for line in frames[-50:]]
     return lifecycle.make_error(type_, str(exc) or type(exc).__name__, backtrace=backtrace)
-
-
-def _owner_cancel(attempt: int, worker_id: str, now: float) -> Callable[[Record], Transition]:
-    def rule(record: Record) -> Transition:
-        if record.job.state != "active" or record.job.attempt != attempt:
-            return lifecycle.rejected("stale_attempt")
-        if record.worker_id != worker_id:
-            return lifecycle.rejected("not_owner")
-        return lifecycle.cancel(record, now, reason="ignored by the handler")
-
-    return rule
 
 
 class OJSTask(Task):  # type: ignore[misc]
@@ -220,8 +209,8 @@ class OJSTask(Task):  # type: ignore[misc]
                                                      hint=ctx.record))
                 return self._after(runtime, ctx, done, value=value)
         if kind == "ignore":
-            done = _write(lambda: store.apply(job.id, _owner_cancel(ctx.attempt, ctx.worker_id,
-                                                                    now)))
+            done = _write(lambda: store.apply(job.id, lambda r: lifecycle.cancel_by_owner(
+                r, ctx.attempt, ctx.worker_id, now)))
             if done is not None and done.applied:
                 carry_out(runtime, done)
                 self.backend.mark_as_revoked(job.id, reason="ignored", request=self.request)
