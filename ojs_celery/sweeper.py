@@ -47,6 +47,12 @@ class SweepReport:
     def total(self) -> int:
         return sum(self.applied.values()) + self.published + self.pruned
 
+    def as_dict(self) -> dict[str, JsonValue]:
+        """The report as the Celery task returns it, the CLI prints it and the loop logs it."""
+        applied: dict[str, JsonValue] = dict(self.applied)
+        return {"applied": applied, "published": self.published, "pruned": self.pruned,
+                "error": self.error}
+
 
 def sweep(runtime: Runtime, now: float | None = None, batch: int | None = None) -> SweepReport:
     """One enforcement pass. Store or broker trouble is logged and ends the pass early; what
@@ -161,9 +167,6 @@ def run_loop(runtime: Runtime, interval: float | None = None,
         began = time.monotonic()
         report = sweep(runtime)
         if report.total:
-            logger.info("ojs_celery: sweep %s", _summary(report))
+            logger.info("ojs_celery: sweep %s", report.as_dict())
         time.sleep(max(every - (time.monotonic() - began), 0.0))
 
-
-def _summary(report: SweepReport) -> dict[str, JsonValue]:
-    return {**dict(report.applied), "published": report.published, "pruned": report.pruned}
