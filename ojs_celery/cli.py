@@ -159,8 +159,7 @@ def sweep_command(ctx: click.Context, mode: str | None, interval: float | None) 
             pass
         return
     report = sweep(runtime)
-    _line({"applied": dict(report.applied), "published": report.published,
-           "pruned": report.pruned, "error": report.error})
+    _line(report.as_dict())
     if report.error:
         sys.exit(1)
 

@@ -104,6 +104,8 @@ class Settings(BaseModel):
         return Policy(
             dispatch_grace=self.dispatch_grace,
             schedule_horizon=self.schedule_horizon,
+            execution_tolerance=self.execution_tolerance,
+            worker_heartbeat_timeout=self.worker_heartbeat_timeout,
             retention_completed=self.retention.completed,
             retention_cancelled=self.retention.cancelled,
             retention_discarded=self.retention.discarded,

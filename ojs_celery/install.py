@@ -117,9 +117,7 @@ def _add_sweep_task(app: Celery) -> None:
 
     @app.task(name=SWEEP_TASK, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
     def ojs_sweep() -> dict[str, Any]:
-        report = sweep(get_runtime(app))
-        return {"applied": dict(report.applied), "published": report.published,
-                "pruned": report.pruned, "error": report.error}
+        return sweep(get_runtime(app)).as_dict()
 
 
 

@@ -1,13 +1,14 @@
 """The sweeper: server-side enforcement of every deadline, from the store's indexes.
 
-One pass takes what is due on each clock (``store.due``, O(log n + k)), applies the transition
-with compare-and-set, emits the events, terminates a running attempt that lost its job, and
-publishes what is owed (retries, the outbox, scheduled jobs that came due). Only the process
-whose compare-and-set won acts, so any number of sweepers may run at once. The jobs due on one
-clock are read in one batch and written in one batch (``store.apply_many``); a job whose write
-lost a race goes through ``store.apply`` alone, which re-reads it. It knows nothing of Celery
-beyond publishing and one control command: the Celery task, the beat entry and
-``ojs-celery sweep --loop`` are thin shells around :func:`sweep`.
+One pass takes what is due on each clock of :data:`ojs_celery.lifecycle.SWEEP`, in its order
+(``store.due``, O(log n + k)), applies the clock's transition with compare-and-set, and carries
+it out (:func:`~ojs_celery.effects.carry_out`: events, terminating a running attempt that lost
+its job, publishing what is owed). The rules and deadlines live in :mod:`ojs_celery.lifecycle`:
+this module only orchestrates. Only the process whose compare-and-set won acts, so any number
+of sweepers may run at once. The jobs due on one clock are read in one batch and written in
+one batch (``store.apply_many``); a job whose write lost a race goes through ``store.apply``
+alone, which re-reads it. The Celery task, the beat entry and ``ojs-celery sweep --loop`` are
+thin shells around :func:`sweep`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from . import lifecycle
 from .effects import carry_out
 from .envelope import JsonValue
-from .lifecycle import Publish, Record, Transition
+from .lifecycle import Rule, WorkerClock
 from .producer import BrokerUnavailable
 from .runtime import Runtime
 from .store import StoreError
@@ -45,111 +46,11 @@ class SweepReport:
     def total(self) -> int:
         return sum(self.applied.values()) + self.published + self.pruned
 
-
-def _execution_overdue(now: float, tolerance: float) -> Callable[[Record], Transition]:
-    def rule(record: Record) -> Transition:
-        job = record.job
-        if job.state != "active" or job.started_at is None:
-            return lifecycle.rejected("not_active")
-        elapsed = now - job.started_at.timestamp()
-        if elapsed < job.timeout + job.grace_period + tolerance:
-            return lifecycle.rejected("not_due")
-        error = lifecycle.timeout_error(
-            "timeout", job.timeout, elapsed,
-            f"execution timeout of {job.timeout}s exceeded (enforced by the sweeper: the "
-            "attempt was still active after its grace period)",
-        )
-        return lifecycle.fail(record, job.attempt, None, error, now)
-
-    return rule
-
-
-def _stalled(now: float) -> Callable[[Record], Transition]:
-    def rule(record: Record) -> Transition:
-        job = record.job
-        if job.state != "active" or record.heartbeat_at is None:
-            return lifecycle.rejected("not_active")
-        silent = now - record.heartbeat_at
-        if silent < job.heartbeat_timeout:
-            return lifecycle.rejected("not_due")
-        error = lifecycle.timeout_error(
-            "stalled", job.heartbeat_timeout, silent,
-            f"no heartbeat for {round(silent, 1)}s (heartbeat_timeout {job.heartbeat_timeout}s)",
-        )
-        return lifecycle.fail(record, job.attempt, None, error, now)
-
-    return rule
-
-
-def _invisible(now: float) -> Callable[[Record], Transition]:
-    def rule(record: Record) -> Transition:
-        job = record.job
-        if job.state != "active" or record.extended_at is None:
-            return lifecycle.rejected("not_active")
-        if now - record.extended_at < job.visibility_timeout:
-            return lifecycle.rejected("not_due")
-        error = lifecycle.make_error(
-            "visibility_timeout",
-            f"reservation not extended for {job.visibility_timeout}s (visibility_timeout)",
-        )
-        return lifecycle.fail(record, job.attempt, None, error, now)
-
-    return rule
-
-
-def _orphaned(worker_id: str, now: float) -> Callable[[Record], Transition]:
-    """An attempt of a worker declared dead: error ``worker_death``, retried per policy."""
-
-    def rule(record: Record) -> Transition:
-        if record.job.state != "active" or record.worker_id != worker_id:
-            return lifecycle.rejected("not_owned")
-        error = lifecycle.make_error(
-            "worker_death", f"worker {worker_id} stopped sending heartbeats")
-        return lifecycle.fail(record, record.job.attempt, None, error, now)
-
-    return rule
-
-
-def _redispatch(now: float, grace: float) -> Callable[[Record], Transition]:
-    """A job a dead worker held but never started: the same message again (same token, no
-    error, no attempt used), so that it need not wait for the broker's redelivery."""
-
-    def rule(record: Record) -> Transition:
-        if record.job.state not in lifecycle.STARTABLE:
-            return lifecycle.rejected("not_startable")
-        new = record.copy()
-        new.dispatch_due = now + grace
-        return Transition(new, publish=Publish(record.job.id, record.token))
-
-    return rule
-
-
-def _owed_message(now: float, clock: str, grace: float) -> Callable[[Record], Transition]:
-    """Claim a message the job is owed (outbox entry past due, or a held job now due), so
-    that one sweeper publishes it; the claim pushes the outbox deadline one grace ahead."""
-
-    def rule(record: Record) -> Transition:
-        job = record.job
-        if job.state in lifecycle.TERMINAL or job.state == "active":
-            return lifecycle.rejected("not_owed")
-        if clock == "promote":
-            if record.promote_at is None or record.promote_at > now:
-                return lifecycle.rejected("not_due")
-        elif record.dispatch_due is None or record.dispatch_due > now:
-            return lifecycle.rejected("not_due")
-        new = record.copy()
-        eta = None
-        if job.state == "scheduled" and job.scheduled_at is not None:
-            eta = job.scheduled_at.timestamp()
-        elif job.state == "retryable" and job.next_retry_at is not None:
-            eta = job.next_retry_at.timestamp()
-        if eta is not None and eta <= now:
-            eta = None
-        new.promote_at = None
-        new.dispatch_due = now + grace + max((eta or now) - now, 0.0)
-        return Transition(new, publish=Publish(job.id, new.token, eta))
-
-    return rule
+    def as_dict(self) -> dict[str, JsonValue]:
+        """The report as the Celery task returns it, the CLI prints it and the loop logs it."""
+        applied: dict[str, JsonValue] = dict(self.applied)
+        return {"applied": applied, "published": self.published, "pruned": self.pruned,
+                "error": self.error}
 
 
 def sweep(runtime: Runtime, now: float | None = None, batch: int | None = None) -> SweepReport:
@@ -174,29 +75,22 @@ def sweep(runtime: Runtime, now: float | None = None, batch: int | None = None) 
 
 def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
     store = runtime.store
-    settings = runtime.settings
-    rules: list[tuple[str, float, Callable[[Record], Transition]]] = [
-        ("total", now, lambda r: lifecycle.expire_total(r, now, store.policy)),
-        ("enqueue_ttl", now, lambda r: lifecycle.expire_ttl(r, now, store.policy)),
-        ("execution", now - settings.execution_tolerance,
-         _execution_overdue(now, settings.execution_tolerance)),
-        ("stall", now, _stalled(now)),
-        ("visibility", now, _invisible(now)),
-    ]
-    for clock, cutoff, rule in rules:
-        _enforce(runtime, clock, store.due(clock, cutoff, limit), rule, report)
-    _bury_dead_workers(runtime, now, limit, report)
-    for clock in ("dispatch", "promote"):
-        owed = _owed_message(now, clock, settings.dispatch_grace)
-        _enforce(runtime, clock, store.due(clock, now, limit), owed, report)
-    report.pruned = store.prune(now, limit)
+    policy = store.policy
+    for clock in lifecycle.SWEEP:
+        if isinstance(clock, WorkerClock):
+            _bury_dead_workers(runtime, clock, now, limit, report)
+        elif clock.when_due is None:  # retention: what is due is deleted, not changed
+            report.pruned = store.prune(now, limit)
+        else:
+            due = store.due(clock.name, clock.cutoff(now, policy), limit)
+            _enforce(runtime, clock.name, due, clock.rule(now, policy), report)
 
 
 def _enforce(
     runtime: Runtime,
     clock: str,
     due: list[tuple[str, float]],
-    rule: Callable[[Record], Transition],
+    rule: Rule,
     report: SweepReport,
 ) -> None:
     """Apply ``rule`` to the jobs due on ``clock`` and act on every transition that applied:
@@ -233,15 +127,18 @@ def _enforce(
         raise failure
 
 
-def _bury_dead_workers(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
+def _bury_dead_workers(
+    runtime: Runtime, clock: WorkerClock, now: float, limit: int, report: SweepReport
+) -> None:
     """Workers silent for the worker heartbeat timeout: remove them, recover their jobs."""
     store = runtime.store
-    cutoff = now - runtime.settings.worker_heartbeat_timeout
+    policy = store.policy
+    cutoff = clock.cutoff(now, policy)
     for worker_id in store.workers.stale(cutoff, limit):
         info = store.workers.get(worker_id)
         if info is None or info.last_beat > cutoff or not store.workers.remove(worker_id):
             continue  # it beat meanwhile, or another sweeper took it
-        report.applied["worker"] += 1
+        report.applied[clock.name] += 1
         logger.warning("ojs_celery: worker %s (%s) missed its beats for %.1fs: declared dead",
                        worker_id, info.nodename or info.hostname, now - info.last_beat)
         runtime.bus.emit("worker.stopped", {
@@ -249,10 +146,10 @@ def _bury_dead_workers(runtime: Runtime, now: float, limit: int, report: SweepRe
             "active_jobs": len(info.active_job_ids),
         }, subject=worker_id)
         for job_id in info.active_job_ids:
-            done = store.apply(job_id, _orphaned(worker_id, now))
+            done = store.apply(job_id, clock.active_rule(worker_id, now, policy))
             report.published += carry_out(runtime, done, raise_unpublished=True)
         for job_id in info.reserved_job_ids:
-            done = store.apply(job_id, _redispatch(now, runtime.settings.dispatch_grace))
+            done = store.apply(job_id, clock.reserved_rule(now, policy))
             report.published += carry_out(runtime, done, raise_unpublished=True)
 
 
@@ -268,9 +165,6 @@ def run_loop(runtime: Runtime, interval: float | None = None,
         began = time.monotonic()
         report = sweep(runtime)
         if report.total:
-            logger.info("ojs_celery: sweep %s", _summary(report))
+            logger.info("ojs_celery: sweep %s", report.as_dict())
         time.sleep(max(every - (time.monotonic() - began), 0.0))
 
-
-def _summary(report: SweepReport) -> dict[str, JsonValue]:
-    return {**dict(report.applied), "published": report.published, "pruned": report.pruned}

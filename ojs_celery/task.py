@@ -28,7 +28,7 @@ from .context import JobContext, _current, maybe_current_job
 from .effects import carry_out
 from .envelope import parse_envelope
 from .identity import current_worker_id
-from .lifecycle import Record, Transition
+from .lifecycle import Transition
 from .outcome import (
     Cancelled,
     Completed,
@@ -55,17 +55,6 @@ __all__ = ["JobError", "OJSTask", "error_from_exception"]
 OUTCOME_RETRY_SECONDS = 30.0
 #: Pause before a message goes back to the broker because the store is unreachable.
 STORE_DOWN_PAUSE = 1.0
-
-
-def _owner_cancel(attempt: int, worker_id: str, now: float) -> Callable[[Record], Transition]:
-    def rule(record: Record) -> Transition:
-        if record.job.state != "active" or record.job.attempt != attempt:
-            return lifecycle.rejected("stale_attempt")
-        if record.worker_id != worker_id:
-            return lifecycle.rejected("not_owner")
-        return lifecycle.cancel(record, now, reason="ignored by the handler")
-
-    return rule
 
 
 class OJSTask(Task):  # type: ignore[misc]
@@ -181,8 +170,8 @@ class OJSTask(Task):  # type: ignore[misc]
                                                  outcome.value, hint=ctx.record))
             return self._tell_celery(runtime, ctx, done, outcome)
         if isinstance(outcome, Cancelled):
-            done = _write(lambda: store.apply(job.id, _owner_cancel(ctx.attempt, ctx.worker_id,
-                                                                    now)))
+            done = _write(lambda: store.apply(job.id, lambda r: lifecycle.cancel_by_owner(
+                r, ctx.attempt, ctx.worker_id, now)))
             if done is not None and done.applied:
                 carry_out(runtime, done)
                 self.backend.mark_as_revoked(job.id, reason="ignored", request=self.request)

@@ -79,6 +79,16 @@ def test_enqueue_ttl_expires_a_job_nobody_started(app: Celery, seen: Counter[str
     assert seen["job.ttl_expired"] == 1 and seen["job.discarded"] == 1
 
 
+def test_the_report_as_a_dict_is_what_the_task_returns_and_the_cli_prints(app: Celery) -> None:
+    job = enqueue({"type": "e2e.add", "args": [1, 2], "enqueue_ttl": 5}, app=app)
+    created = job.created_at.timestamp()  # type: ignore[union-attr]
+    report = sweep(runtime_of(app), now=created + 6)
+    assert report.as_dict() == {"applied": {"enqueue_ttl": 1}, "published": 0, "pruned": 0,
+                                "error": None}
+    task = app.tasks["ojs_celery.sweep"]
+    assert task() == {"applied": {}, "published": 0, "pruned": 0, "error": None}
+
+
 def test_scheduled_job_counts_its_ttl_from_created_at(app: Celery) -> None:
     later = time.time() + 3600
     job = enqueue({"type": "e2e.add", "args": [1, 2], "enqueue_ttl": 10,

@@ -307,16 +307,9 @@ class JobStore(ABC):
         """A worker beat listing the attempt that ``token`` started: extend its reservation
         (and its stall clock when ``stall``, i.e. unless the job wants handler heartbeats)."""
         at = time.time() if now is None else now
-
-        def rule(record: Record) -> Transition:
-            if record.token != token:
-                return lifecycle.rejected("stale")
-            handler_only = record.job.extensions.get("x_heartbeat") == "handler"
-            return lifecycle.heartbeat(
-                record, record.job.attempt, worker_id, at, stall=stall and not handler_only
-            )
-
-        return self.apply(job_id, rule)
+        return self.apply(
+            job_id, lambda r: lifecycle.extend(r, token, worker_id, at, stall=stall)
+        )
 
     def complete(
         self,
@@ -365,15 +358,9 @@ class JobStore(ABC):
         """Fail the attempt that ``token`` started on ``worker_id`` (the main process knows the
         message, not the attempt number)."""
         at = time.time() if now is None else now
-
-        def rule(record: Record) -> Transition:
-            if record.token != token:
-                return lifecycle.rejected("stale")
-            return lifecycle.fail(
-                record, record.job.attempt, worker_id, error, at, policy=self.policy
-            )
-
-        return self.apply(job_id, rule)
+        return self.apply(
+            job_id, lambda r: lifecycle.fail_token(r, token, worker_id, error, at, self.policy)
+        )
 
     def cancel(self, job_id: str, now: float | None = None) -> Transition:
         at = time.time() if now is None else now

@@ -1,9 +1,10 @@
-"""Job states, the retry decision and every state transition, as pure functions (no I/O).
+"""Every state transition, as pure functions (no I/O), and the retry decision.
 
 A transition takes the stored :class:`Record` and the facts of the moment (``now``, a token, a
 worker id, an outcome) and returns a :class:`Transition`: the new record (or why nothing changes),
 the OJS events to emit and the message to publish, if any. The store applies it with one
-compare-and-set, so the same rules hold in the worker, the sweeper and the producer.
+compare-and-set, so the same rules hold in the worker, the sweeper and the producer. When a
+deadline passes, :mod:`.clocks` says which of these rules applies.
 """
 
 from __future__ import annotations
@@ -11,29 +12,14 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
-from .envelope import Job, JsonValue, RetryPolicy, State, format_timestamp, from_epoch
+from ..envelope import Job, JsonValue, RetryPolicy, State, format_timestamp, from_epoch
 
 STATES: tuple[str, ...] = get_args(State)
 TERMINAL = frozenset({"completed", "cancelled", "discarded"})
 NEVER_STARTED = frozenset({"scheduled", "available", "pending"})
 STARTABLE = frozenset({"scheduled", "available", "retryable"})
-
-#: The deadline indexes, in the order that breaks ties when several are due at once.
-CLOCKS = (
-    "total",
-    "enqueue_ttl",
-    "execution",
-    "stall",
-    "visibility",
-    "dispatch",
-    "promote",
-    "retention",
-)
-Clock = Literal[
-    "total", "enqueue_ttl", "execution", "stall", "visibility", "dispatch", "promote", "retention"
-]
 
 #: Error types produced by the system itself (the rest are exception class names).
 TIMEOUT_KINDS = {
@@ -58,6 +44,9 @@ class Policy:
 
     dispatch_grace: float = 10.0
     schedule_horizon: float = 60.0
+    #: How long past an execution deadline the sweeper waits, so the worker's hard limit wins.
+    execution_tolerance: float = 1.5
+    worker_heartbeat_timeout: float = 30.0
     retention_completed: float = 7 * DAY
     retention_cancelled: float = 30 * DAY
     retention_discarded: float = 30 * DAY
@@ -198,44 +187,6 @@ def decide(
     return Decision(retry=True, delay=wait)
 
 
-# --------------------------------------------------------------------------- deadlines
-
-
-def deadlines(record: Record, policy: Policy) -> dict[str, float | None]:
-    """Every clock's deadline for this record (None: the clock does not run in this state)."""
-    job = record.job
-    state = job.state
-    created = job.created_at.timestamp() if job.created_at else None
-    active = state == "active"
-    started = job.started_at.timestamp() if job.started_at else None
-    result: dict[str, float | None] = dict.fromkeys(CLOCKS)
-    if created is not None and job.enqueue_ttl and state in NEVER_STARTED and job.attempt == 0:
-        result["enqueue_ttl"] = created + job.enqueue_ttl
-    if created is not None and job.total_timeout and state not in TERMINAL:
-        result["total"] = created + job.total_timeout
-    if active and started is not None:
-        result["execution"] = started + job.timeout + job.grace_period
-        if record.heartbeat_at is not None:
-            result["stall"] = record.heartbeat_at + job.heartbeat_timeout
-        if record.extended_at is not None:
-            result["visibility"] = record.extended_at + job.visibility_timeout
-    if state not in TERMINAL:
-        result["dispatch"] = record.dispatch_due
-        result["promote"] = record.promote_at
-    else:
-        ended = job.completed_at or job.cancelled_at or job.discarded_at
-        if ended is not None:
-            keep = {
-                "completed": policy.retention_completed,
-                "cancelled": policy.retention_cancelled,
-                "discarded": policy.retention_discarded,
-            }[state]
-            if state == "discarded" and record.dead_letter:
-                keep = policy.retention_dead_letter
-            result["retention"] = ended.timestamp() + keep
-    return result
-
-
 # --------------------------------------------------------------------------- events
 
 
@@ -280,8 +231,14 @@ def create(job: Job, now: float, policy: Policy) -> Transition:
         j.state = "available"
         j.enqueued_at = j.created_at
         eta = None
-    new.dispatch_due = now + policy.dispatch_grace + max((eta or now) - now, 0.0)
+    new.dispatch_due = dispatch_deadline(eta, now, policy)
     return Transition(new, events=[_enqueued(j)], publish=Publish(j.id, new.token, eta))
+
+
+def dispatch_deadline(eta: float | None, now: float, policy: Policy) -> float:
+    """The outbox deadline of a message owed from ``now`` for ``eta`` (None: at once): if its
+    publish is not acknowledged by then, the sweeper publishes it again."""
+    return max(now if eta is None else eta, now) + policy.dispatch_grace
 
 
 def _enqueued(job: Job) -> tuple[str, dict[str, Any]]:
@@ -487,7 +444,7 @@ def _schedule(record: Record, eta: float, now: float, policy: Policy) -> Publish
         record.dispatch_due = None
         return None
     record.promote_at = None
-    record.dispatch_due = max(eta, now) + policy.dispatch_grace
+    record.dispatch_due = dispatch_deadline(eta, now, policy)
     return Publish(record.job.id, record.token, eta if eta > now else None)
 
 
@@ -594,3 +551,151 @@ def cancel(record: Record, now: float, reason: str | None = None) -> Transition:
     if reason:
         data["reason"] = reason
     return Transition(new, events=[("job.cancelled", data)])
+
+
+def cancel_by_owner(record: Record, attempt: int, worker_id: str, now: float) -> Transition:
+    """The handler of ``attempt`` raised Celery's ``Ignore``: the job is cancelled."""
+    job = record.job
+    if job.state != "active" or job.attempt != attempt:
+        return rejected("stale_attempt")
+    if record.worker_id != worker_id:
+        return rejected("not_owner")
+    return cancel(record, now, reason="ignored by the handler")
+
+
+# --------------------------------------------------------------------------- by dispatch token
+# The worker's main process knows the message (its token), not the attempt number.
+
+
+def extend(record: Record, token: int, worker_id: str, now: float, *, stall: bool) -> Transition:
+    """A worker beat lists the attempt that ``token`` started: extend its reservation, and its
+    stall clock unless ``stall`` is off or the job asked for handler heartbeats only
+    (extension ``x_heartbeat: "handler"``)."""
+    if record.token != token:
+        return rejected("stale")
+    handler_only = record.job.extensions.get("x_heartbeat") == "handler"
+    return heartbeat(record, record.job.attempt, worker_id, now, stall=stall and not handler_only)
+
+
+def fail_token(
+    record: Record,
+    token: int,
+    worker_id: str,
+    error: dict[str, JsonValue],
+    now: float,
+    policy: Policy,
+) -> Transition:
+    """The attempt that ``token`` started on ``worker_id`` failed (see :func:`fail`)."""
+    if record.token != token:
+        return rejected("stale")
+    return fail(record, record.job.attempt, worker_id, error, now, policy=policy)
+
+
+# --------------------------------------------------------------------------- when a clock is due
+# The sweeper's rules: each re-checks its deadline on the record it reads (an index may lag a
+# write), and acts for the lost or late owner (``worker_id`` None in :func:`fail`).
+
+
+def overdue(record: Record, now: float, policy: Policy) -> Transition:
+    """Still active after ``timeout + grace_period`` (plus the sweeper's tolerance): error
+    ``timeout``, retried per policy."""
+    job = record.job
+    if job.state != "active" or job.started_at is None:
+        return rejected("not_active")
+    elapsed = now - job.started_at.timestamp()
+    if elapsed < job.timeout + job.grace_period + policy.execution_tolerance:
+        return rejected("not_due")
+    error = timeout_error(
+        "timeout", job.timeout, elapsed,
+        f"execution timeout of {job.timeout}s exceeded (enforced by the sweeper: the "
+        "attempt was still active after its grace period)",
+    )
+    return fail(record, job.attempt, None, error, now, policy=policy)
+
+
+def stalled(record: Record, now: float, policy: Policy) -> Transition:
+    """No heartbeat for ``heartbeat_timeout``: error ``stalled``, retried per policy."""
+    job = record.job
+    if job.state != "active" or record.heartbeat_at is None:
+        return rejected("not_active")
+    silent = now - record.heartbeat_at
+    if silent < job.heartbeat_timeout:
+        return rejected("not_due")
+    error = timeout_error(
+        "stalled", job.heartbeat_timeout, silent,
+        f"no heartbeat for {round(silent, 1)}s (heartbeat_timeout {job.heartbeat_timeout}s)",
+    )
+    return fail(record, job.attempt, None, error, now, policy=policy)
+
+
+def invisible(record: Record, now: float, policy: Policy) -> Transition:
+    """The reservation was not extended for ``visibility_timeout``: error
+    ``visibility_timeout``, retried per policy."""
+    job = record.job
+    if job.state != "active" or record.extended_at is None:
+        return rejected("not_active")
+    if now - record.extended_at < job.visibility_timeout:
+        return rejected("not_due")
+    error = make_error(
+        "visibility_timeout",
+        f"reservation not extended for {job.visibility_timeout}s (visibility_timeout)",
+    )
+    return fail(record, job.attempt, None, error, now, policy=policy)
+
+
+def orphaned(record: Record, worker_id: str, now: float, policy: Policy) -> Transition:
+    """An attempt of a worker declared dead: error ``worker_death``, retried per policy."""
+    if record.job.state != "active" or record.worker_id != worker_id:
+        return rejected("not_owned")
+    error = make_error("worker_death", f"worker {worker_id} stopped sending heartbeats")
+    return fail(record, record.job.attempt, None, error, now, policy=policy)
+
+
+def redispatch(record: Record, now: float, policy: Policy) -> Transition:
+    """A job a dead worker held but never started: the same message again (same token, no
+    error, no attempt used), so that it need not wait for the broker's redelivery."""
+    if record.job.state not in STARTABLE:
+        return rejected("not_startable")
+    new = record.copy()
+    new.dispatch_due = dispatch_deadline(None, now, policy)
+    return Transition(new, publish=Publish(record.job.id, record.token))
+
+
+def republish(record: Record, now: float, policy: Policy) -> Transition:
+    """The outbox entry is past due (the publish failed or was not confirmed): claim it, so
+    that one sweeper publishes the message again."""
+    if _owes_nothing(record):
+        return rejected("not_owed")
+    if record.dispatch_due is None or record.dispatch_due > now:
+        return rejected("not_due")
+    return _claim(record, now, policy)
+
+
+def promote(record: Record, now: float, policy: Policy) -> Transition:
+    """A job held in the store (scheduled, or a retry after a long backoff) is due: claim its
+    message, so that one sweeper publishes it."""
+    if _owes_nothing(record):
+        return rejected("not_owed")
+    if record.promote_at is None or record.promote_at > now:
+        return rejected("not_due")
+    return _claim(record, now, policy)
+
+
+def _owes_nothing(record: Record) -> bool:
+    return record.job.state in TERMINAL or record.job.state == "active"
+
+
+def _claim(record: Record, now: float, policy: Policy) -> Transition:
+    """Publish the job's current token again; the outbox deadline moves one grace ahead."""
+    job = record.job
+    new = record.copy()
+    eta = None
+    if job.state == "scheduled" and job.scheduled_at is not None:
+        eta = job.scheduled_at.timestamp()
+    elif job.state == "retryable" and job.next_retry_at is not None:
+        eta = job.next_retry_at.timestamp()
+    if eta is not None and eta <= now:
+        eta = None
+    new.promote_at = None
+    new.dispatch_due = dispatch_deadline(eta, now, policy)
+    return Transition(new, publish=Publish(job.id, new.token, eta))

@@ -1,0 +1,217 @@
+"""Every clock of the timeout model: its deadline, and the transition applied when it passes.
+
+A :class:`Clock` reads its deadline from a record (None: the clock does not run in that state);
+the store indexes every clock of :data:`INDEXED` by that deadline, and the sweeper takes what is
+due on each clock of :data:`SWEEP` in turn and applies the clock's rule with compare-and-set.
+Worker liveness is a clock on the worker registry instead of on job records
+(:class:`WorkerClock`). The order of :data:`SWEEP` breaks ties when several deadlines of one
+attempt are due at once: the first clock's transition wins, and the compare-and-set on the
+attempt makes the others moot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
+
+from .rules import (
+    NEVER_STARTED,
+    TERMINAL,
+    Policy,
+    Record,
+    Transition,
+    expire_total,
+    expire_ttl,
+    invisible,
+    orphaned,
+    overdue,
+    promote,
+    redispatch,
+    republish,
+    stalled,
+)
+
+#: A rule as the store applies it: the record read, the transition to write.
+Rule = Callable[[Record], Transition]
+
+
+def _no_lag(policy: Policy) -> float:
+    return 0.0
+
+
+class Times(NamedTuple):
+    """A record's timestamps in epoch seconds, read once for all its clocks (converting an
+    aware datetime costs more than the rest of a deadline)."""
+
+    created: float | None
+    #: ``started_at`` of the running attempt (None unless the job is active).
+    started: float | None
+
+    @classmethod
+    def of(cls, record: Record) -> Times:
+        job = record.job
+        created = job.created_at
+        started = job.started_at if job.state == "active" else None
+        return cls(
+            None if created is None else created.timestamp(),
+            None if started is None else started.timestamp(),
+        )
+
+
+@dataclass(frozen=True)
+class Clock:
+    """One deadline kind of job records.
+
+    ``when`` computes the deadline the store indexes (None: the clock does not run in the
+    record's state); ``when_due`` is the transition the sweeper applies once ``now - lag``
+    reaches it (None for retention: a job past it is deleted by ``JobStore.prune``, not
+    changed).
+    """
+
+    name: str
+    when: Callable[[Record, Times, Policy], float | None]
+    when_due: Callable[[Record, float, Policy], Transition] | None
+    lag: Callable[[Policy], float] = _no_lag
+
+    def deadline(self, record: Record, policy: Policy) -> float | None:
+        return self.when(record, Times.of(record), policy)
+
+    def cutoff(self, now: float, policy: Policy) -> float:
+        """What is indexed at or before this time is due."""
+        return now - self.lag(policy)
+
+    def rule(self, now: float, policy: Policy) -> Rule:
+        """The due transition at ``now``, as a rule for ``JobStore.apply``."""
+        when_due = self.when_due
+        assert when_due is not None, f"clock {self.name} has no transition"
+        return lambda record: when_due(record, now, policy)
+
+
+@dataclass(frozen=True)
+class WorkerClock:
+    """Worker liveness: due at ``last_beat + worker_heartbeat_timeout``. The worker is then
+    declared dead: its active attempts fail with ``worker_death`` (retried per policy) and the
+    jobs it held but never started are dispatched again (same token, no attempt used)."""
+
+    name: str = "worker"
+
+    def deadline(self, last_beat: float, policy: Policy) -> float:
+        return last_beat + policy.worker_heartbeat_timeout
+
+    def cutoff(self, now: float, policy: Policy) -> float:
+        """Workers whose last beat is at or before this time are due."""
+        return now - policy.worker_heartbeat_timeout
+
+    def active_rule(self, worker_id: str, now: float, policy: Policy) -> Rule:
+        return partial(orphaned, worker_id=worker_id, now=now, policy=policy)
+
+    def reserved_rule(self, now: float, policy: Policy) -> Rule:
+        return partial(redispatch, now=now, policy=policy)
+
+
+# --------------------------------------------------------------------------- deadlines
+
+
+def _total(record: Record, times: Times, policy: Policy) -> float | None:
+    job = record.job
+    if times.created is None or not job.total_timeout or job.state in TERMINAL:
+        return None
+    return times.created + job.total_timeout
+
+
+def _enqueue_ttl(record: Record, times: Times, policy: Policy) -> float | None:
+    job = record.job
+    if (times.created is None or not job.enqueue_ttl or job.state not in NEVER_STARTED
+            or job.attempt):
+        return None
+    return times.created + job.enqueue_ttl
+
+
+def _execution(record: Record, times: Times, policy: Policy) -> float | None:
+    job = record.job
+    return None if times.started is None else times.started + job.timeout + job.grace_period
+
+
+def _stall(record: Record, times: Times, policy: Policy) -> float | None:
+    if times.started is None or record.heartbeat_at is None:
+        return None
+    return record.heartbeat_at + record.job.heartbeat_timeout
+
+
+def _visibility(record: Record, times: Times, policy: Policy) -> float | None:
+    if times.started is None or record.extended_at is None:
+        return None
+    return record.extended_at + record.job.visibility_timeout
+
+
+def _dispatch(record: Record, times: Times, policy: Policy) -> float | None:
+    return None if record.job.state in TERMINAL else record.dispatch_due
+
+
+def _promote(record: Record, times: Times, policy: Policy) -> float | None:
+    return None if record.job.state in TERMINAL else record.promote_at
+
+
+def _retention(record: Record, times: Times, policy: Policy) -> float | None:
+    job = record.job
+    state = job.state
+    if state not in TERMINAL:
+        return None
+    ended = job.completed_at or job.cancelled_at or job.discarded_at
+    if ended is None:
+        return None
+    if state == "completed":
+        keep = policy.retention_completed
+    elif state == "cancelled":
+        keep = policy.retention_cancelled
+    elif record.dead_letter:
+        keep = policy.retention_dead_letter
+    else:
+        keep = policy.retention_discarded
+    return ended.timestamp() + keep
+
+
+def _execution_lag(policy: Policy) -> float:
+    return policy.execution_tolerance
+
+
+# --------------------------------------------------------------------------- the clocks
+
+#: ``created_at + total_timeout``, any non-terminal state: discarded, ``total_timeout``.
+TOTAL = Clock("total", _total, expire_total)
+#: ``created_at + enqueue_ttl``, never started: discarded, ``enqueue_ttl_expired``.
+ENQUEUE_TTL = Clock("enqueue_ttl", _enqueue_ttl, expire_ttl)
+#: ``started_at + timeout + grace_period``, active (the sweeper waits a tolerance more, so
+#: that the worker's hard limit normally wins): retry or discard, ``timeout``.
+EXECUTION = Clock("execution", _execution, overdue, _execution_lag)
+#: ``heartbeat_at + heartbeat_timeout``, active: retry or discard, ``stalled``.
+STALL = Clock("stall", _stall, stalled)
+#: ``extended_at + visibility_timeout``, active: retry or discard, ``visibility_timeout``.
+VISIBILITY = Clock("visibility", _visibility, invisible)
+#: The owning worker's ``last_beat + worker_heartbeat_timeout``: see :class:`WorkerClock`.
+WORKER = WorkerClock()
+#: The outbox entry (``dispatch_due``, see ``dispatch_deadline``): the message again.
+DISPATCH = Clock("dispatch", _dispatch, republish)
+#: ``promote_at`` of a job held in the store (scheduled beyond the horizon, or a long
+#: backoff): its message is published.
+PROMOTE = Clock("promote", _promote, promote)
+#: ``completed_at + retention`` of the terminal state: the job is deleted.
+RETENTION = Clock("retention", _retention, None)
+
+#: The clocks a sweep pass enforces, in the order that breaks ties.
+SWEEP: tuple[Clock | WorkerClock, ...] = (
+    TOTAL, ENQUEUE_TTL, EXECUTION, STALL, VISIBILITY, WORKER, DISPATCH, PROMOTE, RETENTION,
+)
+#: The clocks the store indexes on job records.
+INDEXED: tuple[Clock, ...] = tuple(clock for clock in SWEEP if isinstance(clock, Clock))
+#: Their names, in index order (one sorted set or indexed column each in the backends).
+CLOCKS: tuple[str, ...] = tuple(clock.name for clock in INDEXED)
+BY_NAME: dict[str, Clock] = {clock.name: clock for clock in INDEXED}
+
+
+def deadlines(record: Record, policy: Policy) -> dict[str, float | None]:
+    """Every indexed clock's deadline for this record (None: the clock does not run)."""
+    times = Times.of(record)
+    return {clock.name: clock.when(record, times, policy) for clock in INDEXED}
