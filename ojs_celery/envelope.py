@@ -293,14 +293,13 @@ class Job(BaseModel):
         return json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False)
 
 
-def _path(loc: tuple[int | str, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("function-after[_intervals(), RetryPolicy]",)]
-    text = ""
-    for part in parts:
-        if part.isdigit():
+def _path(loc: tuple[int | str, ...], root: str = "") -> str:
+    text = root
+    for part in loc:
+        if isinstance(part, int) or str(part).isdigit():
             text += f"[{part}]"
         else:
-            text += ("." if text else "") + part
+            text += ("." if text else "") + str(part)
     return text or "(envelope)"
 
 
@@ -320,7 +319,12 @@ def _json_value_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
     return loc[:depth] + loc[depth + 1 :: 2]
 
 
-def _violations(error: ValidationError) -> list[tuple[str, str]]:
+def field_violations(
+    error: ValidationError, root: str = "", unknown: str = "is not a known field"
+) -> list[tuple[str, str]]:
+    """``(field path, rule)`` for each error pydantic found: the one translation of its
+    locations (``retry.max_attempts``, ``args[0]``; ``root`` goes in front) and messages
+    (``unknown`` for a field the model forbids). Envelopes and settings both use it."""
     found: list[tuple[str, str]] = []
     for item in error.errors():
         loc = tuple(
@@ -331,11 +335,13 @@ def _violations(error: ValidationError) -> list[tuple[str, str]]:
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "missing":
             message = "is required"
+        elif item["type"] == "extra_forbidden":
+            message = unknown
         elif item["type"] == "literal_error" and loc == ("specversion",):
             message = f'must be "{SPEC_VERSION}"'
         elif item["type"] == "string_pattern_mismatch" and loc and loc[-1] in _PATTERN_RULES:
             message = _PATTERN_RULES[str(loc[-1])]
-        found.append((_path(loc), message))
+        found.append((_path(loc, root), message))
     return found
 
 
@@ -391,7 +397,7 @@ def parse_envelope(data: dict[str, Any] | str | bytes | Job) -> Job:
     try:
         job = Job.model_validate(clean)
     except ValidationError as exc:
-        violations.extend(_violations(exc))
+        violations.extend(field_violations(exc))
         raise InvalidJob(violations) from None
     if violations:
         raise InvalidJob(violations)

@@ -726,3 +726,17 @@ def test_job_model_validate_keeps_system_fields() -> None:
     loaded = Job.model_validate(json.loads(job.to_json()))
     assert loaded.state == "retryable"
     assert loaded.attempt == 2
+
+
+def test_envelopes_and_settings_share_one_translation_of_pydantic_errors() -> None:
+    from celery.exceptions import ImproperlyConfigured
+
+    from ojs_celery.conf import read_settings
+
+    assert violations(env(retry={"max_attempts": 1, "bogus": 1})) == [
+        ("retry.bogus", "is not a known field")]
+    with pytest.raises(ImproperlyConfigured) as info:
+        read_settings({"labels": ["ok", 1], "retention": {"completed": 1, "forever": 1}})
+    message = str(info.value)
+    assert "ojs.labels[1]: " in message
+    assert "ojs.retention.forever: unknown setting" in message
