@@ -65,6 +65,17 @@ SYSTEM_FIELDS = frozenset(
     }
 )
 
+#: This adapter's namespace of extension fields. Of it, an envelope may set only
+#: ``x_celery_kwargs`` (Celery keyword arguments, a JSON object): callbacks, routing and other
+#: Celery options come from trusted Python code only (see :data:`CELERY_OPTIONS_FIELD`).
+CELERY_NAMESPACE: Final = "x_celery_"
+CELERY_KWARGS_FIELD: Final = "x_celery_kwargs"
+#: Where the Celery options given by Python code (``.apply_async(link=...)``) are kept with
+#: the stored job, so that every attempt (a retry the sweeper publishes too) carries them.
+#: :func:`parse_envelope` refuses it: no envelope can set it.
+CELERY_OPTIONS_FIELD: Final = "x_celery_options"
+
+
 State = Literal[
     "scheduled",
     "available",
@@ -345,6 +356,23 @@ def field_violations(
     return found
 
 
+def _celery_field_violations(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """What is wrong with the ``x_celery_*`` fields of an envelope from outside."""
+    found: list[tuple[str, str]] = []
+    for key, value in data.items():
+        if not isinstance(key, str) or not key.lower().startswith(CELERY_NAMESPACE):
+            continue
+        if key != CELERY_KWARGS_FIELD:
+            found.append((key, f"is not accepted from an envelope: {CELERY_NAMESPACE}* fields "
+                          f"belong to ojs_celery, and only {CELERY_KWARGS_FIELD} may be set "
+                          "(callbacks, routing and Celery options come from Python code)"))
+        elif not isinstance(value, dict):
+            found.append((key, "must be a JSON object (the Celery keyword arguments)"))
+        elif not all(isinstance(name, str) for name in value):
+            found.append((key, "must have string keys (the Celery keyword arguments)"))
+    return found
+
+
 def _is_json(value: Any) -> bool:
     try:
         to_jsonable_python(value)
@@ -390,7 +418,7 @@ def parse_envelope(data: dict[str, Any] | str | bytes | Job) -> Job:
     if not isinstance(data, dict):
         raise InvalidJob([("(envelope)", "must be a JSON object")])
     clean = {k: v for k, v in data.items() if k not in SYSTEM_FIELDS and v is not None}
-    violations: list[tuple[str, str]] = []
+    violations = _celery_field_violations(clean)
     if "args" in clean and not isinstance(clean["args"], list):
         violations.append(("args", "must be a JSON array"))
         clean["args"] = []  # placeholder: check the other fields without a bogus "is required"
