@@ -8,7 +8,7 @@ from celery import Celery
 
 from .effects import carry_out
 from .envelope import InvalidJob, Job, parse_batch, parse_envelope
-from .producer import publish
+from .producer import publish, with_celery_options
 from .runtime import Runtime, UnknownType, get_runtime
 from .store import DuplicateJob
 
@@ -74,12 +74,18 @@ def client_chose_id(envelope: Any) -> bool:
     return True
 
 
-def enqueue_job(runtime: Runtime, job: Job, *, id_chosen: bool = True) -> Job:
-    """Store and publish a job that is already valid."""
+def enqueue_job(
+    runtime: Runtime, job: Job, *, id_chosen: bool = True,
+    celery_options: dict[str, Any] | None = None,
+) -> Job:
+    """Store and publish a job that is already valid. ``celery_options`` (``link``,
+    ``link_error``) come from trusted Python code only, never from an envelope."""
     try:
         runtime.task_name_for(job.type)
     except UnknownType as exc:
         raise InvalidJob([("type", str(exc).removeprefix("type: "))]) from None
+    if celery_options:
+        job = with_celery_options(job, celery_options)
     if id_chosen:
         # A client-chosen id may be taken: the store answers before anything is published.
         try:

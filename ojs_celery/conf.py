@@ -12,7 +12,7 @@ from typing import Any
 from celery.exceptions import ImproperlyConfigured
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .envelope import TYPE_PATTERN, Job
+from .envelope import TYPE_PATTERN, Job, field_violations
 from .lifecycle import DAY, Policy
 
 PositiveSeconds = float
@@ -122,11 +122,6 @@ def read_settings(raw: Any) -> Settings:
     try:
         return Settings.model_validate(raw)
     except ValidationError as exc:
-        problems = []
-        for item in exc.errors():
-            path = ".".join(str(p) for p in ("ojs", *item["loc"]))
-            message = item["msg"].removeprefix("Value error, ")
-            if item["type"] == "extra_forbidden":
-                message = "unknown setting"
-            problems.append(f"{path}: {message}")
+        problems = [f"{path}: {rule}"
+                    for path, rule in field_violations(exc, "ojs", unknown="unknown setting")]
         raise ImproperlyConfigured("invalid OJS settings:\n  " + "\n  ".join(problems)) from None

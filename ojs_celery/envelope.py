@@ -65,6 +65,17 @@ SYSTEM_FIELDS = frozenset(
     }
 )
 
+#: This adapter's namespace of extension fields. Of it, an envelope may set only
+#: ``x_celery_kwargs`` (Celery keyword arguments, a JSON object): callbacks, routing and other
+#: Celery options come from trusted Python code only (see :data:`CELERY_OPTIONS_FIELD`).
+CELERY_NAMESPACE: Final = "x_celery_"
+CELERY_KWARGS_FIELD: Final = "x_celery_kwargs"
+#: Where the Celery options given by Python code (``.apply_async(link=...)``) are kept with
+#: the stored job, so that every attempt (a retry the sweeper publishes too) carries them.
+#: :func:`parse_envelope` refuses it: no envelope can set it.
+CELERY_OPTIONS_FIELD: Final = "x_celery_options"
+
+
 State = Literal[
     "scheduled",
     "available",
@@ -293,14 +304,13 @@ class Job(BaseModel):
         return json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False)
 
 
-def _path(loc: tuple[int | str, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("function-after[_intervals(), RetryPolicy]",)]
-    text = ""
-    for part in parts:
-        if part.isdigit():
+def _path(loc: tuple[int | str, ...], root: str = "") -> str:
+    text = root
+    for part in loc:
+        if isinstance(part, int) or str(part).isdigit():
             text += f"[{part}]"
         else:
-            text += ("." if text else "") + part
+            text += ("." if text else "") + str(part)
     return text or "(envelope)"
 
 
@@ -320,7 +330,12 @@ def _json_value_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
     return loc[:depth] + loc[depth + 1 :: 2]
 
 
-def _violations(error: ValidationError) -> list[tuple[str, str]]:
+def field_violations(
+    error: ValidationError, root: str = "", unknown: str = "is not a known field"
+) -> list[tuple[str, str]]:
+    """``(field path, rule)`` for each error pydantic found: the one translation of its
+    locations (``retry.max_attempts``, ``args[0]``; ``root`` goes in front) and messages
+    (``unknown`` for a field the model forbids). Envelopes and settings both use it."""
     found: list[tuple[str, str]] = []
     for item in error.errors():
         loc = tuple(
@@ -331,11 +346,30 @@ def _violations(error: ValidationError) -> list[tuple[str, str]]:
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "missing":
             message = "is required"
+        elif item["type"] == "extra_forbidden":
+            message = unknown
         elif item["type"] == "literal_error" and loc == ("specversion",):
             message = f'must be "{SPEC_VERSION}"'
         elif item["type"] == "string_pattern_mismatch" and loc and loc[-1] in _PATTERN_RULES:
             message = _PATTERN_RULES[str(loc[-1])]
-        found.append((_path(loc), message))
+        found.append((_path(loc, root), message))
+    return found
+
+
+def _celery_field_violations(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """What is wrong with the ``x_celery_*`` fields of an envelope from outside."""
+    found: list[tuple[str, str]] = []
+    for key, value in data.items():
+        if not isinstance(key, str) or not key.lower().startswith(CELERY_NAMESPACE):
+            continue
+        if key != CELERY_KWARGS_FIELD:
+            found.append((key, f"is not accepted from an envelope: {CELERY_NAMESPACE}* fields "
+                          f"belong to ojs_celery, and only {CELERY_KWARGS_FIELD} may be set "
+                          "(callbacks, routing and Celery options come from Python code)"))
+        elif not isinstance(value, dict):
+            found.append((key, "must be a JSON object (the Celery keyword arguments)"))
+        elif not all(isinstance(name, str) for name in value):
+            found.append((key, "must have string keys (the Celery keyword arguments)"))
     return found
 
 
@@ -384,14 +418,14 @@ def parse_envelope(data: dict[str, Any] | str | bytes | Job) -> Job:
     if not isinstance(data, dict):
         raise InvalidJob([("(envelope)", "must be a JSON object")])
     clean = {k: v for k, v in data.items() if k not in SYSTEM_FIELDS and v is not None}
-    violations: list[tuple[str, str]] = []
+    violations = _celery_field_violations(clean)
     if "args" in clean and not isinstance(clean["args"], list):
         violations.append(("args", "must be a JSON array"))
         clean["args"] = []  # placeholder: check the other fields without a bogus "is required"
     try:
         job = Job.model_validate(clean)
     except ValidationError as exc:
-        violations.extend(_violations(exc))
+        violations.extend(field_violations(exc))
         raise InvalidJob(violations) from None
     if violations:
         raise InvalidJob(violations)

@@ -18,7 +18,7 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 
 from . import header
-from .envelope import Job, from_epoch
+from .envelope import CELERY_KWARGS_FIELD, CELERY_OPTIONS_FIELD, Job, from_epoch
 from .lifecycle import Publish, Record
 from .runtime import Runtime
 
@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.5,
                         "interval_max": 1.0}
 DEFAULT_QUEUE = "default"
+#: The Celery options Python callers may give an OJS job (``.apply_async(link=...)``, canvas):
+#: the success and error callbacks, as signature dicts.
+TRUSTED_OPTIONS = ("link", "link_error")
 
 
 class BrokerUnavailable(RuntimeError):
@@ -125,11 +128,8 @@ def publish(
     if request.eta is not None and request.eta > at:
         options["eta"] = from_epoch(request.eta)
     extensions = job.extensions
-    if extensions.get("x_celery_link"):
-        options["link"] = extensions["x_celery_link"]
-    if extensions.get("x_celery_link_error"):
-        options["link_error"] = extensions["x_celery_link_error"]
-    kwargs = extensions.get("x_celery_kwargs") or {}
+    options.update(trusted_options(job))
+    kwargs = extensions.get(CELERY_KWARGS_FIELD) or {}
     try:
         app.send_task(
             runtime.task_name_for(job.type), args=list(job.args), kwargs=kwargs, **options
@@ -140,6 +140,24 @@ def publish(
             "outbox and the sweeper publishes it when the broker is back"
         ) from exc
     runtime.acks.ack(job.id, request.token)
+
+
+def with_celery_options(job: Job, options: dict[str, Any]) -> Job:
+    """``job`` carrying the Celery options that trusted Python code gave (see
+    :data:`TRUSTED_OPTIONS`), kept in the stored record for every attempt's message."""
+    kept = {name: options[name] for name in TRUSTED_OPTIONS if options.get(name) is not None}
+    if not kept:
+        return job
+    return job.model_copy(update={CELERY_OPTIONS_FIELD: kept})
+
+
+def trusted_options(job: Job) -> dict[str, Any]:
+    """The Celery options stored with ``job`` by :func:`with_celery_options` (never from an
+    envelope: :func:`~ojs_celery.envelope.parse_envelope` refuses the field)."""
+    stored = (job.model_extra or {}).get(CELERY_OPTIONS_FIELD)
+    if not isinstance(stored, dict):
+        return {}
+    return {name: stored[name] for name in TRUSTED_OPTIONS if stored.get(name)}
 
 
 def scheduled_at_from(eta: datetime | None, countdown: float | None) -> datetime | None:

@@ -96,12 +96,10 @@ class OJSTask(Task):  # type: ignore[misc]
         when = scheduled_at_from(options.get("eta"), options.get("countdown"))
         if when is not None:
             envelope["scheduled_at"] = when.isoformat()
-        for name in ("link", "link_error"):
-            if options.get(name) is not None:
-                value = options[name]
-                envelope[f"x_celery_{name}"] = [dict(s) for s in value] if isinstance(
-                    value, (list, tuple)) else dict(value)
-        job = enqueue_job(runtime, parse_envelope(envelope), id_chosen="id" in envelope)
+        links = {name: _signature_dicts(options[name]) for name in ("link", "link_error")
+                 if options.get(name)}
+        job = enqueue_job(runtime, parse_envelope(envelope), id_chosen="id" in envelope,
+                          celery_options=links)
         return self.AsyncResult(job.id)
 
     # ------------------------------------------------------------------ Celery retry paths
@@ -235,6 +233,13 @@ def _worker_is_draining(runtime: Runtime, worker_id: str) -> bool:
         return runtime.store.meta.is_draining(worker_id)
     except StoreError:
         return False
+
+
+def _signature_dicts(value: Any) -> Any:
+    """One signature or several, as the JSON data Celery sends them as."""
+    if isinstance(value, (list, tuple)):
+        return [dict(s) for s in value]
+    return dict(value)
 
 
 def _json_native(value: Any) -> Any:

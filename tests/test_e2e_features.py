@@ -11,6 +11,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from ojs_celery import BrokerUnavailable, InvalidJob, cancel, enqueue, get_job, install
+from ojs_celery.envelope import CELERY_OPTIONS_FIELD, new_job_id
 from ojs_celery.lifecycle import Publish
 from ojs_celery.producer import publish
 from ojs_celery.runtime import get_runtime
@@ -121,6 +122,33 @@ def test_duplicate_id_is_rejected(env: Env) -> None:
     job = enqueue({"type": "e2e.add", "args": [1, 1]}, app=env.app)
     with pytest.raises(InvalidJob, match="exists already"):
         enqueue({"type": "e2e.add", "args": [1, 1], "id": job.id.upper()}, app=env.app)
+
+
+def test_an_envelope_cannot_choose_a_callback(env: Env) -> None:
+    job_id = new_job_id()
+    link = {"task": "e2e.callback", "args": [], "kwargs": {"tag": "hijack"}, "options": {},
+            "subtask_type": None, "immutable": False}
+    with pytest.raises(InvalidJob) as raised:
+        enqueue({"type": "e2e.add", "args": [1, 2], "id": job_id, "x_celery_link": link},
+                app=env.app)
+    assert [path for path, _ in raised.value.violations] == ["x_celery_link"]
+    assert get_job(job_id, app=env.app) is None
+
+    after = enqueue({"type": "e2e.add", "args": [2, 2]}, app=env.app)
+    env.wait_state(after.id, "completed")
+    assert not [r for r in env.lines("received") if job_id in r]  # nothing was published
+    assert not [c for c in env.lines("callbacks") if c.startswith("hijack")]
+
+
+def test_apply_async_links_travel_with_the_job_and_fire_once(env: Env) -> None:
+    callback = env.app.tasks["e2e.callback"].s(tag="retried")
+    result = env.app.tasks["e2e.self_retry"].apply_async(args=[2], link=callback)
+    job = env.wait_state(result.id, "completed")
+    assert job.attempt == 2  # the second attempt's message was published from the store
+    assert job.extensions[CELERY_OPTIONS_FIELD]["link"]["task"] == "e2e.callback"
+    wait_for(lambda: any(c.startswith("retried ") for c in env.lines("callbacks")), 10, "link")
+    assert [c for c in env.lines("callbacks") if c.startswith("retried ")] == [
+        'retried "ok on 2"']
 
 
 def test_enqueue_reports_a_broker_that_is_down(tmp_path: pathlib.Path) -> None:

@@ -726,3 +726,47 @@ def test_job_model_validate_keeps_system_fields() -> None:
     loaded = Job.model_validate(json.loads(job.to_json()))
     assert loaded.state == "retryable"
     assert loaded.attempt == 2
+
+
+def test_envelopes_and_settings_share_one_translation_of_pydantic_errors() -> None:
+    from celery.exceptions import ImproperlyConfigured
+
+    from ojs_celery.conf import read_settings
+
+    assert violations(env(retry={"max_attempts": 1, "bogus": 1})) == [
+        ("retry.bogus", "is not a known field")]
+    with pytest.raises(ImproperlyConfigured) as info:
+        read_settings({"labels": ["ok", 1], "retention": {"completed": 1, "forever": 1}})
+    message = str(info.value)
+    assert "ojs.labels[1]: " in message
+    assert "ojs.retention.forever: unknown setting" in message
+
+
+@pytest.mark.parametrize("field", ["x_celery_link", "x_celery_link_error", "x_celery_options",
+                                   "x_celery_queue", "x_celery_routing_key", "X_Celery_Link"])
+def test_an_envelope_cannot_set_celery_callbacks_or_options(field: str) -> None:
+    sig = {"task": "proj.delete_everything", "args": [], "kwargs": {}, "options": {}}
+    found = violations(env(**{field: sig}))
+    assert [p for p, _ in found] == [field]
+    assert "only x_celery_kwargs" in found[0][1]
+
+
+def test_a_disguised_celery_field_is_seen_after_json_decoding() -> None:
+    text = '{"type": "email.send", "args": [], "x_celery_\\u006cink": {"task": "x"}}'
+    assert [p for p, _ in violations(text)] == ["x_celery_link"]
+
+
+@pytest.mark.parametrize("value", [[1], "a=1", 3, True])
+def test_celery_kwargs_must_be_a_json_object(value: Any) -> None:
+    assert violations(env(x_celery_kwargs=value)) == [
+        ("x_celery_kwargs", "must be a JSON object (the Celery keyword arguments)")]
+
+
+def test_celery_kwargs_keys_must_be_strings() -> None:
+    assert [p for p, _ in violations(env(x_celery_kwargs={1: "a"}))] == ["x_celery_kwargs"]
+
+
+def test_celery_kwargs_and_other_extensions_are_kept() -> None:
+    job = parse_envelope(env(x_celery_kwargs={"flag": True}, x_trace={"id": 1}, x_celery=1))
+    assert job.extensions == {"x_celery_kwargs": {"flag": True}, "x_trace": {"id": 1},
+                              "x_celery": 1}
