@@ -49,7 +49,7 @@ class Runtime:
         self._settings: Settings | None = None
         self._settings_error: ImproperlyConfigured | None = None
         self._store: JobStore | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the store opens under it and may configure the app
         self.bus = EventBus(app)
         self.acks = DispatchAcker(lambda: self.store)
         self._task_names: dict[str, str] = {}  # OJS type -> task name, found by task_name_for
