@@ -22,9 +22,7 @@ from typing import Any
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import Script
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from ..lifecycle import CLOCKS, Policy, Record
@@ -78,8 +76,10 @@ def _record_prelude() -> str:
     return text
 
 
-#: Redis's errors that mean "cannot reach it" (the others are left to the caller for now).
-_wrap_errors = store_errors(lambda exc: isinstance(exc, (RedisConnectionError, RedisTimeoutError)))
+#: Every error of Redis or of redis-py: a lost connection, and every error reply (``OOM`` under
+#: ``maxmemory`` with ``noeviction``, ``READONLY`` on a replica, ``NOPERM`` from an ACL,
+#: ``MISCONF``...). The connection that carried an error reply stays usable.
+_wrap_errors = store_errors(lambda exc: isinstance(exc, (redis.RedisError, OSError)))
 
 
 def _num(value: float | None) -> str:
@@ -170,6 +170,7 @@ class RedisStore(JobStore):
         keys = self._job_keys(record.job.id)
         return bool(self._insert_script(keys, self._args(record, 1, deadlines)))
 
+    @_wrap_errors
     def _insert_begin(
         self, record: Record, deadlines: dict[str, float | None]
     ) -> Callable[[], bool]:
@@ -181,6 +182,7 @@ class RedisStore(JobStore):
             inserted = self._insert(record, deadlines)  # redis-py's retries, then StoreError
             return lambda: inserted
 
+        @_wrap_errors
         def confirm() -> bool:
             try:
                 done = answer()

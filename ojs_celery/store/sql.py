@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sqlite3
 import threading
 import zlib
 from collections.abc import Iterator, Sequence
@@ -45,10 +46,9 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 
 def _is_fault(exc: Exception) -> bool:
-    """A database error that means "cannot reach it" (the others are left to the caller)."""
-    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)):
-        return True
-    return isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
+    """Every error of the database, its driver or SQLAlchemy: a lost connection, and every
+    refusal (a read-only transaction on a standby, a lock timeout, a disk full...)."""
+    return isinstance(exc, (sa_exc.SQLAlchemyError, sqlite3.Error, OSError))
 
 
 #: The driver's own exception says what happened; SQLAlchemy's adds the SQL text and its
