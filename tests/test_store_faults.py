@@ -101,6 +101,7 @@ class Ops:
         worker = WorkerInfo(worker_id="w-save", hostname="h", pid=1, last_beat=time.time())
         return {
             "create": lambda s: s.create(new_job()),
+            "create_many (batch)": lambda s: s.create_many([new_job(), new_job()]),
             "start (fast lane)": lambda s: s.start(first, 1, "w1"),
             "apply_many (batch)": lambda s: s.apply_many(
                 [second], lambda r: lifecycle.cancel(r, time.time())),
@@ -171,7 +172,7 @@ def test_redis_read_only_replica(private_redis: PrivateRedis, redis_store: JobSt
 @pytest.mark.parametrize(
     ("command", "ops"),
     [
-        ("evalsha", ("create", "start (fast lane)", "apply_many (batch)",
+        ("evalsha", ("create", "create_many (batch)", "start (fast lane)", "apply_many (batch)",
                      "ack_dispatch_many (batch)", "workers.all (script)",
                      "meta.take_directive (script)")),
         ("hset", ("workers.save", "meta.send_directive")),

@@ -97,6 +97,12 @@ class JobStore(ABC):
         """Write a new record with version 1; False if the id exists."""
 
     @abstractmethod
+    def _insert_many(self, rows: Sequence[tuple[Record, dict[str, float | None]]]) -> str | None:
+        """Write new records (with their deadlines), each with version 1, in ONE atomic step:
+        all of them and None, or none of them and the id of one that exists already. The ids
+        are distinct (the caller checks)."""
+
+    @abstractmethod
     def _load(self, job_id: str) -> Record | None:
         """The record with its current version, or None."""
 
@@ -178,6 +184,29 @@ class JobStore(ABC):
                 raise DuplicateJob(job.id)
 
         return transition, confirm
+
+    def create_many(self, jobs: Sequence[Job], now: float | None = None) -> list[Transition]:
+        """Store new jobs, each with its outbox entry, in one atomic step: all of them or none.
+
+        Raises :class:`DuplicateJob` naming an id that exists already or that two of the jobs
+        share; then nothing was stored.
+        """
+        at = time.time() if now is None else now
+        seen: set[str] = set()
+        for job in jobs:
+            if job.id in seen:
+                raise DuplicateJob(job.id)
+            seen.add(job.id)
+        transitions = [lifecycle.create(job, at, self.policy) for job in jobs]
+        records = [transition.record for transition in transitions]
+        rows = [(record, self._deadlines(record)) for record in records if record is not None]
+        if rows:
+            taken = self._insert_many(rows)
+            if taken is not None:
+                raise DuplicateJob(taken)
+        for record, _ in rows:
+            record.version = 1
+        return transitions
 
     def _insert_begin(
         self, record: Record, deadlines: dict[str, float | None]

@@ -46,7 +46,7 @@ _FIELDS = tuple(name for name in RECORD_FIELDS if name != "version")
 
 
 #: The scripts that write a record (they start with ``record.lua``).
-_RECORD_SCRIPTS = ("insert", "cas")
+_RECORD_SCRIPTS = ("insert", "insert_many", "cas")
 
 
 def _lua(name: str) -> str:
@@ -133,6 +133,7 @@ class RedisStore(JobStore):
         self._due_keys = {clock: f"{prefix}:due:{clock}" for clock in CLOCKS}
         self._all_due_keys = [self._due_keys[clock] for clock in CLOCKS]
         self._insert_script = self.client.register_script(script("insert"))
+        self._insert_many_script = self.client.register_script(script("insert_many"))
         self._cas_script = self.client.register_script(script("cas"))
         self._ack_script = self.client.register_script(script("ack_dispatch"))
         self._delete_script = self.client.register_script(script("delete"))
@@ -193,6 +194,16 @@ class RedisStore(JobStore):
             return bool(done)
 
         return confirm
+
+    @_wrap_errors
+    def _insert_many(self, rows: Sequence[tuple[Record, dict[str, float | None]]]) -> str | None:
+        """One script call: it checks every id, then writes every record (or none)."""
+        keys = [*self._all_due_keys, *(self._job_prefix + record.job.id for record, _ in rows)]
+        args = [str(len(self._all_due_keys))]
+        for record, deadlines in rows:
+            args.extend(self._args(record, 1, deadlines))
+        taken: str | None = self._insert_many_script(keys, args)
+        return taken
 
     @_wrap_errors
     def _load(self, job_id: str) -> Record | None:

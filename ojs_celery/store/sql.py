@@ -12,7 +12,8 @@ O(log n + k), and jobs without that deadline cost nothing in the index.
 
 The batch primitives are the exception: one ``SELECT ... WHERE id IN (...)`` for many records,
 and many compare-and-set statements on one connection in one transaction (rows in id order, so
-two batches never deadlock), which commits once instead of once per statement.
+two batches never deadlock), which commits once instead of once per statement. A batch of new
+jobs is inserted in one transaction too, and a duplicate id rolls all of it back.
 """
 
 from __future__ import annotations
@@ -35,7 +36,15 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.pool import StaticPool
 
 from ..lifecycle import CLOCKS, Policy, Record
-from .base import RECORD_FIELDS, JobStore, Write, decode_job, encode_job, store_errors
+from .base import (
+    RECORD_FIELDS,
+    JobStore,
+    StoreError,
+    Write,
+    decode_job,
+    encode_job,
+    store_errors,
+)
 from .meta import MetaArea
 from .workers import WorkerInfo, WorkerRegistry
 
@@ -194,6 +203,9 @@ class SQLStore(JobStore):
             .on_conflict_do_nothing(index_elements=[c.id])
             .execution_options(preserve_rowcount=True)
         )
+        # Several new jobs at once: a conflict raises (and the whole batch is rolled back).
+        self._insert_new_job = sa.insert(jobs)
+        self._select_ids = sa.select(c.id).where(c.id.in_(sa.bindparam("k_ids", expanding=True)))
         self._update_job = sa.update(jobs).where(
             c.id == sa.bindparam("k_id"), c.version == sa.bindparam("k_expected")
         )
@@ -310,6 +322,34 @@ class SQLStore(JobStore):
                 return conn.execute(self._insert_job, values).rowcount == 1
         except sa_exc.IntegrityError:
             return False
+
+    @_wrap_errors
+    def _insert_many(self, rows: Sequence[tuple[Record, dict[str, float | None]]]) -> str | None:
+        values = []
+        for record, deadlines in rows:
+            row = self._values(record, deadlines)
+            row["id"] = record.job.id
+            row["version"] = 1
+            values.append(row)
+        values.sort(key=lambda row: str(row["id"]))  # one lock order: concurrent batches
+        ids = [record.job.id for record, _ in rows]  # cannot deadlock each other
+        for _ in range(self.max_conflicts):
+            try:
+                if self._shared_connection:  # no transaction there: one statement is atomic
+                    with self.engine.connect() as conn:
+                        conn.execute(sa.insert(self.job_table).values(values))
+                else:
+                    with self._transaction() as conn:
+                        conn.execute(self._insert_new_job, values)
+                return None
+            except sa_exc.IntegrityError:
+                with self.engine.connect() as conn:
+                    found = set(conn.execute(self._select_ids, {"k_ids": ids}).scalars())
+                taken = next((job_id for job_id in ids if job_id in found), None)
+                if taken is not None:
+                    return taken
+                # the conflicting job was pruned meanwhile: try again
+        raise StoreError("inserting a batch of jobs: too many conflicts, gave up")
 
     @_wrap_errors
     def _load(self, job_id: str) -> Record | None:
