@@ -69,8 +69,8 @@ def test_a_batch_with_a_taken_id_stores_and_publishes_nothing(
     existing = enqueue(envelope(0), app=app)
     published = messages(app)
     events = seen.copy()
-    batch = [envelope(1, id=str(Job.model_validate(envelope(1)).id)),
-             envelope(2), envelope(3, id=existing.id), envelope(4)]
+    batch: list[Any] = [envelope(1, id=str(Job.model_validate(envelope(1)).id)),
+                       envelope(2), envelope(3, id=existing.id), envelope(4)]
     with pytest.raises(InvalidJob) as info:
         enqueue_batch(batch, app=app)
     assert existing.id in str(info.value)
