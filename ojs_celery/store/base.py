@@ -11,6 +11,7 @@ rules live in one place and the backends only guarantee atomicity and indexing.
 from __future__ import annotations
 
 import functools
+import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -44,6 +45,24 @@ class DuplicateJob(ValueError):
         super().__init__(f"id: a job with id {job_id} exists already (ids must be unique)")
 
 
+#: A URL's password: ``scheme://user:PASSWORD@`` (up to the netloc's last ``@``), or a query
+#: parameter such as ``?password=PASSWORD``.
+_SECRETS = re.compile(
+    r"(?P<head>\b[a-z][a-z0-9+.-]*://[^\s:/@]*:)[^\s/]*(?P<tail>@)"
+    r"|(?P<param>[?&](?:password|passwd|pass|sslpassword)=)[^&#\s]*",
+    re.IGNORECASE,
+)
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``**``, as Celery shows
+    broker URLs (kombu's ``maybe_sanitize_url``), query parameters that carry one included.
+    For a store's ``repr`` and every message that might quote its URL."""
+    return _SECRETS.sub(
+        lambda m: f"{m['head']}**@" if m["head"] is not None else f"{m['param']}**", text
+    )
+
+
 def store_errors(
     is_fault: Callable[[Exception], bool],
     detail: Callable[[Exception], object] = lambda exc: exc,
@@ -65,7 +84,8 @@ def store_errors(
                 if not is_fault(exc):
                     raise
                 cause = detail(exc)
-                raise StoreError(f"job store error: {type(cause).__name__}: {cause}") from exc
+                message = mask_secrets(f"job store error: {type(cause).__name__}: {cause}")
+                raise StoreError(message) from exc
 
         return wrapper
 

@@ -33,6 +33,7 @@ from .base import (
     Write,
     decode_job,
     encode_job,
+    mask_secrets,
     store_errors,
 )
 from .meta import MetaArea
@@ -121,7 +122,8 @@ class RedisStore(JobStore):
 
     def __init__(self, url: str, policy: Policy | None = None, prefix: str = "ojs") -> None:
         super().__init__(policy)
-        self.url = url
+        #: The URL without its password (the client keeps the real one).
+        self.url = mask_secrets(url)
         self.prefix = prefix
         # Few, quick retries: a store call should fail fast (StoreError) when Redis is down.
         self.client: redis.Redis = redis.Redis.from_url(
@@ -305,7 +307,7 @@ class RedisStore(JobStore):
             self.client.unlink(*batch)
 
     def __repr__(self) -> str:
-        return f"RedisStore({self.url!r}, prefix={self.prefix!r})"
+        return f"RedisStore({self.url!r}, prefix={self.prefix!r})"  # masked
 
 
 class RedisWorkerRegistry(WorkerRegistry):

@@ -43,6 +43,7 @@ from .base import (
     Write,
     decode_job,
     encode_job,
+    mask_secrets,
     store_errors,
 )
 from .meta import MetaArea
@@ -461,7 +462,7 @@ class SQLStore(JobStore):
                 conn.execute(sa.delete(table))
 
     def __repr__(self) -> str:
-        url = self.url.render_as_string(hide_password=True)
+        url = mask_secrets(self.url.render_as_string(hide_password=True))
         return f"SQLStore({url!r}, prefix={self.prefix!r})"
 
 
