@@ -31,6 +31,8 @@ _T = TypeVar("_T")
 Rule = Callable[[Record], Transition]
 #: One compare-and-set write: the new record, the version it replaces, its deadlines.
 Write = tuple[Record, int, dict[str, float | None]]
+#: One new record and its deadlines.
+NewRow = tuple[Record, dict[str, float | None]]
 
 
 class StoreError(RuntimeError):
@@ -117,7 +119,7 @@ class JobStore(ABC):
         """Write a new record with version 1; False if the id exists."""
 
     @abstractmethod
-    def _insert_many(self, rows: Sequence[tuple[Record, dict[str, float | None]]]) -> str | None:
+    def _insert_many(self, rows: Sequence[NewRow]) -> str | None:
         """Write new records (with their deadlines), each with version 1, in ONE atomic step:
         all of them and None, or none of them and the id of one that exists already. The ids
         are distinct (the caller checks)."""

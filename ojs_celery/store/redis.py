@@ -29,6 +29,7 @@ from ..lifecycle import CLOCKS, Policy, Record
 from .base import (
     RECORD_FIELDS,
     JobStore,
+    NewRow,
     StoreError,
     Write,
     decode_job,
@@ -198,7 +199,7 @@ class RedisStore(JobStore):
         return confirm
 
     @_wrap_errors
-    def _insert_many(self, rows: Sequence[tuple[Record, dict[str, float | None]]]) -> str | None:
+    def _insert_many(self, rows: Sequence[NewRow]) -> str | None:
         """One script call: it checks every id, then writes every record (or none)."""
         keys = [*self._all_due_keys, *(self._job_prefix + record.job.id for record, _ in rows)]
         args = [str(len(self._all_due_keys))]

@@ -39,6 +39,7 @@ from ..lifecycle import CLOCKS, Policy, Record
 from .base import (
     RECORD_FIELDS,
     JobStore,
+    NewRow,
     StoreError,
     Write,
     decode_job,
@@ -325,7 +326,7 @@ class SQLStore(JobStore):
             return False
 
     @_wrap_errors
-    def _insert_many(self, rows: Sequence[tuple[Record, dict[str, float | None]]]) -> str | None:
+    def _insert_many(self, rows: Sequence[NewRow]) -> str | None:
         values = []
         for record, deadlines in rows:
             row = self._values(record, deadlines)
