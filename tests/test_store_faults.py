@@ -2,7 +2,8 @@
 
 Redis faults are made on a private ``redis-server`` that each test starts on a free port (the
 shared one is never touched): memory full under ``noeviction`` (``OOM``), a replica of a master
-that is not there (``READONLY``), an ACL user that lacks a command (``NOPERM``). PostgreSQL
+that is not there (``READONLY``), an ACL user that lacks a command (``NOPERM``), a snapshot
+that cannot be written (``MISCONF``). PostgreSQL
 faults are made on the store's own sessions: read-only sessions (as on a standby), and a
 session the server terminates.
 """
@@ -56,7 +57,8 @@ class PrivateRedis:
         self.port = free_port()
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(directory)],
+             "--appendonly", "no", "--dir", str(directory),
+             "--enable-protected-configs", "local"],  # CONFIG SET dir (the MISCONF test)
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         self.url = f"redis://127.0.0.1:{self.port}/0"
@@ -153,6 +155,39 @@ def test_redis_out_of_memory(private_redis: PrivateRedis, redis_store: JobStore)
         admin.config_set("maxmemory", 0)
 
     each_fails_then_works(redis_store, ops.writes(), heal, "maxmemory")
+
+
+def test_redis_snapshot_failing(private_redis: PrivateRedis, redis_store: JobStore,
+                                 tmp_path: Path) -> None:
+    """``MISCONF``: Redis refuses writes while its last snapshot failed (with saving on and
+    ``stop-writes-on-bgsave-error``, the defaults of a persistent Redis)."""
+    ops = Ops(redis_store)
+    admin = private_redis.admin
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    admin.config_set("save", "3600 1")
+    admin.config_set("dir", str(gone))
+    gone.rmdir()  # the snapshot cannot be written there any more
+
+    def failed() -> bool:
+        if admin.info("persistence")["rdb_bgsave_in_progress"]:
+            return False
+        if admin.info("persistence")["rdb_last_bgsave_status"] == "err":
+            return True
+        admin.bgsave()
+        return False
+
+    wait_for(failed, 10, "a snapshot to fail")
+
+    def heal() -> None:
+        back = tmp_path / "back"
+        back.mkdir()
+        admin.config_set("dir", str(back))
+        admin.bgsave()
+        wait_for(lambda: admin.info("persistence")["rdb_last_bgsave_status"] == "ok", 10,
+                 "a snapshot to succeed")
+
+    each_fails_then_works(redis_store, ops.writes(), heal, "MISCONF")
 
 
 def test_redis_read_only_replica(private_redis: PrivateRedis, redis_store: JobStore) -> None:
