@@ -292,13 +292,14 @@ def test_postgres_read_only_sessions(pg_prefix: str) -> None:
 
 def test_postgres_session_terminated(pg_prefix: str) -> None:
     """A session the server ends (a restart, a failover, an idle killer): the next operation
-    raises StoreError, and the one after works on a new connection."""
+    raises StoreError, and the one after works on a new connection. Tried for each kind of
+    operation, single statements and transactions alike."""
     store = open_store(postgres_url(), policy=Policy(), prefix=pg_prefix)
     assert isinstance(store, SQLStore)
     admin = sa.create_engine(sa.make_url(postgres_url()).set(drivername="postgresql+psycopg"),
                              isolation_level="AUTOCOMMIT")
-    try:
-        ops = Ops(store)
+
+    def terminate_session() -> None:
         with store.engine.connect() as conn:
             pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
         with admin.connect() as conn:
@@ -309,9 +310,17 @@ def test_postgres_session_terminated(pg_prefix: str) -> None:
                 return conn.execute(query, {"p": pid}).scalar() == 0
 
             wait_for(gone, 10, "the session to end")
-        with pytest.raises(StoreError):
-            store.start(ops.jobs[0].id, 1, "w1")
-        assert store.start(ops.jobs[0].id, 1, "w1").applied
+
+    try:
+        ops = Ops(store)
+        for name, op in ops.writes().items():
+            terminate_session()
+            with pytest.raises(StoreError):
+                op(store)
+            try:
+                op(store)
+            except StoreError as exc:  # pragma: no cover - names the operation
+                raise AssertionError(f"{name} fails on a new connection: {exc}") from exc
     finally:
         admin.dispose()
         store.close()
