@@ -8,7 +8,7 @@ from celery import Celery
 
 from .effects import carry_out
 from .envelope import InvalidJob, Job, parse_batch, parse_envelope
-from .producer import publish, with_celery_options
+from .producer import BrokerUnavailable, publish, with_celery_options
 from .runtime import Runtime, UnknownType, get_runtime
 from .store import DuplicateJob
 
@@ -44,12 +44,27 @@ def cancel(job_id: str, *, app: Celery | None = None) -> Job:
 def enqueue_batch(
     envelopes: str | bytes | list[object], *, app: Celery | None = None
 ) -> list[Job]:
-    """Validate every envelope first (all or nothing), then store and publish each."""
+    """Validate every envelope, store them all in one atomic step (all or none: a duplicate
+    id stores nothing), then publish each. A broker that fails leaves the rest to the
+    sweeper (they are stored with their outbox entries) and raises at the end."""
     runtime = get_runtime(app)
     jobs = parse_batch(envelopes)
     for job in jobs:
         runtime.task_name_for(job.type)
-    return [enqueue_job(runtime, job) for job in jobs]
+    try:
+        transitions = runtime.store.create_many(jobs)
+    except DuplicateJob as exc:
+        raise InvalidJob([("id", str(exc).removeprefix("id: "))]) from None
+    unpublished: BrokerUnavailable | None = None
+    for transition in transitions:
+        try:
+            carry_out(runtime, transition, publish_message=unpublished is None,
+                      raise_unpublished=True)
+        except BrokerUnavailable as exc:
+            unpublished = exc
+    if unpublished is not None:
+        raise unpublished
+    return [transition.record.job for transition in transitions if transition.record]
 
 
 def enqueue(envelope: dict[str, Any] | str | bytes | Job, *, app: Celery | None = None) -> Job:

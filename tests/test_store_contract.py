@@ -193,6 +193,89 @@ def test_duplicate_id_refused(store: JobStore) -> None:
     assert stored.job.created_at == from_epoch(T0)
 
 
+def batch_of_jobs() -> list[Job]:
+    return [
+        new_job(),
+        new_job(scheduled_at=format_timestamp(from_epoch(T0 + 3600))),  # beyond the horizon
+        new_job(scheduled_at=format_timestamp(from_epoch(T0 + 30))),
+        new_job(priority=5, x_owner="team-b"),
+    ]
+
+
+def everything_due(store: JobStore) -> dict[str, list[tuple[str, float]]]:
+    """Every deadline index entry, by clock (ties in any order)."""
+    return {clock: sorted(store.due(clock, T0 + 1e7, 100)) for clock in lifecycle.CLOCKS}
+
+
+def test_create_many_stores_what_create_stores(make_store: MakeStore) -> None:
+    """Records, versions, outbox entries and deadline index entries as one create each."""
+    batched, one_by_one = make_store(), make_store()
+    jobs = batch_of_jobs()
+    transitions = batched.create_many(jobs, now=T0)
+    singles = [one_by_one.create(job, now=T0) for job in jobs]
+    for job, transition, single in zip(jobs, transitions, singles, strict=True):
+        assert transition.applied and transition.record is not None
+        assert transition.record.job.id == job.id
+        assert event_names(transition) == event_names(single) == ["job.enqueued"]
+        assert transition.publish == single.publish
+        assert transition.record == single.record and transition.record.version == 1
+        assert record(batched, job.id) == record(one_by_one, job.id)
+    assert everything_due(batched) == everything_due(one_by_one)
+    assert batched.start(jobs[0].id, 1, "w1", now=T0 + 1).applied
+
+
+@pytest.mark.parametrize("position", [0, 2, 3])
+def test_create_many_is_all_or_nothing(store: JobStore, position: int) -> None:
+    existing = created(store)
+    before = everything_due(store)
+    jobs = batch_of_jobs()
+    jobs[position] = existing
+    with pytest.raises(DuplicateJob) as info:
+        store.create_many(jobs, now=T0 + 5)
+    assert info.value.job_id == existing.id
+    for job in jobs:
+        if job is not existing:
+            assert store.get_record(job.id) is None
+    assert record(store, existing.id).version == 1
+    assert everything_due(store) == before  # no deadline of the refused jobs was indexed
+    assert len(store.create_many(batch_of_jobs(), now=T0)) == 4  # the store is fine
+
+
+def test_create_many_refuses_an_id_given_twice(store: JobStore) -> None:
+    jobs = batch_of_jobs()
+    twin = Job.model_validate({**jobs[0].to_dict(), "args": ["other"]})
+    with pytest.raises(DuplicateJob) as info:
+        store.create_many([*jobs, twin], now=T0)
+    assert info.value.job_id == jobs[0].id
+    assert all(store.get_record(job.id) is None for job in jobs)
+    assert store.create_many([], now=T0) == []
+
+
+def test_create_many_races_store_each_job_once(make_store: MakeStore) -> None:
+    """Two batches sharing one job, at once: one batch is stored whole, the other not at all."""
+    store = make_store()
+    shared = new_job()
+    batches = [[new_job(), shared, new_job()], [new_job(), new_job(), shared]]
+    outcomes: list[str] = []
+
+    def insert(batch: list[Job]) -> None:
+        try:
+            store.create_many(batch, now=T0)
+            outcomes.append("stored")
+        except DuplicateJob:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=insert, args=(batch,)) for batch in batches]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes) == ["refused", "stored"]
+    for batch in batches:
+        present = [store.get_record(job.id) is not None for job in batch]
+        assert all(present) or present == [job is shared for job in batch]
+
+
 # --------------------------------------------------------------------------- start
 
 

@@ -11,6 +11,7 @@ rules live in one place and the backends only guarantee atomicity and indexing.
 from __future__ import annotations
 
 import functools
+import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -30,6 +31,8 @@ _T = TypeVar("_T")
 Rule = Callable[[Record], Transition]
 #: One compare-and-set write: the new record, the version it replaces, its deadlines.
 Write = tuple[Record, int, dict[str, float | None]]
+#: One new record and its deadlines.
+NewRow = tuple[Record, dict[str, float | None]]
 
 
 class StoreError(RuntimeError):
@@ -42,6 +45,24 @@ class DuplicateJob(ValueError):
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
         super().__init__(f"id: a job with id {job_id} exists already (ids must be unique)")
+
+
+#: A URL's password: ``scheme://user:PASSWORD@`` (up to the netloc's last ``@``), or a query
+#: parameter such as ``?password=PASSWORD``.
+_SECRETS = re.compile(
+    r"(?P<head>\b[a-z][a-z0-9+.-]*://[^\s:/@]*:)[^\s/]*(?P<tail>@)"
+    r"|(?P<param>[?&](?:password|passwd|pass|sslpassword)=)[^&#\s]*",
+    re.IGNORECASE,
+)
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``**``, as Celery shows
+    broker URLs (kombu's ``maybe_sanitize_url``), query parameters that carry one included.
+    For a store's ``repr`` and every message that might quote its URL."""
+    return _SECRETS.sub(
+        lambda m: f"{m['head']}**@" if m["head"] is not None else f"{m['param']}**", text
+    )
 
 
 def store_errors(
@@ -65,7 +86,8 @@ def store_errors(
                 if not is_fault(exc):
                     raise
                 cause = detail(exc)
-                raise StoreError(f"job store error: {type(cause).__name__}: {cause}") from exc
+                message = mask_secrets(f"job store error: {type(cause).__name__}: {cause}")
+                raise StoreError(message) from exc
 
         return wrapper
 
@@ -95,6 +117,12 @@ class JobStore(ABC):
     @abstractmethod
     def _insert(self, record: Record, deadlines: dict[str, float | None]) -> bool:
         """Write a new record with version 1; False if the id exists."""
+
+    @abstractmethod
+    def _insert_many(self, rows: Sequence[NewRow]) -> str | None:
+        """Write new records (with their deadlines), each with version 1, in ONE atomic step:
+        all of them and None, or none of them and the id of one that exists already. The ids
+        are distinct (the caller checks)."""
 
     @abstractmethod
     def _load(self, job_id: str) -> Record | None:
@@ -178,6 +206,29 @@ class JobStore(ABC):
                 raise DuplicateJob(job.id)
 
         return transition, confirm
+
+    def create_many(self, jobs: Sequence[Job], now: float | None = None) -> list[Transition]:
+        """Store new jobs, each with its outbox entry, in one atomic step: all of them or none.
+
+        Raises :class:`DuplicateJob` naming an id that exists already or that two of the jobs
+        share; then nothing was stored.
+        """
+        at = time.time() if now is None else now
+        seen: set[str] = set()
+        for job in jobs:
+            if job.id in seen:
+                raise DuplicateJob(job.id)
+            seen.add(job.id)
+        transitions = [lifecycle.create(job, at, self.policy) for job in jobs]
+        records = [transition.record for transition in transitions]
+        rows = [(record, self._deadlines(record)) for record in records if record is not None]
+        if rows:
+            taken = self._insert_many(rows)
+            if taken is not None:
+                raise DuplicateJob(taken)
+        for record, _ in rows:
+            record.version = 1
+        return transitions
 
     def _insert_begin(
         self, record: Record, deadlines: dict[str, float | None]

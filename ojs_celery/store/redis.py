@@ -22,19 +22,19 @@ from typing import Any
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import Script
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from ..lifecycle import CLOCKS, Policy, Record
 from .base import (
     RECORD_FIELDS,
     JobStore,
+    NewRow,
     StoreError,
     Write,
     decode_job,
     encode_job,
+    mask_secrets,
     store_errors,
 )
 from .meta import MetaArea
@@ -48,7 +48,7 @@ _FIELDS = tuple(name for name in RECORD_FIELDS if name != "version")
 
 
 #: The scripts that write a record (they start with ``record.lua``).
-_RECORD_SCRIPTS = ("insert", "cas")
+_RECORD_SCRIPTS = ("insert", "insert_many", "cas")
 
 
 def _lua(name: str) -> str:
@@ -78,8 +78,10 @@ def _record_prelude() -> str:
     return text
 
 
-#: Redis's errors that mean "cannot reach it" (the others are left to the caller for now).
-_wrap_errors = store_errors(lambda exc: isinstance(exc, (RedisConnectionError, RedisTimeoutError)))
+#: Every error of Redis or of redis-py: a lost connection, and every error reply (``OOM`` under
+#: ``maxmemory`` with ``noeviction``, ``READONLY`` on a replica, ``NOPERM`` from an ACL,
+#: ``MISCONF``...). The connection that carried an error reply stays usable.
+_wrap_errors = store_errors(lambda exc: isinstance(exc, (redis.RedisError, OSError)))
 
 
 def _num(value: float | None) -> str:
@@ -121,7 +123,8 @@ class RedisStore(JobStore):
 
     def __init__(self, url: str, policy: Policy | None = None, prefix: str = "ojs") -> None:
         super().__init__(policy)
-        self.url = url
+        #: The URL without its password (the client keeps the real one).
+        self.url = mask_secrets(url)
         self.prefix = prefix
         # Few, quick retries: a store call should fail fast (StoreError) when Redis is down.
         self.client: redis.Redis = redis.Redis.from_url(
@@ -133,6 +136,7 @@ class RedisStore(JobStore):
         self._due_keys = {clock: f"{prefix}:due:{clock}" for clock in CLOCKS}
         self._all_due_keys = [self._due_keys[clock] for clock in CLOCKS]
         self._insert_script = self.client.register_script(script("insert"))
+        self._insert_many_script = self.client.register_script(script("insert_many"))
         self._cas_script = self.client.register_script(script("cas"))
         self._ack_script = self.client.register_script(script("ack_dispatch"))
         self._delete_script = self.client.register_script(script("delete"))
@@ -170,6 +174,7 @@ class RedisStore(JobStore):
         keys = self._job_keys(record.job.id)
         return bool(self._insert_script(keys, self._args(record, 1, deadlines)))
 
+    @_wrap_errors
     def _insert_begin(
         self, record: Record, deadlines: dict[str, float | None]
     ) -> Callable[[], bool]:
@@ -181,6 +186,7 @@ class RedisStore(JobStore):
             inserted = self._insert(record, deadlines)  # redis-py's retries, then StoreError
             return lambda: inserted
 
+        @_wrap_errors
         def confirm() -> bool:
             try:
                 done = answer()
@@ -191,6 +197,16 @@ class RedisStore(JobStore):
             return bool(done)
 
         return confirm
+
+    @_wrap_errors
+    def _insert_many(self, rows: Sequence[NewRow]) -> str | None:
+        """One script call: it checks every id, then writes every record (or none)."""
+        keys = [*self._all_due_keys, *(self._job_prefix + record.job.id for record, _ in rows)]
+        args = [str(len(self._all_due_keys))]
+        for record, deadlines in rows:
+            args.extend(self._args(record, 1, deadlines))
+        taken: str | None = self._insert_many_script(keys, args)
+        return taken
 
     @_wrap_errors
     def _load(self, job_id: str) -> Record | None:
@@ -292,7 +308,7 @@ class RedisStore(JobStore):
             self.client.unlink(*batch)
 
     def __repr__(self) -> str:
-        return f"RedisStore({self.url!r}, prefix={self.prefix!r})"
+        return f"RedisStore({self.url!r}, prefix={self.prefix!r})"  # masked
 
 
 class RedisWorkerRegistry(WorkerRegistry):

@@ -12,7 +12,8 @@ O(log n + k), and jobs without that deadline cost nothing in the index.
 
 The batch primitives are the exception: one ``SELECT ... WHERE id IN (...)`` for many records,
 and many compare-and-set statements on one connection in one transaction (rows in id order, so
-two batches never deadlock), which commits once instead of once per statement.
+two batches never deadlock), which commits once instead of once per statement. A batch of new
+jobs is inserted in one transaction too, and a duplicate id rolls all of it back.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sqlite3
 import threading
 import zlib
 from collections.abc import Iterator, Sequence
@@ -34,7 +36,17 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.pool import StaticPool
 
 from ..lifecycle import CLOCKS, Policy, Record
-from .base import RECORD_FIELDS, JobStore, Write, decode_job, encode_job, store_errors
+from .base import (
+    RECORD_FIELDS,
+    JobStore,
+    NewRow,
+    StoreError,
+    Write,
+    decode_job,
+    encode_job,
+    mask_secrets,
+    store_errors,
+)
 from .meta import MetaArea
 from .workers import WorkerInfo, WorkerRegistry
 
@@ -45,10 +57,9 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 
 def _is_fault(exc: Exception) -> bool:
-    """A database error that means "cannot reach it" (the others are left to the caller)."""
-    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)):
-        return True
-    return isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
+    """Every error of the database, its driver or SQLAlchemy: a lost connection, and every
+    refusal (a read-only transaction on a standby, a lock timeout, a disk full...)."""
+    return isinstance(exc, (sa_exc.SQLAlchemyError, sqlite3.Error, OSError))
 
 
 #: The driver's own exception says what happened; SQLAlchemy's adds the SQL text and its
@@ -194,6 +205,9 @@ class SQLStore(JobStore):
             .on_conflict_do_nothing(index_elements=[c.id])
             .execution_options(preserve_rowcount=True)
         )
+        # Several new jobs at once: a conflict raises (and the whole batch is rolled back).
+        self._insert_new_job = sa.insert(jobs)
+        self._select_ids = sa.select(c.id).where(c.id.in_(sa.bindparam("k_ids", expanding=True)))
         self._update_job = sa.update(jobs).where(
             c.id == sa.bindparam("k_id"), c.version == sa.bindparam("k_expected")
         )
@@ -312,6 +326,34 @@ class SQLStore(JobStore):
             return False
 
     @_wrap_errors
+    def _insert_many(self, rows: Sequence[NewRow]) -> str | None:
+        values = []
+        for record, deadlines in rows:
+            row = self._values(record, deadlines)
+            row["id"] = record.job.id
+            row["version"] = 1
+            values.append(row)
+        values.sort(key=lambda row: str(row["id"]))  # one lock order: concurrent batches
+        ids = [record.job.id for record, _ in rows]  # cannot deadlock each other
+        for _ in range(self.max_conflicts):
+            try:
+                if self._shared_connection:  # no transaction there: one statement is atomic
+                    with self.engine.connect() as conn:
+                        conn.execute(sa.insert(self.job_table).values(values))
+                else:
+                    with self._transaction() as conn:
+                        conn.execute(self._insert_new_job, values)
+                return None
+            except sa_exc.IntegrityError:
+                with self.engine.connect() as conn:
+                    found = set(conn.execute(self._select_ids, {"k_ids": ids}).scalars())
+                taken = next((job_id for job_id in ids if job_id in found), None)
+                if taken is not None:
+                    return taken
+                # the conflicting job was pruned meanwhile: try again
+        raise StoreError("inserting a batch of jobs: too many conflicts, gave up")
+
+    @_wrap_errors
     def _load(self, job_id: str) -> Record | None:
         with self.engine.connect() as conn:
             row = conn.execute(self._select_record, {"k_id": job_id}).first()
@@ -421,7 +463,7 @@ class SQLStore(JobStore):
                 conn.execute(sa.delete(table))
 
     def __repr__(self) -> str:
-        url = self.url.render_as_string(hide_password=True)
+        url = mask_secrets(self.url.render_as_string(hide_password=True))
         return f"SQLStore({url!r}, prefix={self.prefix!r})"
 
 

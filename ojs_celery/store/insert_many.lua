@@ -1,0 +1,15 @@
+-- Insert new jobs, all of them or none. KEYS: every clock's sorted set, then one job hash per
+-- job; ARGV: the number of clocks, then one record per job (see record.lua), back to back.
+-- Returns nil when all were written, else the id of the first job that exists (nothing
+-- written: every check comes before the first write).
+local clocks = tonumber(ARGV[1])
+local size = FIRST_DEADLINE + clocks
+for j = 1, #KEYS - clocks do
+  if redis.call('EXISTS', KEYS[clocks + j]) == 1 then return ARGV[2 + (j - 1) * size] end
+end
+for j = 1, #KEYS - clocks do
+  local at = 2 + (j - 1) * size
+  write_record(KEYS[clocks + j], at, '1')
+  index_record(1, clocks, at, false)
+end
+return false

@@ -1,0 +1,110 @@
+"""A batch of jobs is all or nothing: ``enqueue_batch`` stores every job in one atomic store
+step, then publishes; a duplicate id stores and publishes nothing (real stores, a real broker
+folder)."""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from ojs_celery import InvalidJob, enqueue, enqueue_batch, signals
+from ojs_celery.envelope import Job
+from ojs_celery.lifecycle import Policy
+from ojs_celery.runtime import get_runtime
+from ojs_celery.store import DuplicateJob, open_store
+from tests import services
+from tests.e2eapp import make_app
+from tests.workers import filesystem_config, unique
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def app(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Celery]:
+    config = filesystem_config(tmp_path)
+    if request.param == "redis":
+        config["ojs"] = {"store_url": services.redis_url(), "store_prefix": unique("t")}
+    config["ojs"]["events"] = False
+    celery_app = make_app(config)
+    yield celery_app
+    store = get_runtime(celery_app).store
+    store.clear()
+    drop = getattr(store, "drop_tables", None)
+    if drop is not None:
+        drop()
+
+
+@pytest.fixture
+def seen() -> Iterator[Counter[str]]:
+    """OJS events emitted in this process, by type."""
+    counts: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def receiver(sender: Any = None, event: dict[str, Any] | None = None, **_: Any) -> None:
+        assert event is not None
+        with lock:
+            counts[event["type"]] += 1
+
+    signals.ojs_event.connect(receiver)
+    yield counts
+    signals.ojs_event.disconnect(receiver)
+
+
+def messages(app: Celery) -> list[str]:
+    folder = pathlib.Path(app.conf.broker_transport_options["data_folder_in"])
+    return sorted(p.name for p in folder.glob("*.msg"))
+
+
+def envelope(index: int, **fields: Any) -> dict[str, Any]:
+    return {"type": "e2e.add", "args": [index, 1], **fields}
+
+
+def test_a_batch_with_a_taken_id_stores_and_publishes_nothing(
+    app: Celery, seen: Counter[str]
+) -> None:
+    existing = enqueue(envelope(0), app=app)
+    published = messages(app)
+    events = seen.copy()
+    batch: list[Any] = [envelope(1, id=str(Job.model_validate(envelope(1)).id)),
+                       envelope(2), envelope(3, id=existing.id), envelope(4)]
+    with pytest.raises(InvalidJob) as info:
+        enqueue_batch(batch, app=app)
+    assert existing.id in str(info.value)
+    store = get_runtime(app).store
+    assert store.get(str(batch[0]["id"])) is None
+    assert messages(app) == published  # nothing published
+    assert seen == events  # no event either
+    assert [job_id for job_id, _ in store.due("dispatch", 1e12, 100)] == [existing.id]
+    stored = store.get(existing.id)
+    assert stored is not None and stored.args == [0, 1]  # the existing job is untouched
+
+
+def test_a_batch_is_stored_then_published(app: Celery, seen: Counter[str]) -> None:
+    jobs = enqueue_batch([envelope(index) for index in range(5)], app=app)
+    store = get_runtime(app).store
+    assert [job.args for job in jobs] == [[index, 1] for index in range(5)]
+    for job in jobs:
+        stored = store.get(job.id)
+        assert stored is not None and stored.state == "available"
+    assert len(messages(app)) == 5
+    assert seen["job.enqueued"] == 5
+
+
+def test_create_many_on_an_in_memory_sqlite_store() -> None:
+    """One shared connection (no transaction of its own there): still all or nothing."""
+    store = open_store("sqlite:///:memory:", policy=Policy(), prefix="mem")
+    try:
+        taken = Job.model_validate(envelope(0))
+        store.create(taken)
+        fresh = [Job.model_validate(envelope(index)) for index in range(1, 4)]
+        with pytest.raises(DuplicateJob):
+            store.create_many([*fresh, taken])
+        assert all(store.get(job.id) is None for job in fresh)
+        assert len(store.create_many(fresh)) == 3
+        assert all(store.get(job.id) is not None for job in fresh)
+    finally:
+        store.close()

@@ -1,0 +1,326 @@
+"""Real server faults reach callers as StoreError, and the same store works once they heal.
+
+Redis faults are made on a private ``redis-server`` that each test starts on a free port (the
+shared one is never touched): memory full under ``noeviction`` (``OOM``), a replica of a master
+that is not there (``READONLY``), an ACL user that lacks a command (``NOPERM``), a snapshot
+that cannot be written (``MISCONF``). PostgreSQL
+faults are made on the store's own sessions: read-only sessions (as on a standby), and a
+session the server terminates.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from ojs_celery import lifecycle
+from ojs_celery.envelope import Job
+from ojs_celery.lifecycle import Policy
+from ojs_celery.store import JobStore, StoreError, WorkerInfo, open_store
+from ojs_celery.store.sql import SQLStore
+from tests.services import postgres_url
+from tests.workers import wait_for
+
+Op = Callable[[JobStore], Any]
+
+
+def new_job() -> Job:
+    return Job.model_validate({"type": "fault.job", "args": [1]})
+
+
+# ------------------------------------------------------------------------- a private Redis
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class PrivateRedis:
+    """A ``redis-server`` of this test's own, without persistence, stopped at the end."""
+
+    def __init__(self, directory: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not installed")
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(directory),
+             "--enable-protected-configs", "local"],  # CONFIG SET dir (the MISCONF test)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.admin = redis.Redis(port=self.port, decode_responses=True)
+
+        def up() -> bool:
+            try:
+                return bool(self.admin.ping())
+            except redis.ConnectionError:
+                return False
+
+        wait_for(up, 10, f"redis-server on port {self.port}")
+
+    def stop(self) -> None:
+        self.admin.close()
+        self.process.terminate()
+        self.process.wait(10)
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    server = PrivateRedis(tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class Ops:
+    """Store operations, each on state prepared before the fault (so each can be tried under
+    the fault, then once more after it healed, with the same effect)."""
+
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+        self.jobs = [new_job() for _ in range(2)]
+        for job in self.jobs:
+            store.create(job)
+        store.meta.send_directive("w-take", "quiet")
+
+    def writes(self) -> dict[str, Op]:
+        first, second = (job.id for job in self.jobs)
+        worker = WorkerInfo(worker_id="w-save", hostname="h", pid=1, last_beat=time.time())
+        return {
+            "create": lambda s: s.create(new_job()),
+            "create_many (batch)": lambda s: s.create_many([new_job(), new_job()]),
+            "start (fast lane)": lambda s: s.start(first, 1, "w1"),
+            "apply_many (batch)": lambda s: s.apply_many(
+                [second], lambda r: lifecycle.cancel(r, time.time())),
+            "ack_dispatch_many (batch)": lambda s: s.ack_dispatch_many([(second, 1)]),
+            "workers.save": lambda s: s.workers.save(worker),
+            "meta.send_directive": lambda s: s.meta.send_directive("w-send", "quiet"),
+        }
+
+
+def each_fails_then_works(store: JobStore, ops: dict[str, Op], heal: Callable[[], object],
+                          message: str) -> None:
+    for name, op in ops.items():
+        with pytest.raises(StoreError) as info:
+            op(store)
+        assert message in str(info.value), (name, str(info.value))
+        assert info.value.__cause__ is not None, name
+    heal()
+    for name, op in ops.items():
+        try:
+            op(store)
+        except StoreError as exc:  # pragma: no cover - the assertion names the operation
+            raise AssertionError(f"{name} still fails after the fault healed: {exc}") from exc
+
+
+@pytest.fixture
+def redis_store(private_redis: PrivateRedis) -> Iterator[JobStore]:
+    store = open_store(private_redis.url, policy=Policy(), prefix="faults")
+    yield store
+    store.close()
+
+
+def test_redis_out_of_memory(private_redis: PrivateRedis, redis_store: JobStore) -> None:
+    ops = Ops(redis_store)
+    admin = private_redis.admin
+    used = int(admin.info("memory")["used_memory"])
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", used + 1_000_000)
+    chunk = "x" * 100_000
+    with pytest.raises(redis.exceptions.OutOfMemoryError):  # fill it: writes now get OOM
+        for index in range(100):
+            admin.set(f"filler:{index}", chunk)
+    # A refused command's own buffer is freed after the check: pin the limit below what is
+    # used, so that no small write slips through that slack.
+    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) - 100_000)
+    assert redis_store.get(ops.jobs[0].id) is not None  # reads still work
+
+    def heal() -> None:
+        admin.delete(*admin.keys("filler:*"))
+        admin.config_set("maxmemory", 0)
+
+    each_fails_then_works(redis_store, ops.writes(), heal, "maxmemory")
+
+
+def test_redis_snapshot_failing(private_redis: PrivateRedis, redis_store: JobStore,
+                                 tmp_path: Path) -> None:
+    """``MISCONF``: Redis refuses writes while its last snapshot failed (with saving on and
+    ``stop-writes-on-bgsave-error``, the defaults of a persistent Redis)."""
+    ops = Ops(redis_store)
+    admin = private_redis.admin
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    admin.config_set("save", "3600 1")
+    admin.config_set("dir", str(gone))
+    gone.rmdir()  # the snapshot cannot be written there any more
+
+    def failed() -> bool:
+        if admin.info("persistence")["rdb_bgsave_in_progress"]:
+            return False
+        if admin.info("persistence")["rdb_last_bgsave_status"] == "err":
+            return True
+        admin.bgsave()
+        return False
+
+    wait_for(failed, 10, "a snapshot to fail")
+
+    def heal() -> None:
+        back = tmp_path / "back"
+        back.mkdir()
+        admin.config_set("dir", str(back))
+        admin.bgsave()
+        wait_for(lambda: admin.info("persistence")["rdb_last_bgsave_status"] == "ok", 10,
+                 "a snapshot to succeed")
+
+    each_fails_then_works(redis_store, ops.writes(), heal, "MISCONF")
+
+
+def test_redis_read_only_replica(private_redis: PrivateRedis, redis_store: JobStore) -> None:
+    ops = Ops(redis_store)
+    admin = private_redis.admin
+    admin.replicaof("127.0.0.1", free_port())  # a master that is not there
+    writes = {
+        **ops.writes(),
+        "workers.remove": lambda s: s.workers.remove("w-save"),
+        "meta.take_directive": lambda s: s.meta.take_directive("w-take"),
+    }
+    each_fails_then_works(redis_store, writes,
+                          lambda: admin.replicaof("NO", "ONE"),
+                          "read only replica")
+
+
+@pytest.mark.parametrize(
+    ("command", "ops"),
+    [
+        ("evalsha", ("create", "create_many (batch)", "start (fast lane)", "apply_many (batch)",
+                     "ack_dispatch_many (batch)", "workers.all (script)",
+                     "meta.take_directive (script)")),
+        ("hset", ("workers.save", "meta.send_directive")),
+    ],
+)
+def test_redis_acl_user_without_a_command(
+    private_redis: PrivateRedis, command: str, ops: tuple[str, ...]
+) -> None:
+    admin = private_redis.admin
+    user, password = "ojs-limited", uuid.uuid4().hex
+    admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=["*"],
+                      channels=["*"], commands=["+@all", f"-{command}"])
+    url = f"redis://{user}:{password}@127.0.0.1:{private_redis.port}/0"
+    store = open_store(url, policy=Policy(), prefix="acl")
+    try:
+        prepared = Ops(open_store(private_redis.url, policy=Policy(), prefix="acl"))
+        every = {
+            **prepared.writes(),
+            "workers.all (script)": lambda s: s.workers.all(),
+            "meta.take_directive (script)": lambda s: s.meta.take_directive("w-take"),
+        }
+        chosen = {name: every[name] for name in ops}
+        each_fails_then_works(
+            store, chosen,
+            lambda: admin.acl_setuser(user, enabled=True, commands=[f"+{command}"]),
+            "no permissions")
+    finally:
+        prepared.store.close()
+        store.close()
+
+
+# ------------------------------------------------------------------------- PostgreSQL
+
+
+@pytest.fixture
+def pg_prefix() -> Iterator[str]:
+    """A prefix whose tables exist (created by a read-write store) and are dropped after."""
+    prefix = f"f{uuid.uuid4().hex[:10]}"
+    owner = open_store(postgres_url(), policy=Policy(), prefix=prefix)
+    owner.ping()
+    yield prefix
+    try:
+        owner.clear()
+        assert isinstance(owner, SQLStore)
+        owner.drop_tables()
+    finally:
+        owner.close()
+
+
+def _read_only_url() -> str:
+    url = sa.make_url(postgres_url())
+    url = url.update_query_dict({"options": "-c default_transaction_read_only=on"})
+    return url.render_as_string(hide_password=False)
+
+
+def test_postgres_read_only_sessions(pg_prefix: str) -> None:
+    """As on a standby: every write is refused with StoreError (not a raw driver error), the
+    session stays usable (reads work between the refused writes), and once the session may
+    write again the same store writes."""
+    writer = open_store(postgres_url(), policy=Policy(), prefix=pg_prefix)
+    ops = Ops(writer)
+    store = open_store(_read_only_url(), policy=Policy(), prefix=pg_prefix)
+    assert isinstance(store, SQLStore)
+    try:
+        for name, op in ops.writes().items():
+            with pytest.raises(StoreError) as info:
+                op(store)
+            assert "read-only transaction" in str(info.value), name
+            assert isinstance(info.value.__cause__, sa.exc.DBAPIError), name
+            assert store.get(ops.jobs[0].id) is not None, name  # the session was rolled back
+        with store.engine.connect() as conn:  # the standby is promoted, as it were
+            conn.exec_driver_sql("SET default_transaction_read_only = off")
+        for name, op in ops.writes().items():
+            try:
+                op(store)
+            except StoreError as exc:  # pragma: no cover - names the operation
+                raise AssertionError(f"{name} still fails: {exc}") from exc
+    finally:
+        store.close()
+        writer.close()
+
+
+def test_postgres_session_terminated(pg_prefix: str) -> None:
+    """A session the server ends (a restart, a failover, an idle killer): the next operation
+    raises StoreError, and the one after works on a new connection. Tried for each kind of
+    operation, single statements and transactions alike."""
+    store = open_store(postgres_url(), policy=Policy(), prefix=pg_prefix)
+    assert isinstance(store, SQLStore)
+    admin = sa.create_engine(sa.make_url(postgres_url()).set(drivername="postgresql+psycopg"),
+                             isolation_level="AUTOCOMMIT")
+
+    def terminate_session() -> None:
+        with store.engine.connect() as conn:
+            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        with admin.connect() as conn:
+            conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+
+            def gone() -> bool:
+                query = sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p")
+                return conn.execute(query, {"p": pid}).scalar() == 0
+
+            wait_for(gone, 10, "the session to end")
+
+    try:
+        ops = Ops(store)
+        for name, op in ops.writes().items():
+            terminate_session()
+            with pytest.raises(StoreError):
+                op(store)
+            try:
+                op(store)
+            except StoreError as exc:  # pragma: no cover - names the operation
+                raise AssertionError(f"{name} fails on a new connection: {exc}") from exc
+    finally:
+        admin.dispose()
+        store.close()
