@@ -228,7 +228,7 @@ class OJSTask(Task):  # type: ignore[misc]
             raise Ignore()
         delay: float | None = None
         retryable = True
-        if kind == "timeout" and _worker_is_draining(runtime, ctx.worker_id):
+        if kind == "timeout" and _worker_is_draining(runtime, ctx.worker_id, job.id):
             error = lifecycle.make_error(
                 "shutdown", "cancelled because the worker shut down before the job finished")
         elif kind == "timeout":
@@ -277,12 +277,13 @@ class OJSTask(Task):  # type: ignore[misc]
         raise exc
 
 
-def _worker_is_draining(runtime: Runtime, worker_id: str) -> bool:
-    """A cancellation during a worker's shutdown drain is a ``shutdown``, never a ``timeout``."""
+def _worker_is_draining(runtime: Runtime, worker_id: str, job_id: str) -> bool:
+    """Was this job's cancellation sent by its worker's shutdown drain (then it is a
+    ``shutdown``)? Its own execution timeout, even during a drain, stays a ``timeout``."""
     from .worker.registry import shutdown_key
 
     try:
-        return runtime.store.get_meta(shutdown_key(worker_id)) is not None
+        return runtime.store.get_meta(shutdown_key(worker_id, job_id)) is not None
     except StoreError:
         return False
 

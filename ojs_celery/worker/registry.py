@@ -19,10 +19,10 @@ def directive_key(worker_id: str) -> str:
     return f"directive:{worker_id}"
 
 
-def shutdown_key(worker_id: str) -> str:
-    """Set while this worker's drain cancels its jobs: a handler cancelled then fails with
-    ``shutdown`` rather than ``timeout``."""
-    return f"shutdown:{worker_id}"
+def shutdown_key(worker_id: str, job_id: str) -> str:
+    """Set when this worker's drain sends ``job_id`` its cancellation signal: the handler,
+    cancelled, then fails with ``shutdown`` rather than ``timeout``."""
+    return f"shutdown:{worker_id}:{job_id}"
 
 
 class Registry:
@@ -47,8 +47,8 @@ class Registry:
     def deregister(self) -> None:
         self.runtime.store.deregister_worker(self.worker_id)
 
-    def mark_draining(self) -> None:
-        self.runtime.store.set_meta(shutdown_key(self.worker_id), "1")
+    def mark_draining(self, job_id: str) -> None:
+        self.runtime.store.set_meta(shutdown_key(self.worker_id, job_id), "1")
 
-    def clear_draining(self) -> None:
-        self.runtime.store.take_meta(shutdown_key(self.worker_id))
+    def clear_draining(self, job_id: str) -> None:
+        self.runtime.store.take_meta(shutdown_key(self.worker_id, job_id))
