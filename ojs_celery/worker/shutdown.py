@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -33,6 +34,7 @@ from ..header import token_of
 from ..store import StoreError
 from .beat import BeatStep
 from .children import PoolChildrenStep
+from .faults import OncePerKind
 from .node import WorkerNode, anything_running, node_of, ojs_requests
 from .registration import deregister
 
@@ -56,6 +58,7 @@ class Drain:
         self._started = threading.Event()
         self._handover = False
         self._cancelled: set[str] = set()  # jobs the drain signalled
+        self._faults = OncePerKind(logger, f"the shutdown drain of worker {node.worker_id}")
 
     @property
     def started(self) -> bool:
@@ -136,21 +139,26 @@ class Drain:
                 if (request.id not in self._cancelled
                         and remaining <= min(_job_grace(request), window)
                         and not _own_limit_fired(request)):
-                    self._cancel(request)
+                    self._each(self._cancel, request)
             time.sleep(POLL)
         leftovers = ojs_requests()
         for request in leftovers:
-            self._fail(request)
+            self._each(self._fail, request)
         if float(node.runtime.app.conf.get("worker_soft_shutdown_timeout") or 0) > 0:
             _wait_gone(leftovers)  # or Celery's soft shutdown would sleep on them
-        deregister(node, "signal" if source.startswith("SIG") else "shutdown")
+        self._each(deregister, node, "signal" if source.startswith("SIG") else "shutdown")
         for job_id in self._cancelled:
-            try:
-                node.registry.clear_draining(job_id)
-            except StoreError:
-                pass
+            self._each(node.registry.clear_draining, job_id)
         logger.warning("ojs_celery: worker %s drained (%d job(s) still running failed)",
                        node.worker_id, len(leftovers))
+
+    def _each(self, step: Callable[..., Any], *args: Any) -> None:
+        """One step of the drain; an error in it (logged once per kind) skips only that step:
+        the other jobs are still cancelled or failed, and the worker still leaves on time."""
+        try:
+            step(*args)
+        except Exception as exc:
+            self._faults.failed(exc)
 
     def _cancel(self, request: Any) -> None:
         """Deliver the cancellation signal: the soft time limit in the job's pool process,
