@@ -8,6 +8,7 @@ are deadline + interval + generous slack.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import pathlib
@@ -341,3 +342,25 @@ def test_frozen_worker_cannot_complete_a_recovered_job(env: Env, tmp_path: pathl
         assert frozen_id != other_id
     finally:
         stop_all([frozen] + ([other] if other else []))
+
+
+def test_a_message_held_for_its_eta_is_listed_in_beats(env: Env, tmp_path: pathlib.Path) -> None:
+    """A job due in a few seconds reaches the worker at once and waits on its timer: the beats
+    list it as held (so that the sweeper can re-dispatch it if this worker dies)."""
+    [worker] = own_workers(env, tmp_path)
+    try:
+        info = registered(env, worker)
+        when = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=8)
+        job = enqueue({"type": "e2e.add", "args": [2, 3], "queue": queue_of(worker),
+                       "scheduled_at": when.isoformat()}, app=env.app)
+        store = get_runtime(env.app).store
+
+        def listed_before_it_runs() -> bool:
+            current = store.get_worker(info.worker_id)
+            return bool(current and job.id in current.reserved_job_ids
+                        and env.job(job.id).attempt == 0)
+
+        wait_for(listed_before_it_runs, 6, "the ETA-held job in the worker's beats")
+        assert env.wait_state(job.id, "completed", timeout=8 + SLACK + 5).result == 5
+    finally:
+        stop_all([worker])
