@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from . import lifecycle
 from .effects import carry_out
-from .envelope import JsonValue
+from .envelope import Job, JsonValue
 from .lifecycle import Publish, Record, Transition
 from .producer import BrokerUnavailable
 from .runtime import Runtime
@@ -119,10 +119,21 @@ def _redispatch(now: float, grace: float) -> Callable[[Record], Transition]:
         if record.job.state not in lifecycle.STARTABLE:
             return lifecycle.rejected("not_startable")
         new = record.copy()
-        new.dispatch_due = now + grace
-        return Transition(new, publish=Publish(record.job.id, record.token))
+        eta = _eta_of(record.job, now)  # a message held for its ETA keeps it
+        new.dispatch_due = now + grace + max((eta or now) - now, 0.0)
+        return Transition(new, publish=Publish(record.job.id, record.token, eta))
 
     return rule
+
+
+def _eta_of(job: Job, now: float) -> float | None:
+    """When the job's message is due, if later than ``now`` (a scheduled job, a retry)."""
+    eta = None
+    if job.state == "scheduled" and job.scheduled_at is not None:
+        eta = job.scheduled_at.timestamp()
+    elif job.state == "retryable" and job.next_retry_at is not None:
+        eta = job.next_retry_at.timestamp()
+    return eta if eta is not None and eta > now else None
 
 
 def _owed_message(now: float, clock: str, grace: float) -> Callable[[Record], Transition]:
@@ -139,13 +150,7 @@ def _owed_message(now: float, clock: str, grace: float) -> Callable[[Record], Tr
         elif record.dispatch_due is None or record.dispatch_due > now:
             return lifecycle.rejected("not_due")
         new = record.copy()
-        eta = None
-        if job.state == "scheduled" and job.scheduled_at is not None:
-            eta = job.scheduled_at.timestamp()
-        elif job.state == "retryable" and job.next_retry_at is not None:
-            eta = job.next_retry_at.timestamp()
-        if eta is not None and eta <= now:
-            eta = None
+        eta = _eta_of(job, now)
         new.promote_at = None
         new.dispatch_due = now + grace + max((eta or now) - now, 0.0)
         return Transition(new, publish=Publish(job.id, new.token, eta))

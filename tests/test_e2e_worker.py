@@ -364,3 +364,36 @@ def test_a_message_held_for_its_eta_is_listed_in_beats(env: Env, tmp_path: pathl
         assert env.wait_state(job.id, "completed", timeout=8 + SLACK + 5).result == 5
     finally:
         stop_all([worker])
+
+
+def test_kill_9_of_a_worker_holding_an_eta_message_runs_it_once_when_due(
+    env: Env, tmp_path: pathlib.Path
+) -> None:
+    """The victim holds a job due in a few seconds (listed in its beats); kill -9 loses the
+    message with it. The sweeper re-dispatches it when it buries the victim, still for its
+    ETA: another worker runs it once, not before it is due."""
+    queue = unique("own")
+    config = {**env.config, "worker_queues": [queue]}
+    victim = Worker(config, tmp_path / "victim.log", concurrency=1)
+    survivor: Worker | None = None
+    try:
+        victim.wait_ready()
+        victim_id = registered(env, victim).worker_id
+        due = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=10)
+        job = enqueue({"type": "e2e.whoami", "args": [0.1], "queue": queue,
+                       "scheduled_at": due.isoformat()}, app=env.app)
+        store = get_runtime(env.app).store
+        wait_for(lambda: (w := store.get_worker(victim_id)) and job.id in w.reserved_job_ids,
+                 5, "the victim to list the ETA-held job")
+        os.killpg(victim.process.pid, signal.SIGKILL)
+        survivor = Worker(config, tmp_path / "survivor.log", concurrency=1)
+        survivor.wait_ready()
+        survivor_id = registered(env, survivor).worker_id
+        wait_for(lambda: store.get_worker(victim_id) is None, DEAD_AFTER + SWEEP + SLACK,
+                 "the sweeper to bury the victim")
+        done = env.wait_state(job.id, "completed", timeout=10 + SLACK + 5)
+        assert done.result == survivor_id and done.attempt == 1 and done.errors == []
+        assert done.started_at is not None and done.started_at >= due  # not before it is due
+        assert len([r for r in env.lines("runs") if job.id in r]) == 1
+    finally:
+        stop_all([victim] + ([survivor] if survivor else []))
