@@ -216,12 +216,14 @@ def test_sigterm_exits_as_soon_as_jobs_are_done(env: Env, tmp_path: pathlib.Path
 def test_second_sigint_is_immediate(env: Env, tmp_path: pathlib.Path) -> None:
     [worker] = own_workers(env, tmp_path)
     try:
-        registered(env, worker)
+        info = registered(env, worker)
         job = enqueue({"type": "e2e.sleep", "args": [30.0], "queue": queue_of(worker)},
                       app=env.app)
         env.wait_state(job.id, "active")
         worker.process.send_signal(signal.SIGINT)
-        wait_for(lambda: "shutting down (SIGINT)" in worker.log(), 5, "the drain")
+        store = get_runtime(env.app).store
+        wait_for(lambda: (w := store.get_worker(info.worker_id)) and w.state == "terminate",
+                 BEAT + SLACK, "the drain")
         began = time.monotonic()
         worker.process.send_signal(signal.SIGINT)
         worker.process.wait(10)
@@ -333,10 +335,14 @@ def test_frozen_worker_cannot_complete_a_recovered_job(env: Env, tmp_path: pathl
         done = env.wait_state(job.id, "completed", timeout=1 + SWEEP + 4 + SLACK + 5)
         assert done.result == other_id and done.attempt == 2
         assert done.errors[0]["type"] in ("visibility_timeout", "worker_death")
-        wait_for(lambda: f"outcome of job {job.id} attempt 1 rejected" in frozen.log(), 15,
-                 "the frozen worker's late result to be rejected")
+        wait_for(lambda: f"whoami {job.id} attempt=1" in env.lines("finished"), 15,
+                 "the frozen worker's pool process to finish the old attempt")
+        store = get_runtime(env.app).store
+        wait_for(lambda: store.get_worker(frozen_id) is None, DEAD_AFTER + SWEEP + SLACK,
+                 "the frozen worker to be declared dead")
         os.kill(frozen.process.pid, signal.SIGCONT)
-        wait_for(lambda: "registering again" in frozen.log(), 10, "re-registration")
+        wait_for(lambda: store.get_worker(frozen_id) is not None, BEAT + SLACK,
+                 "the worker to register again with its next beat")
         final = env.job(job.id)
         assert final.state == "completed" and final.result == other_id
         assert frozen_id != other_id
