@@ -7,13 +7,24 @@ Durations are seconds and accept floats (tests use short intervals).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery.exceptions import ImproperlyConfigured
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .envelope import TYPE_PATTERN, Job, field_violations
 from .lifecycle import DAY, Policy
+
+logger = logging.getLogger(__name__)
 
 PositiveSeconds = float
 #: The job ``heartbeat_timeout`` an envelope gets when it names none (the spec's default).
@@ -50,6 +61,9 @@ class Settings(BaseModel):
     heartbeat_interval: float = Field(5.0, gt=0)
     worker_heartbeat_timeout: float = Field(30.0, gt=0)
     shutdown_grace_period: float = Field(25.0, ge=0)
+    #: A job still running this long (at most its own grace period) before the drain ends gets
+    #: its cancellation signal; at most half of ``shutdown_grace_period`` (see cancel_window).
+    shutdown_cancel_window: float = Field(5.0, ge=0)
     labels: list[str] = []
     retention: Retention = Retention()
 
@@ -98,6 +112,27 @@ class Settings(BaseModel):
                 "timeouts extension recommends: jobs relying on worker beats may stall"
             )
         return found
+
+    @field_validator("shutdown_cancel_window")
+    @classmethod
+    def _cancel_window(cls, value: float, info: ValidationInfo) -> float:
+        """Clamp a window set explicitly to half the drain, with a warning (the default is
+        clamped silently by :attr:`cancel_window`, so a short drain needs no second setting)."""
+        drain: float | None = info.data.get("shutdown_grace_period")
+        if drain is None:  # the drain itself is invalid: that error is reported
+            return value
+        half = drain / 2
+        if value > half:
+            logger.warning("ojs_celery: ojs.shutdown_cancel_window %ss is more than half of "
+                           "ojs.shutdown_grace_period %ss: using %ss", value, drain, half)
+            return half
+        return value
+
+    @property
+    def cancel_window(self) -> float:
+        """The effective window: at most half the drain, the other half being the jobs' time
+        to finish undisturbed (a drain of 0 has no window)."""
+        return min(self.shutdown_cancel_window, self.shutdown_grace_period / 2)
 
     @property
     def policy(self) -> Policy:

@@ -105,8 +105,6 @@ def install(app: Celery) -> Runtime:
     signals.worker_init.connect(on_worker_init, weak=False)
     signals.worker_process_init.connect(on_child_start, weak=False)
     signals.worker_process_shutdown.connect(on_child_shutdown, weak=False)
-    app._ojs_signal_receivers = (
-        on_worker_init, on_child_start, on_child_shutdown, on_configured, on_beat_init)
     for step in STEPS:
         app.steps["consumer"].add(step)
     return runtime

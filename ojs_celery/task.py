@@ -176,7 +176,7 @@ class OJSTask(Task):  # type: ignore[misc]
             raise Ignore()
         delay: float | None = None
         retryable = True
-        if isinstance(outcome, TimedOut) and _worker_is_draining(runtime, ctx.worker_id):
+        if isinstance(outcome, TimedOut) and _worker_is_draining(runtime, ctx.worker_id, job.id):
             error = lifecycle.make_error(
                 "shutdown", "cancelled because the worker shut down before the job finished")
         elif isinstance(outcome, TimedOut):
@@ -227,10 +227,11 @@ class OJSTask(Task):  # type: ignore[misc]
         raise exc
 
 
-def _worker_is_draining(runtime: Runtime, worker_id: str) -> bool:
-    """A cancellation during a worker's shutdown drain is a ``shutdown``, never a ``timeout``."""
+def _worker_is_draining(runtime: Runtime, worker_id: str, job_id: str) -> bool:
+    """Was this job's cancellation sent by its worker's shutdown drain (then it is a
+    ``shutdown``)? Its own execution timeout, even during a drain, stays a ``timeout``."""
     try:
-        return runtime.store.meta.is_draining(worker_id)
+        return runtime.store.meta.is_draining(worker_id, job_id)
     except StoreError:
         return False
 

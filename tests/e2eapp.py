@@ -139,6 +139,22 @@ def make_app(config: dict[str, Any]) -> Celery:
             time.sleep(60)
         return "unreachable"
 
+    @app.task(shared=False, name="e2e.resumable", base=OJSTask)
+    def resumable(seconds: float) -> Any:
+        """Resumes from its checkpoint at once; without one, works ``seconds``, and when
+        cancelled records when, saves a checkpoint and overruns."""
+        ctx = current_job()
+        if ctx.last_checkpoint is not None:
+            return {"resumed_from": ctx.last_checkpoint}
+        try:
+            time.sleep(seconds)
+        except SoftTimeLimitExceeded:
+            record(directory, "cancelled", f"{ctx.job_id} attempt={ctx.attempt} "
+                   f"at={time.time()}")
+            ctx.progress(0.5, checkpoint={"step": 1})
+            time.sleep(seconds)
+        return "unreachable"
+
     @app.task(shared=False, name="e2e.self_retry", base=OJSTask, bind=True)
     def self_retry(self: OJSTask, succeed_on: int) -> str:
         ctx = current_job()

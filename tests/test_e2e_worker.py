@@ -8,6 +8,7 @@ are deadline + interval + generous slack.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import pathlib
@@ -215,12 +216,14 @@ def test_sigterm_exits_as_soon_as_jobs_are_done(env: Env, tmp_path: pathlib.Path
 def test_second_sigint_is_immediate(env: Env, tmp_path: pathlib.Path) -> None:
     [worker] = own_workers(env, tmp_path)
     try:
-        registered(env, worker)
+        info = registered(env, worker)
         job = enqueue({"type": "e2e.sleep", "args": [30.0], "queue": queue_of(worker)},
                       app=env.app)
         env.wait_state(job.id, "active")
         worker.process.send_signal(signal.SIGINT)
-        wait_for(lambda: "shutting down (SIGINT)" in worker.log(), 5, "the drain")
+        store = get_runtime(env.app).store
+        wait_for(lambda: (w := store.get_worker(info.worker_id)) and w.state == "terminate",
+                 BEAT + SLACK, "the drain")
         began = time.monotonic()
         worker.process.send_signal(signal.SIGINT)
         worker.process.wait(10)
@@ -332,12 +335,71 @@ def test_frozen_worker_cannot_complete_a_recovered_job(env: Env, tmp_path: pathl
         done = env.wait_state(job.id, "completed", timeout=1 + SWEEP + 4 + SLACK + 5)
         assert done.result == other_id and done.attempt == 2
         assert done.errors[0]["type"] in ("visibility_timeout", "worker_death")
-        wait_for(lambda: f"outcome of job {job.id} attempt 1 rejected" in frozen.log(), 15,
-                 "the frozen worker's late result to be rejected")
+        wait_for(lambda: f"whoami {job.id} attempt=1" in env.lines("finished"), 15,
+                 "the frozen worker's pool process to finish the old attempt")
+        store = get_runtime(env.app).store
+        wait_for(lambda: store.get_worker(frozen_id) is None, DEAD_AFTER + SWEEP + SLACK,
+                 "the frozen worker to be declared dead")
         os.kill(frozen.process.pid, signal.SIGCONT)
-        wait_for(lambda: "registering again" in frozen.log(), 10, "re-registration")
+        wait_for(lambda: store.get_worker(frozen_id) is not None, BEAT + SLACK,
+                 "the worker to register again with its next beat")
         final = env.job(job.id)
         assert final.state == "completed" and final.result == other_id
         assert frozen_id != other_id
     finally:
         stop_all([frozen] + ([other] if other else []))
+
+
+def test_a_message_held_for_its_eta_is_listed_in_beats(env: Env, tmp_path: pathlib.Path) -> None:
+    """A job due in a few seconds reaches the worker at once and waits on its timer: the beats
+    list it as held (so that the sweeper can re-dispatch it if this worker dies)."""
+    [worker] = own_workers(env, tmp_path)
+    try:
+        info = registered(env, worker)
+        when = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=8)
+        job = enqueue({"type": "e2e.add", "args": [2, 3], "queue": queue_of(worker),
+                       "scheduled_at": when.isoformat()}, app=env.app)
+        store = get_runtime(env.app).store
+
+        def listed_before_it_runs() -> bool:
+            current = store.get_worker(info.worker_id)
+            return bool(current and job.id in current.reserved_job_ids
+                        and env.job(job.id).attempt == 0)
+
+        wait_for(listed_before_it_runs, 6, "the ETA-held job in the worker's beats")
+        assert env.wait_state(job.id, "completed", timeout=8 + SLACK + 5).result == 5
+    finally:
+        stop_all([worker])
+
+
+def test_kill_9_of_a_worker_holding_an_eta_message_runs_it_once_when_due(
+    env: Env, tmp_path: pathlib.Path
+) -> None:
+    """The victim holds a job due in a few seconds (listed in its beats); kill -9 loses the
+    message with it. The sweeper re-dispatches it when it buries the victim, still for its
+    ETA: another worker runs it once, not before it is due."""
+    queue = unique("own")
+    config = {**env.config, "worker_queues": [queue]}
+    victim = Worker(config, tmp_path / "victim.log", concurrency=1)
+    survivor: Worker | None = None
+    try:
+        victim.wait_ready()
+        victim_id = registered(env, victim).worker_id
+        due = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=10)
+        job = enqueue({"type": "e2e.whoami", "args": [0.1], "queue": queue,
+                       "scheduled_at": due.isoformat()}, app=env.app)
+        store = get_runtime(env.app).store
+        wait_for(lambda: (w := store.get_worker(victim_id)) and job.id in w.reserved_job_ids,
+                 5, "the victim to list the ETA-held job")
+        os.killpg(victim.process.pid, signal.SIGKILL)
+        survivor = Worker(config, tmp_path / "survivor.log", concurrency=1)
+        survivor.wait_ready()
+        survivor_id = registered(env, survivor).worker_id
+        wait_for(lambda: store.get_worker(victim_id) is None, DEAD_AFTER + SWEEP + SLACK,
+                 "the sweeper to bury the victim")
+        done = env.wait_state(job.id, "completed", timeout=10 + SLACK + 5)
+        assert done.result == survivor_id and done.attempt == 1 and done.errors == []
+        assert done.started_at is not None and done.started_at >= due  # not before it is due
+        assert len([r for r in env.lines("runs") if job.id in r]) == 1
+    finally:
+        stop_all([victim] + ([survivor] if survivor else []))

@@ -811,12 +811,13 @@ def test_meta(store: JobStore) -> None:
     assert meta.last_sweep() == T0 + 0.125
     meta.record_sweep(T0 + 2)
     assert meta.last_sweep() == T0 + 2
-    assert not meta.is_draining("w-1")
-    meta.mark_draining("w-1")
-    assert meta.is_draining("w-1") and not meta.is_draining("w-2")
-    meta.clear_draining("w-1")
-    meta.clear_draining("w-1")  # clearing what is not there is no error
-    assert not meta.is_draining("w-1")
+    assert not meta.is_draining("w-1", "j-1")
+    meta.mark_draining("w-1", "j-1")
+    assert meta.is_draining("w-1", "j-1") and not meta.is_draining("w-2", "j-1")
+    assert not meta.is_draining("w-1", "j-2")
+    meta.clear_draining("w-1", "j-1")
+    meta.clear_draining("w-1", "j-1")  # clearing what is not there is no error
+    assert not meta.is_draining("w-1", "j-1")
     assert meta.last_sweep() == T0 + 2
 
 

@@ -2,9 +2,10 @@
 
 A sweeper records when it last ran (a worker warns when sweeps stop); ``ojs-celery workers
 quiet`` leaves a one-shot directive that the worker takes with its next beat; a draining worker
-marks itself, so that a job cancelled in one of its pool processes fails with ``shutdown``, not
-``timeout``. Every key is named here and nowhere else: callers use the typed methods. The area
-lives on the same backend as the jobs (see :mod:`.base`), reached as ``store.meta``.
+marks each job it cancels, so that the job, cancelled in its pool process, fails with
+``shutdown``, not ``timeout``. Every key is named here and nowhere else: callers use the typed
+methods. The area lives on the same backend as the jobs (see :mod:`.base`), reached as
+``store.meta``.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ def directive_key(worker_id: str) -> str:
     return f"directive:{worker_id}"
 
 
-def draining_key(worker_id: str) -> str:
-    """Present while ``worker_id`` drains for its shutdown."""
-    return f"shutdown:{worker_id}"
+def draining_key(worker_id: str, job_id: str) -> str:
+    """Present once ``worker_id``'s shutdown drain has sent ``job_id`` its cancellation."""
+    return f"shutdown:{worker_id}:{job_id}"
 
 
 class MetaArea(ABC):
@@ -56,14 +57,15 @@ class MetaArea(ABC):
 
     # ------------------------------------------------------------------ shutdown drain
 
-    def mark_draining(self, worker_id: str) -> None:
-        self._put(draining_key(worker_id), "1")
+    def mark_draining(self, worker_id: str, job_id: str) -> None:
+        """The drain cancels ``job_id``: its cancellation is a ``shutdown``."""
+        self._put(draining_key(worker_id, job_id), "1")
 
-    def clear_draining(self, worker_id: str) -> None:
-        self._take(draining_key(worker_id))
+    def clear_draining(self, worker_id: str, job_id: str) -> None:
+        self._take(draining_key(worker_id, job_id))
 
-    def is_draining(self, worker_id: str) -> bool:
-        return self._get(draining_key(worker_id)) is not None
+    def is_draining(self, worker_id: str, job_id: str) -> bool:
+        return self._get(draining_key(worker_id, job_id)) is not None
 
     # ------------------------------------------------------------------ sweeps
 

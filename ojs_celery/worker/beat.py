@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from celery import bootsteps
 
 from ..header import token_of
-from ..store import StoreError
 from .directives import DirectivesStep
+from .faults import OncePerKind
 from .node import WorkerNode, node_of, ojs_requests
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class Beater:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._beats = 0
+        self._faults = OncePerKind(logger, f"beat of worker {node.worker_id}")
 
     def start(self) -> None:
         if self._thread is None:
@@ -42,34 +44,42 @@ class Beater:
             self._stop.set()
 
     def _run(self) -> None:
+        """Beat on a fixed schedule: a slow beat does not push the next ones later (worker
+        protocol 4.6: a failed beat is retried at the next interval, never slower)."""
         interval = self.node.settings.heartbeat_interval
-        while not self._stop.wait(interval):
+        due = time.monotonic() + interval
+        while not self._stop.wait(max(due - time.monotonic(), 0.0)):
             self.beat()
+            due += interval
+            now = time.monotonic()
+            if due <= now:  # a beat outlasted the interval: beat again now, then on schedule
+                due = now
 
     def soon(self) -> None:
         """Report a state change at once rather than at the next interval."""
         threading.Thread(target=self.beat, name="ojs-beat-now", daemon=True).start()
 
     def beat(self) -> None:
-        """One BEAT."""
+        """One BEAT; whatever it meets is logged (once per kind) and the next one tries again."""
         with self._lock:
-            if not self._stop.is_set():
+            if self._stop.is_set():
+                return
+            try:
                 self._beat()
+            except Exception as exc:
+                self._faults.failed(exc)
+            else:
+                self._faults.succeeded()
 
     def _beat(self) -> None:
         node = self.node
         info = node.info()
-        try:
-            directive, known = node.registry.beat(info)
-            if not known:
-                logger.warning("ojs_celery: worker %s is not registered (declared dead while "
-                               "it was frozen or cut off?): registering again", node.worker_id)
-            for request in ojs_requests():
-                self._extend(request, info.last_beat)
-        except StoreError as exc:
-            logger.warning("ojs_celery: beat of worker %s failed, retrying at the next "
-                           "interval: %s", node.worker_id, exc)
-            return
+        directive, known = node.registry.beat(info)
+        if not known:
+            logger.warning("ojs_celery: worker %s is not registered (declared dead while "
+                           "it was frozen or cut off?): registering again", node.worker_id)
+        for request in ojs_requests():
+            self._extend(request, info.last_beat)
         self._beats += 1
         if self._beats % HEARTBEAT_EVENT_EVERY == 1:
             node.runtime.bus.emit("worker.heartbeat", {

@@ -14,6 +14,7 @@ from typing import Any
 
 from celery import bootsteps
 
+from .faults import OncePerKind
 from .node import WorkerNode, node_of, ojs_requests
 from .registration import RegistrationStep
 
@@ -25,11 +26,18 @@ class Directives:
 
     def __init__(self, node: WorkerNode) -> None:
         self.node = node
+        self._faults = OncePerKind(logger, f"a state change of worker {node.worker_id}")
 
     def apply_soon(self, wanted: str, source: str) -> None:
         """:meth:`apply` from a thread of its own (signal handlers and beats must not block)."""
-        threading.Thread(target=self.apply, args=(wanted, source), name="ojs-directive",
+        threading.Thread(target=self._apply_logged, args=(wanted, source), name="ojs-directive",
                          daemon=True).start()
+
+    def _apply_logged(self, wanted: str, source: str) -> None:
+        try:
+            self.apply(wanted, source)
+        except Exception as exc:
+            self._faults.failed(exc)
 
     def apply(self, wanted: str, source: str) -> None:
         """Adopt ``wanted`` (quiet, resume/running, terminate) if the transition is valid."""

@@ -42,14 +42,38 @@ def _snapshot(requests: Any) -> list[Any]:
     return []
 
 
-def ojs_requests(active: bool = True) -> list[Any]:
-    """The OJS requests this worker runs (``active``) or holds without running."""
+def ojs_requests(active: bool = True, timer: Any = None) -> list[Any]:
+    """The OJS requests this worker runs (``active``), or holds without running: prefetched,
+    and held for an ETA (a retry's backoff, a job due in a few seconds) when ``timer`` (the
+    consumer's) is given."""
     running = _snapshot(worker_state.active_requests)
     if active:
         return [r for r in running if token_of(r) is not None]
-    running_ids = {r.id for r in running}
-    return [r for r in _snapshot(worker_state.reserved_requests)
-            if token_of(r) is not None and r.id not in running_ids]
+    seen = {r.id for r in running}
+    held = []
+    for request in [*_snapshot(worker_state.reserved_requests), *eta_held(timer)]:
+        if token_of(request) is not None and request.id not in seen:
+            seen.add(request.id)
+            held.append(request)
+    return held
+
+
+def eta_held(timer: Any) -> list[Any]:
+    """The requests waiting for their ETA in this worker.
+
+    Celery keeps them in ``celery.worker.state.scheduled_requests`` (5.7; a request that has
+    left the timer for a rate-limit bucket stays there too) and, in every version, as the first
+    argument of their entry on the consumer's timer (which is what ``celery inspect scheduled``
+    reads: ``consumer.timer.schedule.queue``, a snapshot of kombu's heap).
+    """
+    requests = _snapshot(getattr(worker_state, "scheduled_requests", ()))
+    schedule = getattr(timer, "schedule", None)
+    for waiting in _snapshot(getattr(schedule, "queue", ())):
+        entry = getattr(waiting, "entry", None)
+        args = getattr(entry, "args", None)
+        if args and not getattr(entry, "canceled", False) and hasattr(args[0], "id"):
+            requests.append(args[0])
+    return requests
 
 
 def anything_running() -> bool:
@@ -95,7 +119,8 @@ class WorkerNode:
             state=self.state,
             last_beat=time.time(),
             active_job_ids=[r.id for r in ojs_requests()],
-            reserved_job_ids=[r.id for r in ojs_requests(active=False)],
+            reserved_job_ids=[r.id for r in ojs_requests(active=False,
+                                                         timer=getattr(consumer, "timer", None))],
         )
 
 

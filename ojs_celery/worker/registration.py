@@ -10,7 +10,6 @@ from celery import bootsteps
 from celery.worker import state as worker_state
 
 from ..runtime import get_runtime
-from ..store import StoreError
 from .node import WorkerNode
 
 logger = logging.getLogger(__name__)
@@ -31,9 +30,9 @@ class RegistrationStep(bootsteps.StartStopStep):  # type: ignore[misc]
         info = node.info()
         try:
             node.registry.register(info)
-        except StoreError as exc:
+        except Exception as exc:  # any store fault: the next beat registers it
             logger.warning("ojs_celery: could not register worker %s (will retry with the "
-                           "next beat): %s", node.worker_id, exc)
+                           "next beat): %r", node.worker_id, exc)
         node.runtime.bus.emit("worker.started", {
             "worker_id": node.worker_id, "queues": info.queues,
             "concurrency": info.concurrency, "hostname": info.hostname, "pid": info.pid,
@@ -70,8 +69,8 @@ def deregister(node: WorkerNode, reason: str) -> None:
         beat.stop()
     try:
         node.registry.deregister()
-    except StoreError as exc:
-        logger.warning("ojs_celery: could not deregister worker %s: %s", node.worker_id, exc)
+    except Exception as exc:  # any store fault: the sweeper removes the record when it ages
+        logger.warning("ojs_celery: could not deregister worker %s: %r", node.worker_id, exc)
     node.runtime.bus.emit("worker.stopped", {
         "worker_id": node.worker_id, "reason": reason,
         "uptime_ms": round((time.time() - node.started_at) * 1000),

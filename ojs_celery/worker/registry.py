@@ -37,8 +37,8 @@ class Registry:
     def deregister(self) -> None:
         self.runtime.store.workers.remove(self.worker_id)
 
-    def mark_draining(self) -> None:
-        self.runtime.store.meta.mark_draining(self.worker_id)
+    def mark_draining(self, job_id: str) -> None:
+        self.runtime.store.meta.mark_draining(self.worker_id, job_id)
 
-    def clear_draining(self) -> None:
-        self.runtime.store.meta.clear_draining(self.worker_id)
+    def clear_draining(self, job_id: str) -> None:
+        self.runtime.store.meta.clear_draining(self.worker_id, job_id)

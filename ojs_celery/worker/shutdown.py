@@ -1,11 +1,13 @@
 """The signals-and-drain bootstep: the graceful shutdown of the OJS worker protocol.
 
-SIGTSTP → quiet, SIGCONT → running. SIGTERM, a first SIGINT or a ``terminate`` directive → stop
-consuming, report ``terminate`` (beats go on), and wait for the running jobs up to the worker
-shutdown grace period; a job still running gets its cancellation signal (the soft time limit,
-``ctx.cancelled``) early enough to have its own ``grace_period`` (or what remains of the drain)
-before the end; then it is FAILed with error ``shutdown`` and retried per its policy, its pool
-process is stopped, the worker deregisters and Celery's own warm shutdown finishes (exit 0).
+SIGTSTP → quiet, SIGCONT → running. SIGTERM, a first SIGINT or a ``terminate`` directive start
+the drain (``shutdown_grace_period``, D): stop consuming, report ``terminate`` (beats go on), and
+leave the running jobs alone to finish. A job still running ``min(its grace_period,
+shutdown_cancel_window)`` before the end of the drain gets its cancellation signal (the soft
+time limit: ``SoftTimeLimitExceeded``, ``ctx.cancelled``) and may save a checkpoint; what still
+runs at the end is FAILed with error ``shutdown`` (retried per its policy) and its pool process
+stopped; then the worker deregisters and Celery's own shutdown finishes (exit 0). A job whose
+own execution timeout fires during the drain is not signalled again: it ends with ``timeout``.
 A second SIGINT, or SIGQUIT, stays Celery's immediate cold shutdown.
 
 Celery's warm shutdown would wait for tasks without a bound, and its soft shutdown sleeps the
@@ -20,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -31,6 +34,7 @@ from ..header import token_of
 from ..store import StoreError
 from .beat import BeatStep
 from .children import PoolChildrenStep
+from .faults import OncePerKind
 from .node import WorkerNode, anything_running, node_of, ojs_requests
 from .registration import deregister
 
@@ -38,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 #: How often the drain looks at what still runs.
 POLL = 0.05
+#: How long the drain waits, after stopping its leftovers, for the pool to report them gone,
+#: when Celery's soft shutdown is on (it sleeps its whole timeout if any task looks active).
+LEFTOVERS_GONE = 5.0
 
 
 class Drain:
@@ -50,6 +57,8 @@ class Drain:
         self._previous: dict[int, Any] = {}
         self._started = threading.Event()
         self._handover = False
+        self._cancelled: set[str] = set()  # jobs the drain signalled
+        self._faults = OncePerKind(logger, f"the shutdown drain of worker {node.worker_id}")
 
     @property
     def started(self) -> bool:
@@ -122,46 +131,65 @@ class Drain:
 
     def _wait_and_fail(self, source: str) -> None:
         node = self.node
+        window = node.settings.cancel_window
         deadline = time.monotonic() + self.grace
-        signalled: set[str] = set()
         while anything_running() and time.monotonic() < deadline:
             remaining = deadline - time.monotonic()
             for request in ojs_requests():
-                if request.id not in signalled and remaining <= _job_grace(request):
-                    signalled.add(request.id)
-                    self._cancel(request)
+                if (request.id not in self._cancelled
+                        and remaining <= min(_job_grace(request), window)
+                        and not _own_limit_fired(request)):
+                    self._each(self._cancel, request)
             time.sleep(POLL)
         leftovers = ojs_requests()
         for request in leftovers:
-            self._fail(request)
-        deregister(node, "signal" if source.startswith("SIG") else "shutdown")
-        try:
-            node.registry.clear_draining()
-        except StoreError:
-            pass
-        logger.warning("ojs_celery: worker %s drained (%d job(s) failed with `shutdown`)",
+            self._each(self._fail, request)
+        if float(node.runtime.app.conf.get("worker_soft_shutdown_timeout") or 0) > 0:
+            _wait_gone(leftovers)  # or Celery's soft shutdown would sleep on them
+        self._each(deregister, node, "signal" if source.startswith("SIG") else "shutdown")
+        for job_id in self._cancelled:
+            self._each(node.registry.clear_draining, job_id)
+        logger.warning("ojs_celery: worker %s drained (%d job(s) still running failed)",
                        node.worker_id, len(leftovers))
 
+    def _each(self, step: Callable[..., Any], *args: Any) -> None:
+        """One step of the drain; an error in it (logged once per kind) skips only that step:
+        the other jobs are still cancelled or failed, and the worker still leaves on time."""
+        try:
+            step(*args)
+        except Exception as exc:
+            self._faults.failed(exc)
+
     def _cancel(self, request: Any) -> None:
-        """Deliver the cancellation signal: the soft time limit in the job's pool process."""
+        """Deliver the cancellation signal: the soft time limit in the job's pool process,
+        marked first as the drain's (the handler then fails with ``shutdown``)."""
+        self._cancelled.add(request.id)
         pid = getattr(request, "worker_pid", None)
         if not pid or pid == os.getpid():
             return  # solo/threads pools run jobs in this process: nothing to interrupt
         try:
-            self.node.registry.mark_draining()
+            self.node.registry.mark_draining(request.id)
             os.kill(pid, signal.SIGUSR1)
             logger.warning("ojs_celery: cancelling job %s for the shutdown", request.id)
         except (OSError, StoreError) as exc:
             logger.warning("ojs_celery: could not cancel job %s: %s", request.id, exc)
 
     def _fail(self, request: Any) -> None:
-        """FAIL a job still running at the end of the drain (error ``shutdown``), then stop it."""
+        """FAIL a job still running at the end of the drain, then stop it: ``shutdown``, or
+        ``timeout`` when its own execution timeout fired first (and the drain sent nothing)."""
         token = token_of(request)
         if token is None:
             return
-        error = lifecycle.make_error(
-            "shutdown", f"the worker shut down and its grace period of {self.grace}s ended "
-            "before the job finished")
+        if _own_limit_fired(request) and request.id not in self._cancelled:
+            elapsed = time.time() - float(request.time_start)
+            soft = float(request.time_limits[1])
+            error = lifecycle.timeout_error(
+                "timeout", soft, elapsed,
+                f"execution timeout of {soft:g}s exceeded, and the worker shut down")
+        else:
+            error = lifecycle.make_error(
+                "shutdown", f"the worker shut down and its grace period of {self.grace}s "
+                "ended before the job finished")
         try:
             done = self.runtime.store.fail_token(request.id, token, self.node.worker_id, error)
         except StoreError as exc:
@@ -179,6 +207,23 @@ class Drain:
             os.kill(os.getpid(), signal.SIGTERM)
         else:
             self.node.consumer.controller.stop(in_sighandler=False)
+
+
+def _own_limit_fired(request: Any) -> bool:
+    """Has the job's own soft time limit (its execution timeout) already been sent?"""
+    soft = (getattr(request, "time_limits", None) or (None, None))[1]
+    started = getattr(request, "time_start", None)
+    return bool(soft and started and time.time() >= float(started) + float(soft))
+
+
+def _wait_gone(requests: list[Any]) -> None:
+    """Wait (bounded) until the pool has reported the stopped ``requests`` gone."""
+    ids = {r.id for r in requests}
+    limit = time.monotonic() + LEFTOVERS_GONE
+    while ids and time.monotonic() < limit:
+        if not ids & {r.id for r in ojs_requests()}:
+            return
+        time.sleep(POLL)
 
 
 def _job_grace(request: Any) -> float:

@@ -1,0 +1,47 @@
+"""Failures of the worker's long-lived loops (beat, directives, drain), logged once per kind.
+
+A loop that meets an error keeps going (a Redis error reply, a PostgreSQL read-only
+transaction, a bug in one request's data must not end the BEAT thread, or the sweeper declares a
+live worker dead). Logging every occurrence would flood the log at every interval during an
+outage, so each kind of failure is logged once, with its traceback, until the loop succeeds
+again; then a line says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+
+def kind_of(exc: BaseException) -> str:
+    """The exception's class, and its cause's (a ``StoreError`` wraps many different faults)."""
+    kind = type(exc).__qualname__
+    cause = exc.__cause__
+    return f"{kind}({type(cause).__qualname__})" if cause is not None else kind
+
+
+class OncePerKind:
+    """Logs a loop's failures, once per kind until the loop succeeds again."""
+
+    def __init__(self, logger: logging.Logger, what: str) -> None:
+        self.logger = logger
+        self.what = what
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def failed(self, exc: BaseException) -> None:
+        kind = kind_of(exc)
+        with self._lock:
+            first = kind not in self._seen
+            self._seen.add(kind)
+        if first:
+            self.logger.warning("ojs_celery: %s failed (%s), retrying: %s", self.what, kind, exc,
+                                exc_info=exc)
+        else:
+            self.logger.debug("ojs_celery: %s failed again (%s): %s", self.what, kind, exc)
+
+    def succeeded(self) -> None:
+        with self._lock:
+            recovered, self._seen = bool(self._seen), set()
+        if recovered:
+            self.logger.warning("ojs_celery: %s works again", self.what)

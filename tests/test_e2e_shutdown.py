@@ -1,0 +1,172 @@
+"""Graceful shutdown end to end (real prefork ``celery worker`` subprocesses on Redis): running
+jobs are left alone during the drain, get their cancellation signal only in the window before
+its end, and a job's own timeout during the drain stays a ``timeout``.
+
+Each test starts its own worker on a queue of its own, with the drain it examines; bounds are
+the drain plus generous slack, and the one timing that is the point of a test (when the
+cancellation arrives) is measured in the handler.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ojs_celery import enqueue
+from ojs_celery.runtime import get_runtime
+from tests.conftest import Env, start_env
+from tests.workers import Worker, unique
+
+SLACK = 6.0
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("shutdown")
+    with start_env("redis", tmp, concurrency=1,
+                   config={"ojs": {"heartbeat_interval": 0.5}}) as started:
+        yield started
+
+
+def own_worker(env: Env, tmp: pathlib.Path, drain: float, queue: str | None = None,
+               celery: dict[str, Any] | None = None, **options: Any) -> Worker:
+    config = {**env.config, "worker_queues": [queue or unique("own")],
+              "ojs": {**env.config["ojs"], "shutdown_grace_period": drain},
+              "celery": {**env.config.get("celery", {}), **(celery or {})}}
+    worker = Worker(config, tmp / f"{unique('w')}.log", **options)
+    worker.wait_ready()
+    return worker
+
+
+def queue_of(worker: Worker) -> str:
+    return str(worker.config["worker_queues"][0])
+
+
+def sigterm(worker: Worker, group: bool) -> float:
+    """SIGTERM to the main process, or to the whole process group (systemd, docker stop)."""
+    began = time.time()
+    if group:
+        os.killpg(worker.process.pid, signal.SIGTERM)
+    else:
+        worker.process.send_signal(signal.SIGTERM)
+    return began
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["main", "group"])
+def test_sigterm_lets_a_running_job_finish(env: Env, tmp_path: pathlib.Path, group: bool) -> None:
+    worker = own_worker(env, tmp_path, drain=20.0, concurrency=2)
+    try:
+        job = enqueue({"type": "e2e.sleep", "args": [5.0, "done"], "queue": queue_of(worker)},
+                      app=env.app)  # default grace_period (30 s) > drain: the old code
+        env.wait_state(job.id, "active")   # cancelled it at once
+        began = time.monotonic()
+        sigterm(worker, group)
+        assert worker.process.wait(5 + SLACK) == 0
+        assert time.monotonic() - began < 5 + SLACK  # not the 20 s drain
+        done = env.job(job.id)
+        assert done.state == "completed" and done.result == "done"
+        assert done.attempt == 1 and done.errors == []
+    finally:
+        worker.stop()
+
+
+def test_a_long_job_is_cancelled_in_the_window_and_resumes(
+    env: Env, tmp_path: pathlib.Path
+) -> None:
+    """Drain 10 s, window 5 s (the default): the job is signalled 5 s before the end, saves a
+    checkpoint, fails with ``shutdown`` and its next attempt resumes from the checkpoint."""
+    queue = unique("own")
+    worker = own_worker(env, tmp_path, drain=10.0, queue=queue)
+    job = enqueue({"type": "e2e.resumable", "args": [60], "queue": queue, "timeout": 100,
+                   "retry": {"max_attempts": 3, "initial_interval": "PT0.1S"}}, app=env.app)
+    try:
+        env.wait_state(job.id, "active")
+        began = sigterm(worker, group=True)
+        assert worker.process.wait(10 + SLACK) == 0
+        [cancelled] = [line.split() for line in env.lines("cancelled") if job.id in line]
+        signalled_after = float(cancelled[2].removeprefix("at=")) - began
+        assert 10 - 5 - 0.5 <= signalled_after <= 10 - 5 + 2.0, signalled_after
+        failed = env.job(job.id)
+        assert failed.state == "retryable"
+        assert [e["type"] for e in failed.errors] == ["shutdown"]
+        assert failed.last_checkpoint == {"step": 1}
+    finally:
+        worker.stop()
+    second = own_worker(env, tmp_path, drain=10.0, queue=queue)
+    try:
+        done = env.wait_state(job.id, "completed")
+        assert done.attempt == 2 and done.result == {"resumed_from": {"step": 1}}
+    finally:
+        second.stop()
+
+
+def test_a_jobs_own_timeout_during_the_drain_is_a_timeout(
+    env: Env, tmp_path: pathlib.Path
+) -> None:
+    worker = own_worker(env, tmp_path, drain=20.0)
+    try:
+        job = enqueue({"type": "e2e.sleep", "args": [60.0], "queue": queue_of(worker),
+                       "timeout": 3, "retry": {"max_attempts": 1}}, app=env.app)
+        active = env.wait_state(job.id, "active")
+        assert active.attempt == 1
+        began = time.monotonic()
+        sigterm(worker, group=True)
+        assert worker.process.wait(3 + SLACK) == 0
+        assert time.monotonic() - began < 3 + SLACK
+        failed = env.job(job.id)
+        assert failed.state == "discarded"
+        assert [e["type"] for e in failed.errors] == ["timeout"]
+    finally:
+        worker.stop()
+
+
+def test_the_drain_governs_ojs_jobs_under_celerys_soft_shutdown(
+    env: Env, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``REMAP_SIGTERM=SIGQUIT`` with ``worker_soft_shutdown_timeout`` 60 s: SIGTERM is still
+    the OJS drain (10 s), not Celery's 60 s soft shutdown: the short job finishes, the long one
+    is cancelled in the window and fails with ``shutdown``, and the worker leaves at the end of
+    the drain through Celery's cold shutdown."""
+    monkeypatch.setenv("REMAP_SIGTERM", "SIGQUIT")
+    worker = own_worker(env, tmp_path, drain=10.0, concurrency=2,
+                        celery={"worker_soft_shutdown_timeout": 60.0})
+    try:
+        queue = queue_of(worker)
+        short = enqueue({"type": "e2e.sleep", "args": [3.0, "short"], "queue": queue},
+                        app=env.app)
+        long = enqueue({"type": "e2e.checkpointing", "args": ["overrun"], "timeout": 100,
+                        "queue": queue}, app=env.app)
+        env.wait_state(short.id, "active")
+        env.wait_state(long.id, "active")
+        began = time.monotonic()
+        sigterm(worker, group=True)
+        code = worker.process.wait(10 + SLACK)
+        assert time.monotonic() - began < 10 + SLACK  # far less than the 60 s soft shutdown
+        assert code in (0, 1)  # Celery's cold shutdown (REMAP_SIGTERM) may report EX_FAILURE
+        assert env.job(short.id).state == "completed"
+        failed = env.job(long.id)
+        assert [e["type"] for e in failed.errors] == ["shutdown"]
+        assert failed.last_checkpoint == {"attempt": 1}
+        store = get_runtime(env.app).store
+        assert not [w for w in store.list_workers() if w.pid == worker.process.pid]
+    finally:
+        worker.stop()
+
+
+def test_a_drain_of_zero_fails_running_jobs_at_once(env: Env, tmp_path: pathlib.Path) -> None:
+    worker = own_worker(env, tmp_path, drain=0.0)
+    try:
+        job = enqueue({"type": "e2e.sleep", "args": [60.0], "queue": queue_of(worker),
+                       "retry": {"max_attempts": 1}}, app=env.app)
+        env.wait_state(job.id, "active")
+        sigterm(worker, group=False)
+        assert worker.process.wait(SLACK) == 0
+        assert [e["type"] for e in env.job(job.id).errors] == ["shutdown"]
+    finally:
+        worker.stop()
