@@ -12,7 +12,7 @@ from celery import Celery, signals
 from . import control  # noqa: F401 - registers the ojs_terminate remote-control command
 from .identity import assign_worker_id
 from .runtime import Runtime, attach, get_runtime
-from .sweeper import SWEEP_TASK, last_sweep, sweep
+from .sweeper import SWEEP_TASK, FaultLog, last_sweep, sweep
 from .worker import children
 from .worker.step import OJSWorkerStep
 
@@ -81,9 +81,11 @@ def _add_sweeper(app: Celery, runtime: Runtime) -> None:
     interval so that a backlog of sweeps never piles up)."""
     settings = runtime.settings
 
+    faults = FaultLog()
+
     @app.task(name=SWEEP_TASK, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
     def ojs_sweep() -> dict[str, Any]:
-        return sweep(get_runtime(app)).as_dict()
+        return sweep(get_runtime(app), faults=faults).as_dict()
 
     schedule = dict(app.conf.beat_schedule or {})
     schedule["ojs-sweep"] = {

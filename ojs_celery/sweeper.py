@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 LAST_SWEEP_KEY = "last_sweep"
 SWEEP_TASK = "ojs_celery.sweep"
+#: The longest pause of the sweep loop after failed passes.
+MAX_BACKOFF = 30.0
 
 
 @dataclass
@@ -54,23 +56,53 @@ class SweepReport:
                 "error": self.error}
 
 
-def sweep(runtime: Runtime, now: float | None = None, batch: int | None = None) -> SweepReport:
-    """One enforcement pass. Store or broker trouble is logged and ends the pass early; what
-    was not done is still due, so the next pass does it."""
+class FaultLog:
+    """Logs an unexpected error in full (with its traceback) the first time its kind is seen
+    and in one line after: a loop failing every pass does not flood the log, and a new kind of
+    failure is still shown whole."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def log(self, what: str, exc: BaseException) -> None:
+        kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        if kind in self._seen:
+            logger.error("ojs_celery: %s failed again: %s: %s", what, type(exc).__name__, exc)
+            return
+        self._seen.add(kind)
+        logger.error("ojs_celery: %s failed, will retry: %s: %s", what, type(exc).__name__, exc,
+                     exc_info=exc)
+
+
+def sweep(
+    runtime: Runtime,
+    now: float | None = None,
+    batch: int | None = None,
+    *,
+    faults: FaultLog | None = None,
+) -> SweepReport:
+    """One enforcement pass; it never raises. Store or broker trouble is logged and ends the
+    pass early; so does any other error (logged through ``faults``, with its traceback the
+    first time). What was not done is still due, so the next pass does it. ``error`` in the
+    report says why the pass ended early."""
     at = time.time() if now is None else now
-    limit = batch or runtime.settings.sweep_batch
     report = SweepReport(started=at)
-    # Outbox entries this process has published are cleared before the pass reads the outbox
-    # (else it would publish them again), and the pass's own are cleared when it returns.
-    runtime.acks.flush()
     try:
-        _sweep(runtime, at, limit, report)
-        runtime.store.set_meta(LAST_SWEEP_KEY, repr(at))
+        limit = batch or runtime.settings.sweep_batch
+        # Outbox entries this process has published are cleared before the pass reads the
+        # outbox (else it would publish them again), and the pass's own when it returns.
+        runtime.acks.flush()
+        try:
+            _sweep(runtime, at, limit, report)
+            runtime.store.set_meta(LAST_SWEEP_KEY, repr(at))
+        finally:
+            runtime.acks.flush()
     except (StoreError, BrokerUnavailable) as exc:
         report.error = str(exc)
         logger.warning("ojs_celery: sweep skipped, will retry next interval: %s", exc)
-    finally:
-        runtime.acks.flush()
+    except Exception as exc:  # a bug or an unexpected reply must not end the caller's loop
+        report.error = f"{type(exc).__name__}: {exc}"
+        (faults or FaultLog()).log("sweep", exc)
     return report
 
 
@@ -161,12 +193,22 @@ def last_sweep(runtime: Runtime) -> float | None:
 
 def run_loop(runtime: Runtime, interval: float | None = None,
              stop: Callable[[], bool] = lambda: False) -> None:
-    """``ojs-celery sweep --loop``: a pass every ``interval`` seconds until ``stop()``."""
+    """``ojs-celery sweep --loop``: a pass every ``interval`` seconds until ``stop()``.
+
+    No error ends it: after a failed pass it waits twice as long as after the one before
+    (from ``interval`` up to :data:`MAX_BACKOFF`), and back to ``interval`` after a pass that
+    worked."""
     every = interval or runtime.settings.sweep_interval
+    faults = FaultLog()
+    failures = 0
     while not stop():
         began = time.monotonic()
-        report = sweep(runtime)
-        if report.total:
-            logger.info("ojs_celery: sweep %s", report.as_dict())
-        time.sleep(max(every - (time.monotonic() - began), 0.0))
-
+        report = sweep(runtime, faults=faults)
+        if report.error is None:
+            failures = 0
+            if report.total:
+                logger.info("ojs_celery: sweep %s", report.as_dict())
+        else:
+            failures += 1
+        pause = every if not failures else min(every * 2 ** failures, max(MAX_BACKOFF, every))
+        time.sleep(max(pause - (time.monotonic() - began), 0.0))

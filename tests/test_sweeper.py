@@ -18,7 +18,7 @@ from ojs_celery import enqueue, signals
 from ojs_celery.envelope import parse_envelope
 from ojs_celery.runtime import Runtime, get_runtime
 from ojs_celery.store import StoreError
-from ojs_celery.sweeper import last_sweep, sweep
+from ojs_celery.sweeper import last_sweep, run_loop, sweep
 from tests import services
 from tests.e2eapp import make_app
 from tests.workers import filesystem_config, unique
@@ -314,3 +314,51 @@ def _rfc3339(epoch: float) -> str:
     from ojs_celery.envelope import format_timestamp, from_epoch
 
     return format_timestamp(from_epoch(epoch))
+
+
+def test_the_loop_survives_any_error_and_sweeps_again_when_it_goes(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not only store outages: an unexpected error (an unwrapped error reply, a bug) fails the
+    pass, is logged with its traceback once, and the loop backs off and goes on."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    job = parse_envelope({"type": "e2e.add", "args": [1, 2], "enqueue_ttl": 1})
+    store.create(job, now=time.time() - 10)
+    original = store.due
+    calls = Counter[str]()
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls["due"] += 1
+        if calls["due"] <= 2:
+            raise ValueError("an error reply nobody wrapped")
+        return original(*args, **kwargs)
+
+    store.due = flaky  # type: ignore[method-assign]
+    began = time.monotonic()
+
+    def stop() -> bool:
+        stored = store.get(job.id)
+        return (stored is not None and stored.state == "discarded") or (
+            time.monotonic() - began > 20)
+
+    with caplog.at_level("ERROR", logger="ojs_celery.sweeper"):
+        run_loop(runtime, interval=0.01, stop=stop)
+    stored = store.get(job.id)
+    assert stored is not None and stored.state == "discarded"
+    assert stored.error is not None and stored.error["type"] == "enqueue_ttl_expired"
+    failures = [r for r in caplog.records if r.name == "ojs_celery.sweeper"]
+    assert len(failures) == 2 and [r.exc_info is not None for r in failures] == [True, False]
+
+
+def test_the_sweep_task_reports_an_unexpected_error(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = runtime_of(app)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise KeyError("a record that cannot be decoded")
+
+    monkeypatch.setattr(runtime.store, "due", broken)
+    report = app.tasks["ojs_celery.sweep"]()
+    assert report["error"] == "KeyError: 'a record that cannot be decoded'"
