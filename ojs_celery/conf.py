@@ -44,6 +44,7 @@ class Settings(BaseModel):
     sweep_interval: float = Field(2.0, gt=0)
     sweep_queue: str = "ojs.sweep"
     sweep_batch: int = Field(500, ge=1)
+    dispatch_failure_limit: int = Field(5, ge=1)
     execution_tolerance: float = Field(1.5, ge=1.5)
     heartbeat_interval: float = Field(5.0, gt=0)
     worker_heartbeat_timeout: float = Field(30.0, gt=0)
@@ -73,6 +74,7 @@ class Settings(BaseModel):
             schedule_horizon=self.schedule_horizon,
             execution_tolerance=self.execution_tolerance,
             worker_heartbeat_timeout=self.worker_heartbeat_timeout,
+            dispatch_failure_limit=self.dispatch_failure_limit,
             retention_completed=self.retention.completed,
             retention_cancelled=self.retention.cancelled,
             retention_discarded=self.retention.discarded,

@@ -43,17 +43,19 @@ class SweepReport:
     applied: Counter[str] = field(default_factory=Counter)
     published: int = 0
     pruned: int = 0
+    #: Jobs passed over because of an error of their own (see ``_skip``).
+    skipped: int = 0
     error: str | None = None
 
     @property
     def total(self) -> int:
-        return sum(self.applied.values()) + self.published + self.pruned
+        return sum(self.applied.values()) + self.published + self.pruned + self.skipped
 
     def as_dict(self) -> dict[str, JsonValue]:
         """The report as the Celery task returns it, the CLI prints it and the loop logs it."""
         applied: dict[str, JsonValue] = dict(self.applied)
         return {"applied": applied, "published": self.published, "pruned": self.pruned,
-                "error": self.error}
+                "skipped": self.skipped, "error": self.error}
 
 
 class FaultLog:
@@ -106,6 +108,11 @@ def sweep(
     return report
 
 
+#: Errors that are an outage of the store or the broker, never one job's fault: they end the
+#: pass (what was not done is still due) and count against no job.
+OUTAGES = (StoreError, BrokerUnavailable)
+
+
 def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
     store = runtime.store
     policy = store.policy
@@ -113,10 +120,16 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
         if isinstance(clock, WorkerClock):
             _bury_dead_workers(runtime, clock, now, limit, report)
         elif clock.when_due is None:  # retention: what is due is deleted, not changed
-            report.pruned = store.prune(now, limit)
+            try:
+                report.pruned = store.prune(now, limit)
+            except OUTAGES:
+                raise
+            except Exception as exc:  # a record that cannot be read: the rest stays done
+                logger.warning("ojs_celery: sweep could not prune: %s: %s",
+                               type(exc).__name__, exc)
         else:
             due = store.due(clock.name, clock.cutoff(now, policy), limit)
-            _enforce(runtime, clock.name, due, clock.rule(now, policy), report)
+            _enforce(runtime, clock.name, due, clock.rule(now, policy), now, report)
 
 
 def _enforce(
@@ -124,6 +137,7 @@ def _enforce(
     clock: str,
     due: list[tuple[str, float]],
     rule: Rule,
+    now: float,
     report: SweepReport,
 ) -> None:
     """Apply ``rule`` to the jobs due on ``clock`` and act on every transition that applied:
@@ -131,21 +145,32 @@ def _enforce(
 
     A store or broker error does not stop the acting on transitions already written (their
     events are emitted; a message that could not be published stays in the outbox); it is
-    raised at the end, and what was not written is still due next pass.
+    raised at the end, and what was not written is still due next pass. Any other error
+    concerns one job (its record, its rule, the broker refusing its message): that job is
+    skipped (:func:`_skip`) and the others go on.
     """
     store = runtime.store
     job_ids = [job_id for job_id, _ in due]
     if not job_ids:
         return
+    try:
+        results = store.apply_many(job_ids, rule)
+    except OUTAGES:
+        raise
+    except Exception:  # one job spoils the batch: go job by job to find it
+        results = [None] * len(job_ids)
     failure: StoreError | BrokerUnavailable | None = None
-    for job_id, done in zip(job_ids, store.apply_many(job_ids, rule), strict=True):
-        if done is None:  # lost a race: decide again on fresh data
+    for job_id, done in zip(job_ids, results, strict=True):
+        if done is None:  # lost a race, or the batch failed: decide again on fresh data
             if failure is not None:
                 continue
             try:
                 done = store.apply(job_id, rule)
             except StoreError as exc:
                 failure = exc
+                continue
+            except Exception as exc:
+                failure = _skip(runtime, clock, job_id, exc, now, report)
                 continue
         if done.record is None:
             continue
@@ -156,8 +181,36 @@ def _enforce(
                                           raise_unpublished=True)
         except BrokerUnavailable as exc:
             failure = exc
+        except Exception as exc:  # the broker refused this job's message
+            failure = _skip(runtime, clock, job_id, exc, now, report) or failure
     if failure is not None:
         raise failure
+
+
+def _skip(
+    runtime: Runtime, clock: str, job_id: str, exc: Exception, now: float, report: SweepReport
+) -> StoreError | None:
+    """Job ``job_id`` could not be moved on ``clock`` for a reason of its own: log it, count it
+    in its record (:func:`ojs_celery.lifecycle.dispatch_failed`: discarded after
+    ``dispatch_failure_limit`` sweeps in a row) and go on. Returns the store error that kept
+    the count from being written, if any (an outage: the pass ends)."""
+    reason = f"{type(exc).__name__}: {exc}"
+    report.skipped += 1
+    logger.warning("ojs_celery: sweep skipped job %s (%s clock): %s", job_id, clock, reason)
+    store = runtime.store
+    policy = store.policy
+    try:
+        done = store.apply(job_id, lambda r: lifecycle.dispatch_failed(r, reason, now, policy))
+    except StoreError as error:
+        return error
+    except Exception as error:  # its record cannot be read: it stays skipped, pass after pass
+        logger.warning("ojs_celery: could not count the failure of job %s: %s: %s",
+                       job_id, type(error).__name__, error)
+        return None
+    if done.record is not None and done.record.job.state == "discarded":
+        report.applied[lifecycle.DISPATCH_FAILED] += 1
+        carry_out(runtime, done, stop_attempt=True)
+    return None
 
 
 def _bury_dead_workers(
@@ -178,12 +231,20 @@ def _bury_dead_workers(
             "worker_id": worker_id, "reason": "error", "detail": "missed heartbeats",
             "active_jobs": len(info.active_job_ids),
         }, subject=worker_id)
-        for job_id in info.active_job_ids:
-            done = store.apply(job_id, clock.active_rule(worker_id, now, policy))
-            report.published += carry_out(runtime, done, raise_unpublished=True)
-        for job_id in info.reserved_job_ids:
-            done = store.apply(job_id, clock.reserved_rule(now, policy))
-            report.published += carry_out(runtime, done, raise_unpublished=True)
+        recoveries = [(job_id, clock.active_rule(worker_id, now, policy))
+                      for job_id in info.active_job_ids]
+        recoveries += [(job_id, clock.reserved_rule(now, policy))
+                       for job_id in info.reserved_job_ids]
+        for job_id, rule in recoveries:
+            try:
+                done = store.apply(job_id, rule)
+                report.published += carry_out(runtime, done, raise_unpublished=True)
+            except OUTAGES:
+                raise
+            except Exception as exc:
+                failure = _skip(runtime, clock.name, job_id, exc, now, report)
+                if failure is not None:
+                    raise failure from exc
 
 
 def last_sweep(runtime: Runtime) -> float | None:

@@ -1096,3 +1096,23 @@ def test_cancel_terminal_rejected(final: str) -> None:
     record.job.state = final  # type: ignore[assignment]
     assert cancel(record, T0 + 3).reason == f"terminal:{final}"
     assert not cancel(record, T0 + 3).applied
+
+
+def test_dispatch_failures_are_counted_in_a_row_and_the_limit_discards() -> None:
+    from ojs_celery.lifecycle import dispatch_failed, dispatch_failures
+
+    policy = Policy(dispatch_failure_limit=3)
+    record = created()
+    for count in (1, 2):
+        record = applied(dispatch_failed(record, "QueueNotFound: nowhere", T0 + count, policy))
+        assert record.job.state == "available" and dispatch_failures(record.job) == count
+    record.job.errors = [*record.job.errors, make_error("timeout", "an attempt's error")]
+    assert dispatch_failures(record.job) == 0  # another error ends the run
+    for _ in range(2):
+        record = applied(dispatch_failed(record, "QueueNotFound: nowhere", T0 + 5, policy))
+    last = dispatch_failed(record, "QueueNotFound: nowhere", T0 + 6, policy)
+    done = applied(last)
+    assert done.job.state == "discarded" and done.dispatch_due is None
+    assert done.job.error is not None and done.job.error["type"] == "dispatch_failed"
+    assert names(last) == ["job.discarded"]
+    assert not dispatch_failed(done, "again", T0 + 7, policy).applied

@@ -30,6 +30,8 @@ from .clocks import (
 )
 from .rules import (
     DAY,
+    DISPATCH_ERROR,
+    DISPATCH_FAILED,
     NEVER_STARTED,
     STARTABLE,
     STATES,
@@ -49,6 +51,8 @@ from .rules import (
     create,
     decide,
     dispatch_deadline,
+    dispatch_failed,
+    dispatch_failures,
     expire_at,
     expire_total,
     expire_ttl,
@@ -71,13 +75,13 @@ from .rules import (
 )
 
 __all__ = [
-    "BY_NAME", "CLOCKS", "DAY", "DISPATCH", "ENQUEUE_TTL", "EXECUTION", "INDEXED",
-    "NEVER_STARTED", "PROMOTE", "RETENTION", "STALL", "STARTABLE", "STATES", "SWEEP",
-    "TERMINAL", "TIMEOUT_EVENTS", "TIMEOUT_KINDS", "TOTAL", "VISIBILITY", "WORKER", "Clock",
-    "Decision", "Policy", "Publish", "Record", "Rule", "Times", "Transition", "WorkerClock",
-    "ack_dispatch", "backoff_delay", "cancel", "cancel_by_owner", "complete", "create",
-    "deadlines", "decide", "dispatch_deadline", "expire_at", "expire_total", "expire_ttl",
-    "extend", "fail", "fail_token", "heartbeat", "invisible", "make_error",
-    "matches_non_retryable", "orphaned", "overdue", "promote", "redispatch", "rejected",
-    "republish", "stalled", "start", "timeout_error",
+    "BY_NAME", "CLOCKS", "DAY", "DISPATCH", "DISPATCH_ERROR", "DISPATCH_FAILED", "ENQUEUE_TTL",
+    "EXECUTION", "INDEXED", "NEVER_STARTED", "PROMOTE", "RETENTION", "STALL", "STARTABLE",
+    "STATES", "SWEEP", "TERMINAL", "TIMEOUT_EVENTS", "TIMEOUT_KINDS", "TOTAL", "VISIBILITY",
+    "WORKER", "Clock", "Decision", "Policy", "Publish", "Record", "Rule", "Times", "Transition",
+    "WorkerClock", "ack_dispatch", "backoff_delay", "cancel", "cancel_by_owner", "complete",
+    "create", "deadlines", "decide", "dispatch_deadline", "dispatch_failed", "dispatch_failures",
+    "expire_at", "expire_total", "expire_ttl", "extend", "fail", "fail_token", "heartbeat",
+    "invisible", "make_error", "matches_non_retryable", "orphaned", "overdue", "promote",
+    "redispatch", "rejected", "republish", "stalled", "start", "timeout_error",
 ]

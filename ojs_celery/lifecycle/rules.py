@@ -47,6 +47,9 @@ class Policy:
     #: How long past an execution deadline the sweeper waits, so the worker's hard limit wins.
     execution_tolerance: float = 1.5
     worker_heartbeat_timeout: float = 30.0
+    #: Sweeps in a row that may fail to carry out a job's due transition before it is
+    #: discarded with ``dispatch_failed``.
+    dispatch_failure_limit: int = 5
     retention_completed: float = 7 * DAY
     retention_cancelled: float = 30 * DAY
     retention_discarded: float = 30 * DAY
@@ -699,3 +702,53 @@ def _claim(record: Record, now: float, policy: Policy) -> Transition:
     new.promote_at = None
     new.dispatch_due = dispatch_deadline(eta, now, policy)
     return Transition(new, publish=Publish(job.id, new.token, eta))
+
+
+# --------------------------------------------------------------------------- a job that stays stuck
+
+#: Error types of a sweep that could not carry out a job's due transition.
+DISPATCH_ERROR = "dispatch_error"
+DISPATCH_FAILED = "dispatch_failed"
+
+
+def dispatch_failures(job: Job) -> int:
+    """Sweeps in a row that failed on this job: the ``dispatch_error`` entries that end its
+    error history (any other entry, such as an attempt's error, ends the run)."""
+    count = 0
+    for entry in reversed(job.errors):
+        if entry.get("type") != DISPATCH_ERROR:
+            break
+        count += 1
+    return count
+
+
+def dispatch_failed(record: Record, reason: str, now: float, policy: Policy) -> Transition:
+    """A sweep could not carry out a due transition of this job for a reason of its own (the
+    broker refuses its queue or options, its transition raised): the failure is recorded in
+    its error history, where the next sweeps count it, and after
+    ``policy.dispatch_failure_limit`` sweeps in a row the job is discarded with
+    ``dispatch_failed``. Recording the count in the record keeps it right across sweepers and
+    restarts, and needs no field of its own."""
+    job = record.job
+    if job.state in TERMINAL:
+        return rejected(f"terminal:{job.state}")
+    failures = dispatch_failures(job) + 1
+    new = record.copy()
+    j = new.job
+    if failures < policy.dispatch_failure_limit:
+        entry = _history_entry(make_error(DISPATCH_ERROR, reason), j.attempt, now)
+        entry["code"] = "DISPATCH_ERROR"
+        j.errors = [*j.errors, entry]
+        return Transition(new)
+    error = make_error(
+        DISPATCH_FAILED, f"the sweeper failed {failures} times in a row to dispatch the job; "
+        f"last: {reason}",
+    )
+    entry = _history_entry(error, j.attempt, now)
+    entry["code"] = "DISPATCH_ERROR"
+    j.error = error
+    j.errors = [*j.errors, entry]
+    _discard(new, now)
+    new.heartbeat_at = None
+    new.extended_at = None
+    return Transition(new, events=[_discarded_event(j)])
