@@ -685,7 +685,7 @@ def test_fail_retryable() -> None:
     ]
     assert new.worker_id is None
     assert new.heartbeat_at is None
-    assert new.extended_at is None
+    assert new.extended_at == T0 + 10  # the retry's message was sent: the backstop's start
     assert transition.publish == Publish(j.id, 2, T0 + 11)
     assert new.dispatch_due == T0 + 11 + POLICY.dispatch_grace
     assert new.promote_at is None
@@ -906,6 +906,7 @@ def test_deadlines_available() -> None:
         "visibility": None,
         "dispatch": T0 + POLICY.dispatch_grace,
         "promote": None,
+        "redispatch": T0 + POLICY.redispatch_after,
         "retention": None,
     }
 
@@ -923,6 +924,7 @@ def test_deadlines_scheduled_held() -> None:
     assert d["dispatch"] is None
     assert d["enqueue_ttl"] == T0 + 7200
     assert d["execution"] is None
+    assert d["redispatch"] is None  # the promote clock owns it until it is published
 
 
 def test_deadlines_pending_keeps_ttl() -> None:
@@ -949,6 +951,7 @@ def test_deadlines_active() -> None:
         "visibility": T0 + 5 + 50,
         "dispatch": None,
         "promote": None,
+        "redispatch": None,
         "retention": None,
     }
     beat = applied(heartbeat(record, 1, W1, T0 + 40))
@@ -978,11 +981,13 @@ def test_deadlines_retryable() -> None:
         "visibility": None,
         "dispatch": T0 + 15 + POLICY.dispatch_grace,
         "promote": None,
+        "redispatch": T0 + 15 + POLICY.redispatch_after,  # from the time the retry is due
         "retention": None,
     }
     held = applied(fail(record, 1, W1, make_error("E", "x"), T0 + 10, delay=500.0))
     assert deadlines(held, POLICY)["promote"] == T0 + 510
     assert deadlines(held, POLICY)["dispatch"] is None
+    assert deadlines(held, POLICY)["redispatch"] is None
 
 
 def _only_retention(d: dict[str, float | None]) -> float | None:
@@ -1116,3 +1121,22 @@ def test_dispatch_failures_are_counted_in_a_row_and_the_limit_discards() -> None
     assert done.job.error is not None and done.job.error["type"] == "dispatch_failed"
     assert names(last) == ["job.discarded"]
     assert not dispatch_failed(done, "again", T0 + 7, policy).applied
+
+
+def test_a_job_waiting_too_long_for_its_message_gets_it_once_more() -> None:
+    from ojs_celery.lifecycle import REDISPATCH, ack_dispatch, resend
+
+    policy = Policy(redispatch_after=100.0)
+    record = applied(ack_dispatch(created(policy=policy), 1))  # published and acknowledged
+    assert REDISPATCH.deadline(record, policy) == T0 + 100
+    assert resend(record, T0 + 99, policy).reason == "not_due"
+    transition = resend(record, T0 + 100, policy)
+    again = applied(transition)
+    assert transition.publish == Publish(record.job.id, 1, None)  # same token: fencing dedups
+    assert again.token == record.token and again.job.attempt == 0 and not again.job.errors
+    assert again.dispatch_due == T0 + 100 + policy.dispatch_grace
+    assert REDISPATCH.deadline(again, policy) == T0 + 200  # once per redispatch_after
+    assert resend(again, T0 + 150, policy).reason == "not_due"
+    active = applied(start(again, 1, W1, T0 + 150, policy))
+    assert REDISPATCH.deadline(active, policy) is None
+    assert resend(active, T0 + 500, policy).reason == "not_waiting"

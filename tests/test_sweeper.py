@@ -426,3 +426,24 @@ def test_a_record_that_cannot_be_decoded_does_not_stop_the_pass(app: Celery) -> 
     assert report.applied["enqueue_ttl"] == 2
     assert [store.get(i).state for i in (ids[0], ids[2])] == ["discarded"] * 2  # type: ignore[union-attr]
     assert last_sweep(runtime) is not None
+
+
+def test_a_job_whose_message_is_gone_is_published_again_after_redispatch_after(
+    app: Celery,
+) -> None:
+    """The backstop: published and acknowledged, then lost (here: deleted from the broker's
+    folder), the job is sent once more after ``redispatch_after`` (default one hour), and
+    then not again before another hour."""
+    runtime = runtime_of(app)
+    job = enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+    sent = job.created_at.timestamp()  # type: ignore[union-attr]
+    folder = pathlib.Path(app.conf.broker_transport_options["data_folder_in"])
+    for message in folder.glob("*.msg"):
+        message.unlink()
+    assert sweep(runtime, now=sent + 3599).total == 0
+    report = sweep(runtime, now=sent + 3601)
+    assert report.applied["redispatch"] == 1 and report.published == 1
+    assert len(messages(app)) == 1
+    record = runtime.store.get_record(job.id)
+    assert record is not None and record.token == 1 and record.job.state == "available"
+    assert sweep(runtime, now=sent + 3601 + 3599).total == 0
