@@ -1140,3 +1140,41 @@ def test_a_job_waiting_too_long_for_its_message_gets_it_once_more() -> None:
     active = applied(start(again, 1, W1, T0 + 150, policy))
     assert REDISPATCH.deadline(active, policy) is None
     assert resend(active, T0 + 500, policy).reason == "not_waiting"
+
+
+def _waiting_records() -> dict[str, Record]:
+    from ojs_celery.lifecycle import ack_dispatch
+
+    return {
+        "total": created(timeout=10, total_timeout=600),
+        "enqueue_ttl": created(enqueue_ttl=30),
+        "execution": started(timeout=10, grace_period=5),
+        "stall": started(heartbeat_timeout=20),
+        "visibility": started(visibility_timeout=50),
+        "dispatch": created(),
+        "promote": created(scheduled_at=ts(T0 + 3600)),
+        "redispatch": applied(ack_dispatch(created(), 1)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_waiting_records()))
+def test_each_clock_applies_its_rule_once_its_deadline_and_lag_have_passed(name: str) -> None:
+    from ojs_celery.lifecycle import BY_NAME
+
+    clock = BY_NAME[name]
+    record = _waiting_records()[name]
+    deadline = clock.deadline(record, POLICY)
+    assert deadline is not None
+    due_at = deadline + clock.lag(POLICY)
+    assert clock.cutoff(due_at, POLICY) == deadline
+    assert not clock.rule(due_at - 0.01, POLICY)(record).applied
+    assert clock.rule(due_at, POLICY)(record).applied
+
+
+def test_the_sweep_breaks_ties_in_the_documented_order() -> None:
+    from ojs_celery.lifecycle import SWEEP
+
+    assert [clock.name for clock in SWEEP] == [
+        "total", "enqueue_ttl", "execution", "stall", "visibility", "worker", "dispatch",
+        "promote", "redispatch", "retention",
+    ]
