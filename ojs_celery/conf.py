@@ -54,9 +54,11 @@ class Settings(BaseModel):
     amqp_max_priority: int = Field(10, ge=1, le=255)
     dispatch_grace: float = Field(10.0, gt=0)
     schedule_horizon: float = Field(60.0, gt=0)
+    redispatch_after: float = Field(3600.0, gt=0)
     sweep_interval: float = Field(2.0, gt=0)
     sweep_queue: str = "ojs.sweep"
     sweep_batch: int = Field(500, ge=1)
+    dispatch_failure_limit: int = Field(5, ge=1)
     execution_tolerance: float = Field(1.5, ge=1.5)
     heartbeat_interval: float = Field(5.0, gt=0)
     worker_heartbeat_timeout: float = Field(30.0, gt=0)
@@ -139,8 +141,10 @@ class Settings(BaseModel):
         return Policy(
             dispatch_grace=self.dispatch_grace,
             schedule_horizon=self.schedule_horizon,
+            redispatch_after=self.redispatch_after,
             execution_tolerance=self.execution_tolerance,
             worker_heartbeat_timeout=self.worker_heartbeat_timeout,
+            dispatch_failure_limit=self.dispatch_failure_limit,
             retention_completed=self.retention.completed,
             retention_cancelled=self.retention.cancelled,
             retention_discarded=self.retention.discarded,

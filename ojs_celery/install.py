@@ -15,7 +15,7 @@ from .conf import Settings
 from .embedded import register_transport
 from .identity import assign_worker_id
 from .runtime import Runtime, attach, get_runtime
-from .sweeper import SWEEP_TASK, last_sweep, sweep
+from .sweeper import SWEEP_TASK, FaultLog, last_sweep, sweep
 from .worker import children
 from .worker.steps import STEPS
 
@@ -113,9 +113,11 @@ def install(app: Celery) -> Runtime:
 def _add_sweep_task(app: Celery) -> None:
     """The ``ojs_celery.sweep`` task (see :func:`_add_beat_entry` for its schedule)."""
 
+    faults = FaultLog()
+
     @app.task(name=SWEEP_TASK, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
     def ojs_sweep() -> dict[str, Any]:
-        return sweep(get_runtime(app)).as_dict()
+        return sweep(get_runtime(app), faults=faults).as_dict()
 
 
 

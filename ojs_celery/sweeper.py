@@ -30,6 +30,8 @@ from .store import StoreError
 logger = logging.getLogger(__name__)
 
 SWEEP_TASK = "ojs_celery.sweep"
+#: The longest pause of the sweep loop after failed passes.
+MAX_BACKOFF = 30.0
 
 
 @dataclass
@@ -40,37 +42,74 @@ class SweepReport:
     applied: Counter[str] = field(default_factory=Counter)
     published: int = 0
     pruned: int = 0
+    #: Jobs passed over because of an error of their own (see ``_skip``).
+    skipped: int = 0
     error: str | None = None
 
     @property
     def total(self) -> int:
-        return sum(self.applied.values()) + self.published + self.pruned
+        return sum(self.applied.values()) + self.published + self.pruned + self.skipped
 
     def as_dict(self) -> dict[str, JsonValue]:
         """The report as the Celery task returns it, the CLI prints it and the loop logs it."""
         applied: dict[str, JsonValue] = dict(self.applied)
         return {"applied": applied, "published": self.published, "pruned": self.pruned,
-                "error": self.error}
+                "skipped": self.skipped, "error": self.error}
 
 
-def sweep(runtime: Runtime, now: float | None = None, batch: int | None = None) -> SweepReport:
-    """One enforcement pass. Store or broker trouble is logged and ends the pass early; what
-    was not done is still due, so the next pass does it."""
+class FaultLog:
+    """Logs an unexpected error in full (with its traceback) the first time its kind is seen
+    and in one line after: a loop failing every pass does not flood the log, and a new kind of
+    failure is still shown whole."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def log(self, what: str, exc: BaseException) -> None:
+        kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        if kind in self._seen:
+            logger.error("ojs_celery: %s failed again: %s: %s", what, type(exc).__name__, exc)
+            return
+        self._seen.add(kind)
+        logger.error("ojs_celery: %s failed, will retry: %s: %s", what, type(exc).__name__, exc,
+                     exc_info=exc)
+
+
+def sweep(
+    runtime: Runtime,
+    now: float | None = None,
+    batch: int | None = None,
+    *,
+    faults: FaultLog | None = None,
+) -> SweepReport:
+    """One enforcement pass; it never raises. Store or broker trouble is logged and ends the
+    pass early; so does any other error (logged through ``faults``, with its traceback the
+    first time). What was not done is still due, so the next pass does it. ``error`` in the
+    report says why the pass ended early."""
     at = time.time() if now is None else now
-    limit = batch or runtime.settings.sweep_batch
     report = SweepReport(started=at)
-    # Outbox entries this process has published are cleared before the pass reads the outbox
-    # (else it would publish them again), and the pass's own are cleared when it returns.
-    runtime.acks.flush()
     try:
-        _sweep(runtime, at, limit, report)
-        runtime.store.meta.record_sweep(at)
+        limit = batch or runtime.settings.sweep_batch
+        # Outbox entries this process has published are cleared before the pass reads the
+        # outbox (else it would publish them again), and the pass's own when it returns.
+        runtime.acks.flush()
+        try:
+            _sweep(runtime, at, limit, report)
+            runtime.store.meta.record_sweep(at)
+        finally:
+            runtime.acks.flush()
     except (StoreError, BrokerUnavailable) as exc:
         report.error = str(exc)
         logger.warning("ojs_celery: sweep skipped, will retry next interval: %s", exc)
-    finally:
-        runtime.acks.flush()
+    except Exception as exc:  # a bug or an unexpected reply must not end the caller's loop
+        report.error = f"{type(exc).__name__}: {exc}"
+        (faults or FaultLog()).log("sweep", exc)
     return report
+
+
+#: Errors that are an outage of the store or the broker, never one job's fault: they end the
+#: pass (what was not done is still due) and count against no job.
+OUTAGES = (StoreError, BrokerUnavailable)
 
 
 def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
@@ -80,10 +119,16 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
         if isinstance(clock, WorkerClock):
             _bury_dead_workers(runtime, clock, now, limit, report)
         elif clock.when_due is None:  # retention: what is due is deleted, not changed
-            report.pruned = store.prune(now, limit)
+            try:
+                report.pruned = store.prune(now, limit)
+            except OUTAGES:
+                raise
+            except Exception as exc:  # a record that cannot be read: the rest stays done
+                logger.warning("ojs_celery: sweep could not prune: %s: %s",
+                               type(exc).__name__, exc)
         else:
             due = store.due(clock.name, clock.cutoff(now, policy), limit)
-            _enforce(runtime, clock.name, due, clock.rule(now, policy), report)
+            _enforce(runtime, clock.name, due, clock.rule(now, policy), now, report)
 
 
 def _enforce(
@@ -91,6 +136,7 @@ def _enforce(
     clock: str,
     due: list[tuple[str, float]],
     rule: Rule,
+    now: float,
     report: SweepReport,
 ) -> None:
     """Apply ``rule`` to the jobs due on ``clock`` and act on every transition that applied:
@@ -98,21 +144,32 @@ def _enforce(
 
     A store or broker error does not stop the acting on transitions already written (their
     events are emitted; a message that could not be published stays in the outbox); it is
-    raised at the end, and what was not written is still due next pass.
+    raised at the end, and what was not written is still due next pass. Any other error
+    concerns one job (its record, its rule, the broker refusing its message): that job is
+    skipped (:func:`_skip`) and the others go on.
     """
     store = runtime.store
     job_ids = [job_id for job_id, _ in due]
     if not job_ids:
         return
+    try:
+        results = store.apply_many(job_ids, rule)
+    except OUTAGES:
+        raise
+    except Exception:  # one job spoils the batch: go job by job to find it
+        results = [None] * len(job_ids)
     failure: StoreError | BrokerUnavailable | None = None
-    for job_id, done in zip(job_ids, store.apply_many(job_ids, rule), strict=True):
-        if done is None:  # lost a race: decide again on fresh data
+    for job_id, done in zip(job_ids, results, strict=True):
+        if done is None:  # lost a race, or the batch failed: decide again on fresh data
             if failure is not None:
                 continue
             try:
                 done = store.apply(job_id, rule)
             except StoreError as exc:
                 failure = exc
+                continue
+            except Exception as exc:
+                failure = _skip(runtime, clock, job_id, exc, now, report)
                 continue
         if done.record is None:
             continue
@@ -123,8 +180,36 @@ def _enforce(
                                           raise_unpublished=True)
         except BrokerUnavailable as exc:
             failure = exc
+        except Exception as exc:  # the broker refused this job's message
+            failure = _skip(runtime, clock, job_id, exc, now, report) or failure
     if failure is not None:
         raise failure
+
+
+def _skip(
+    runtime: Runtime, clock: str, job_id: str, exc: Exception, now: float, report: SweepReport
+) -> StoreError | None:
+    """Job ``job_id`` could not be moved on ``clock`` for a reason of its own: log it, count it
+    in its record (:func:`ojs_celery.lifecycle.dispatch_failed`: discarded after
+    ``dispatch_failure_limit`` sweeps in a row) and go on. Returns the store error that kept
+    the count from being written, if any (an outage: the pass ends)."""
+    reason = f"{type(exc).__name__}: {exc}"
+    report.skipped += 1
+    logger.warning("ojs_celery: sweep skipped job %s (%s clock): %s", job_id, clock, reason)
+    store = runtime.store
+    policy = store.policy
+    try:
+        done = store.apply(job_id, lambda r: lifecycle.dispatch_failed(r, reason, now, policy))
+    except StoreError as error:
+        return error
+    except Exception as error:  # its record cannot be read: it stays skipped, pass after pass
+        logger.warning("ojs_celery: could not count the failure of job %s: %s: %s",
+                       job_id, type(error).__name__, error)
+        return None
+    if done.record is not None and done.record.job.state == "discarded":
+        report.applied[lifecycle.DISPATCH_FAILED] += 1
+        carry_out(runtime, done, stop_attempt=True)
+    return None
 
 
 def _bury_dead_workers(
@@ -145,12 +230,20 @@ def _bury_dead_workers(
             "worker_id": worker_id, "reason": "error", "detail": "missed heartbeats",
             "active_jobs": len(info.active_job_ids),
         }, subject=worker_id)
-        for job_id in info.active_job_ids:
-            done = store.apply(job_id, clock.active_rule(worker_id, now, policy))
-            report.published += carry_out(runtime, done, raise_unpublished=True)
-        for job_id in info.reserved_job_ids:
-            done = store.apply(job_id, clock.reserved_rule(now, policy))
-            report.published += carry_out(runtime, done, raise_unpublished=True)
+        recoveries = [(job_id, clock.active_rule(worker_id, now, policy))
+                      for job_id in info.active_job_ids]
+        recoveries += [(job_id, clock.reserved_rule(now, policy))
+                       for job_id in info.reserved_job_ids]
+        for job_id, rule in recoveries:
+            try:
+                done = store.apply(job_id, rule)
+                report.published += carry_out(runtime, done, raise_unpublished=True)
+            except OUTAGES:
+                raise
+            except Exception as exc:
+                failure = _skip(runtime, clock.name, job_id, exc, now, report)
+                if failure is not None:
+                    raise failure from exc
 
 
 def last_sweep(runtime: Runtime) -> float | None:
@@ -159,12 +252,22 @@ def last_sweep(runtime: Runtime) -> float | None:
 
 def run_loop(runtime: Runtime, interval: float | None = None,
              stop: Callable[[], bool] = lambda: False) -> None:
-    """``ojs-celery sweep --loop``: a pass every ``interval`` seconds until ``stop()``."""
+    """``ojs-celery sweep --loop``: a pass every ``interval`` seconds until ``stop()``.
+
+    No error ends it: after a failed pass it waits twice as long as after the one before
+    (from ``interval`` up to :data:`MAX_BACKOFF`), and back to ``interval`` after a pass that
+    worked."""
     every = interval or runtime.settings.sweep_interval
+    faults = FaultLog()
+    failures = 0
     while not stop():
         began = time.monotonic()
-        report = sweep(runtime)
-        if report.total:
-            logger.info("ojs_celery: sweep %s", report.as_dict())
-        time.sleep(max(every - (time.monotonic() - began), 0.0))
-
+        report = sweep(runtime, faults=faults)
+        if report.error is None:
+            failures = 0
+            if report.total:
+                logger.info("ojs_celery: sweep %s", report.as_dict())
+        else:
+            failures += 1
+        pause = every if not failures else min(every * 2 ** failures, max(MAX_BACKOFF, every))
+        time.sleep(max(pause - (time.monotonic() - began), 0.0))

@@ -3,16 +3,29 @@ sweep every 0.5 s, on Redis and RabbitMQ. Bounds are deadline + interval + gener
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import pathlib
+import shutil
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from ojs_celery import enqueue
-from ojs_celery.envelope import format_timestamp, from_epoch
+from ojs_celery.envelope import format_timestamp, from_epoch, parse_envelope
+from ojs_celery.runtime import get_runtime
+from ojs_celery.sweeper import MAX_BACKOFF
 from tests.conftest import Env, start_env
-from tests.workers import Worker, unique, wait_for
+from tests.e2eapp import make_app
+from tests.workers import ROOT, Worker, filesystem_config, unique, wait_for
+
+CLI = str(pathlib.Path(sys.executable).parent / "ojs-celery")
 
 INTERVAL = 0.5
 SLACK = 3.0
@@ -107,3 +120,71 @@ def test_execution_timeout_on_pools_without_time_limits(
     finally:
         for worker in workers:
             worker.stop()
+
+
+@contextlib.contextmanager
+def private_redis(tmp: pathlib.Path) -> Iterator[tuple[str, redis.Redis]]:
+    """A redis-server of this test alone, on a free port, that it may break."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(tmp)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port)
+    try:
+        wait_for(lambda: _pings(client), 10, "the private redis-server to start")
+        yield f"redis://127.0.0.1:{port}/0", client
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(10)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def test_the_sweep_loop_survives_a_read_only_store_and_sweeps_after_the_heal(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A failover leaves the store read-only (every write gets READONLY): the loop process
+    stays up, and once the store is writable again it enforces the timeout it could not."""
+    with private_redis(tmp_path) as (url, client):
+        config = filesystem_config(tmp_path)
+        config["ojs"] = {**config["ojs"], "store_url": url, "store_prefix": unique("ro"),
+                         "events": False}
+        app = make_app(config)
+        store = get_runtime(app).store
+        job = parse_envelope({"type": "e2e.add", "args": [1, 2], "timeout": 1,
+                              "grace_period": 0, "retry": {"max_attempts": 1}})
+        store.create(job)
+        assert store.start(job.id, 1, "a-worker-that-froze").applied
+        client.execute_command("REPLICAOF", "127.0.0.1", "1")  # nobody there: stays read-only
+        loop = subprocess.Popen(
+            [CLI, "-A", "tests.e2eapp:app", "sweep", "--loop", "--interval", "0.2"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env={**os.environ, "OJS_E2E_CONFIG": json.dumps(config), "PYTHONPATH": str(ROOT)},
+        )
+        try:
+            # The execution deadline (1 s + the 1.5 s tolerance) passes while writes fail.
+            time.sleep(1 + 1.5 + 2)
+            assert loop.poll() is None, loop.stderr.read() if loop.stderr else ""
+            assert store.get(job.id).state == "active"  # type: ignore[union-attr]
+            client.execute_command("REPLICAOF", "NO", "ONE")
+            done = wait_for(lambda: (j := store.get(job.id)) and j.state == "discarded" and j,
+                            MAX_BACKOFF + SLACK + 5, "the healed loop to enforce the timeout")
+            assert done.error is not None and done.error["type"] == "timeout"
+            assert loop.poll() is None
+        finally:
+            loop.terminate()
+            loop.wait(10)
+            store.clear()
+            store.close()

@@ -685,7 +685,7 @@ def test_fail_retryable() -> None:
     ]
     assert new.worker_id is None
     assert new.heartbeat_at is None
-    assert new.extended_at is None
+    assert new.extended_at == T0 + 10  # the retry's message was sent: the backstop's start
     assert transition.publish == Publish(j.id, 2, T0 + 11)
     assert new.dispatch_due == T0 + 11 + POLICY.dispatch_grace
     assert new.promote_at is None
@@ -906,6 +906,7 @@ def test_deadlines_available() -> None:
         "visibility": None,
         "dispatch": T0 + POLICY.dispatch_grace,
         "promote": None,
+        "redispatch": T0 + POLICY.redispatch_after,
         "retention": None,
     }
 
@@ -923,6 +924,7 @@ def test_deadlines_scheduled_held() -> None:
     assert d["dispatch"] is None
     assert d["enqueue_ttl"] == T0 + 7200
     assert d["execution"] is None
+    assert d["redispatch"] is None  # the promote clock owns it until it is published
 
 
 def test_deadlines_pending_keeps_ttl() -> None:
@@ -949,6 +951,7 @@ def test_deadlines_active() -> None:
         "visibility": T0 + 5 + 50,
         "dispatch": None,
         "promote": None,
+        "redispatch": None,
         "retention": None,
     }
     beat = applied(heartbeat(record, 1, W1, T0 + 40))
@@ -978,11 +981,13 @@ def test_deadlines_retryable() -> None:
         "visibility": None,
         "dispatch": T0 + 15 + POLICY.dispatch_grace,
         "promote": None,
+        "redispatch": T0 + 15 + POLICY.redispatch_after,  # from the time the retry is due
         "retention": None,
     }
     held = applied(fail(record, 1, W1, make_error("E", "x"), T0 + 10, delay=500.0))
     assert deadlines(held, POLICY)["promote"] == T0 + 510
     assert deadlines(held, POLICY)["dispatch"] is None
+    assert deadlines(held, POLICY)["redispatch"] is None
 
 
 def _only_retention(d: dict[str, float | None]) -> float | None:
@@ -1096,3 +1101,80 @@ def test_cancel_terminal_rejected(final: str) -> None:
     record.job.state = final  # type: ignore[assignment]
     assert cancel(record, T0 + 3).reason == f"terminal:{final}"
     assert not cancel(record, T0 + 3).applied
+
+
+def test_dispatch_failures_are_counted_in_a_row_and_the_limit_discards() -> None:
+    from ojs_celery.lifecycle import dispatch_failed, dispatch_failures
+
+    policy = Policy(dispatch_failure_limit=3)
+    record = created()
+    for count in (1, 2):
+        record = applied(dispatch_failed(record, "QueueNotFound: nowhere", T0 + count, policy))
+        assert record.job.state == "available" and dispatch_failures(record.job) == count
+    record.job.errors = [*record.job.errors, make_error("timeout", "an attempt's error")]
+    assert dispatch_failures(record.job) == 0  # another error ends the run
+    for _ in range(2):
+        record = applied(dispatch_failed(record, "QueueNotFound: nowhere", T0 + 5, policy))
+    last = dispatch_failed(record, "QueueNotFound: nowhere", T0 + 6, policy)
+    done = applied(last)
+    assert done.job.state == "discarded" and done.dispatch_due is None
+    assert done.job.error is not None and done.job.error["type"] == "dispatch_failed"
+    assert names(last) == ["job.discarded"]
+    assert not dispatch_failed(done, "again", T0 + 7, policy).applied
+
+
+def test_a_job_waiting_too_long_for_its_message_gets_it_once_more() -> None:
+    from ojs_celery.lifecycle import REDISPATCH, ack_dispatch, resend
+
+    policy = Policy(redispatch_after=100.0)
+    record = applied(ack_dispatch(created(policy=policy), 1))  # published and acknowledged
+    assert REDISPATCH.deadline(record, policy) == T0 + 100
+    assert resend(record, T0 + 99, policy).reason == "not_due"
+    transition = resend(record, T0 + 100, policy)
+    again = applied(transition)
+    assert transition.publish == Publish(record.job.id, 1, None)  # same token: fencing dedups
+    assert again.token == record.token and again.job.attempt == 0 and not again.job.errors
+    assert again.dispatch_due == T0 + 100 + policy.dispatch_grace
+    assert REDISPATCH.deadline(again, policy) == T0 + 200  # once per redispatch_after
+    assert resend(again, T0 + 150, policy).reason == "not_due"
+    active = applied(start(again, 1, W1, T0 + 150, policy))
+    assert REDISPATCH.deadline(active, policy) is None
+    assert resend(active, T0 + 500, policy).reason == "not_waiting"
+
+
+def _waiting_records() -> dict[str, Record]:
+    from ojs_celery.lifecycle import ack_dispatch
+
+    return {
+        "total": created(timeout=10, total_timeout=600),
+        "enqueue_ttl": created(enqueue_ttl=30),
+        "execution": started(timeout=10, grace_period=5),
+        "stall": started(heartbeat_timeout=20),
+        "visibility": started(visibility_timeout=50),
+        "dispatch": created(),
+        "promote": created(scheduled_at=ts(T0 + 3600)),
+        "redispatch": applied(ack_dispatch(created(), 1)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_waiting_records()))
+def test_each_clock_applies_its_rule_once_its_deadline_and_lag_have_passed(name: str) -> None:
+    from ojs_celery.lifecycle import BY_NAME
+
+    clock = BY_NAME[name]
+    record = _waiting_records()[name]
+    deadline = clock.deadline(record, POLICY)
+    assert deadline is not None
+    due_at = deadline + clock.lag(POLICY)
+    assert clock.cutoff(due_at, POLICY) == deadline
+    assert not clock.rule(due_at - 0.01, POLICY)(record).applied
+    assert clock.rule(due_at, POLICY)(record).applied
+
+
+def test_the_sweep_breaks_ties_in_the_documented_order() -> None:
+    from ojs_celery.lifecycle import SWEEP
+
+    assert [clock.name for clock in SWEEP] == [
+        "total", "enqueue_ttl", "execution", "stall", "visibility", "worker", "dispatch",
+        "promote", "redispatch", "retention",
+    ]

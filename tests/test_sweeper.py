@@ -18,7 +18,7 @@ from ojs_celery import enqueue, signals
 from ojs_celery.envelope import parse_envelope
 from ojs_celery.runtime import Runtime, get_runtime
 from ojs_celery.store import StoreError
-from ojs_celery.sweeper import last_sweep, sweep
+from ojs_celery.sweeper import last_sweep, run_loop, sweep
 from tests import services
 from tests.e2eapp import make_app
 from tests.workers import filesystem_config, unique
@@ -84,9 +84,9 @@ def test_the_report_as_a_dict_is_what_the_task_returns_and_the_cli_prints(app: C
     created = job.created_at.timestamp()  # type: ignore[union-attr]
     report = sweep(runtime_of(app), now=created + 6)
     assert report.as_dict() == {"applied": {"enqueue_ttl": 1}, "published": 0, "pruned": 0,
-                                "error": None}
+                                "skipped": 0, "error": None}
     task = app.tasks["ojs_celery.sweep"]
-    assert task() == {"applied": {}, "published": 0, "pruned": 0, "error": None}
+    assert task() == {"applied": {}, "published": 0, "pruned": 0, "skipped": 0, "error": None}
 
 
 def test_scheduled_job_counts_its_ttl_from_created_at(app: Celery) -> None:
@@ -201,6 +201,7 @@ def test_a_broker_fault_mid_pass_keeps_written_transitions_whole(
         stored = store.get_record(job.id)
         assert stored is not None and stored.job.state == "retryable"
         assert stored.dispatch_due is not None  # still owed
+        assert [e["type"] for e in stored.job.errors] == ["timeout"]  # an outage counts not
 
     monkeypatch.undo()
     report = sweep(runtime, now=start + 12 + 11.5)
@@ -314,3 +315,135 @@ def _rfc3339(epoch: float) -> str:
     from ojs_celery.envelope import format_timestamp, from_epoch
 
     return format_timestamp(from_epoch(epoch))
+
+
+def test_the_loop_survives_any_error_and_sweeps_again_when_it_goes(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not only store outages: an unexpected error (an unwrapped error reply, a bug) fails the
+    pass, is logged with its traceback once, and the loop backs off and goes on."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    job = parse_envelope({"type": "e2e.add", "args": [1, 2], "enqueue_ttl": 1})
+    store.create(job, now=time.time() - 10)
+    original = store.due
+    calls = Counter[str]()
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls["due"] += 1
+        if calls["due"] <= 2:
+            raise ValueError("an error reply nobody wrapped")
+        return original(*args, **kwargs)
+
+    store.due = flaky  # type: ignore[method-assign]
+    began = time.monotonic()
+
+    def stop() -> bool:
+        stored = store.get(job.id)
+        return (stored is not None and stored.state == "discarded") or (
+            time.monotonic() - began > 20)
+
+    with caplog.at_level("ERROR", logger="ojs_celery.sweeper"):
+        run_loop(runtime, interval=0.01, stop=stop)
+    stored = store.get(job.id)
+    assert stored is not None and stored.state == "discarded"
+    assert stored.error is not None and stored.error["type"] == "enqueue_ttl_expired"
+    failures = [r for r in caplog.records if r.name == "ojs_celery.sweeper"]
+    assert len(failures) == 2 and [r.exc_info is not None for r in failures] == [True, False]
+
+
+def test_the_sweep_task_reports_an_unexpected_error(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = runtime_of(app)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise KeyError("a record that cannot be decoded")
+
+    monkeypatch.setattr(runtime.store, "due", broken)
+    report = app.tasks["ojs_celery.sweep"]()
+    assert report["error"] == "KeyError: 'a record that cannot be decoded'"
+
+
+def _corrupt(runtime: Runtime, job_id: str) -> None:
+    """Make a stored record undecodable (as a record written by a broken or newer release)."""
+    store: Any = runtime.store
+    if hasattr(store, "client"):
+        store.client.hset(f"{runtime.settings.store_prefix}:job:{job_id}", "data", "{broken")
+        return
+    import sqlalchemy as sa
+
+    with store.engine.begin() as conn:
+        conn.execute(sa.update(store.jobs).where(store.jobs.c.id == job_id).values(data="{broken"))
+
+
+def test_a_job_the_broker_refuses_is_skipped_then_discarded_and_the_pass_goes_on(
+    app: Celery, seen: Counter[str]
+) -> None:
+    """Its queue is not declared (and Celery may not create it): each pass logs and counts it
+    and does everything else; the fifth discards it with ``dispatch_failed``."""
+    app.conf.task_create_missing_queues = False
+    runtime = runtime_of(app)
+    store = runtime.store
+    now = time.time()
+    bad = store.create(parse_envelope({"type": "e2e.add", "args": [1, 2], "queue": "nowhere"}),
+                       now=now)  # stored before the queue went away; its message is owed
+    assert bad.record is not None
+    bad_id = bad.record.job.id
+    for i in range(1, 5):
+        expiring = store.create(parse_envelope({"type": "e2e.add", "args": [i, 1],
+                                                "enqueue_ttl": 1}), now=now + 11 * (i - 1))
+        assert expiring.record is not None
+        report = sweep(runtime, now=now + 11 * i)
+        assert report.error is None and report.skipped == 1
+        assert report.applied["enqueue_ttl"] == 1  # the rest of the pass went on
+        stored = store.get(bad_id)
+        assert stored is not None and stored.state == "available"
+        assert [e["type"] for e in stored.errors] == ["dispatch_error"] * i
+    assert messages(app) == []
+    report = sweep(runtime, now=now + 55)
+    assert report.skipped == 1 and report.applied["dispatch_failed"] == 1
+    stored = store.get(bad_id)
+    assert stored is not None and stored.state == "discarded"
+    assert stored.error is not None and stored.error["type"] == "dispatch_failed"
+    assert seen["job.discarded"] == 1 + 4  # this one, and the four whose TTL expired
+    assert sweep(runtime, now=now + 66).total == 0
+
+
+def test_a_record_that_cannot_be_decoded_does_not_stop_the_pass(app: Celery) -> None:
+    runtime = runtime_of(app)
+    store = runtime.store
+    created = time.time()
+    ids = []
+    for i in range(3):
+        done = store.create(parse_envelope({"type": "e2e.add", "args": [i, 1],
+                                            "enqueue_ttl": 1}), now=created)
+        assert done.record is not None
+        ids.append(done.record.job.id)
+    _corrupt(runtime, ids[1])
+    report = sweep(runtime, now=created + 2)
+    assert report.error is None and report.skipped == 1
+    assert report.applied["enqueue_ttl"] == 2
+    assert [store.get(i).state for i in (ids[0], ids[2])] == ["discarded"] * 2  # type: ignore[union-attr]
+    assert last_sweep(runtime) is not None
+
+
+def test_a_job_whose_message_is_gone_is_published_again_after_redispatch_after(
+    app: Celery,
+) -> None:
+    """The backstop: published and acknowledged, then lost (here: deleted from the broker's
+    folder), the job is sent once more after ``redispatch_after`` (default one hour), and
+    then not again before another hour."""
+    runtime = runtime_of(app)
+    job = enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+    sent = job.created_at.timestamp()  # type: ignore[union-attr]
+    folder = pathlib.Path(app.conf.broker_transport_options["data_folder_in"])
+    for message in folder.glob("*.msg"):
+        message.unlink()
+    assert sweep(runtime, now=sent + 3599).total == 0
+    report = sweep(runtime, now=sent + 3601)
+    assert report.applied["redispatch"] == 1 and report.published == 1
+    assert len(messages(app)) == 1
+    record = runtime.store.get_record(job.id)
+    assert record is not None and record.token == 1 and record.job.state == "available"
+    assert sweep(runtime, now=sent + 3601 + 3599).total == 0

@@ -30,7 +30,9 @@ from .rules import (
     promote,
     redispatch,
     republish,
+    resend,
     stalled,
+    waiting_deadline,
 )
 
 #: A rule as the store applies it: the record read, the transition to write.
@@ -154,6 +156,10 @@ def _promote(record: Record, times: Times, policy: Policy) -> float | None:
     return None if record.job.state in TERMINAL else record.promote_at
 
 
+def _redispatch(record: Record, times: Times, policy: Policy) -> float | None:
+    return waiting_deadline(record, policy)
+
+
 def _retention(record: Record, times: Times, policy: Policy) -> float | None:
     job = record.job
     state = job.state
@@ -197,12 +203,16 @@ DISPATCH = Clock("dispatch", _dispatch, republish)
 #: ``promote_at`` of a job held in the store (scheduled beyond the horizon, or a long
 #: backoff): its message is published.
 PROMOTE = Clock("promote", _promote, promote)
+#: The last publish of a waiting job's message (or the time it is meant for, if later) plus
+#: ``redispatch_after``: the message once more, the backstop for a message that is gone.
+REDISPATCH = Clock("redispatch", _redispatch, resend)
 #: ``completed_at + retention`` of the terminal state: the job is deleted.
 RETENTION = Clock("retention", _retention, None)
 
 #: The clocks a sweep pass enforces, in the order that breaks ties.
 SWEEP: tuple[Clock | WorkerClock, ...] = (
-    TOTAL, ENQUEUE_TTL, EXECUTION, STALL, VISIBILITY, WORKER, DISPATCH, PROMOTE, RETENTION,
+    TOTAL, ENQUEUE_TTL, EXECUTION, STALL, VISIBILITY, WORKER, DISPATCH, PROMOTE, REDISPATCH,
+    RETENTION,
 )
 #: The clocks the store indexes on job records.
 INDEXED: tuple[Clock, ...] = tuple(clock for clock in SWEEP if isinstance(clock, Clock))

@@ -44,9 +44,15 @@ class Policy:
 
     dispatch_grace: float = 10.0
     schedule_horizon: float = 60.0
+    #: A job waiting this long for its published message gets it once more (the backstop
+    #: for a message that is gone); long, since a job may wait in a long queue.
+    redispatch_after: float = 3600.0
     #: How long past an execution deadline the sweeper waits, so the worker's hard limit wins.
     execution_tolerance: float = 1.5
     worker_heartbeat_timeout: float = 30.0
+    #: Sweeps in a row that may fail to carry out a job's due transition before it is
+    #: discarded with ``dispatch_failed``.
+    dispatch_failure_limit: int = 5
     retention_completed: float = 7 * DAY
     retention_cancelled: float = 30 * DAY
     retention_discarded: float = 30 * DAY
@@ -58,8 +64,10 @@ class Record:
     """What the store keeps for one job besides the OJS fields of :class:`Job`.
 
     ``token`` is the dispatch token a message must carry to start the job; ``version`` is the
-    compare-and-set counter; ``heartbeat_at`` drives stall detection and ``extended_at`` the
-    visibility timeout; ``dispatch_due`` is the outbox entry (a message is owed; the sweeper
+    compare-and-set counter; ``heartbeat_at`` drives stall detection; ``extended_at`` is when the
+    job's hold was last renewed: the running attempt's reservation (the visibility timeout),
+    or, for a job waiting for its message, when that message was last published (the
+    redispatch backstop); ``dispatch_due`` is the outbox entry (a message is owed; the sweeper
     republishes it once this time has passed); ``promote_at`` is when a job held in the store
     (scheduled, or retrying after a long backoff) must be published.
     """
@@ -231,14 +239,33 @@ def create(job: Job, now: float, policy: Policy) -> Transition:
         j.state = "available"
         j.enqueued_at = j.created_at
         eta = None
-    new.dispatch_due = dispatch_deadline(eta, now, policy)
-    return Transition(new, events=[_enqueued(j)], publish=Publish(j.id, new.token, eta))
+    return Transition(new, events=[_enqueued(j)], publish=_owe(new, eta, now, policy))
 
 
 def dispatch_deadline(eta: float | None, now: float, policy: Policy) -> float:
     """The outbox deadline of a message owed from ``now`` for ``eta`` (None: at once): if its
     publish is not acknowledged by then, the sweeper publishes it again."""
     return max(now if eta is None else eta, now) + policy.dispatch_grace
+
+
+def _owe(record: Record, eta: float | None, now: float, policy: Policy) -> Publish:
+    """The record owes a message for its current token, due at ``eta`` (None or past: at
+    once): the outbox entry is written with the change, and the message counts as published
+    now for the redispatch backstop."""
+    record.promote_at = None
+    record.dispatch_due = dispatch_deadline(eta, now, policy)
+    record.extended_at = now
+    return Publish(record.job.id, record.token, eta if eta is not None and eta > now else None)
+
+
+def message_eta(job: Job) -> float | None:
+    """When the job's message is meant to start it (a scheduled job's ``scheduled_at``, a
+    retry's ``next_retry_at``); None: as soon as it arrives."""
+    if job.state == "scheduled" and job.scheduled_at is not None:
+        return job.scheduled_at.timestamp()
+    if job.state == "retryable" and job.next_retry_at is not None:
+        return job.next_retry_at.timestamp()
+    return None
 
 
 def _enqueued(job: Job) -> tuple[str, dict[str, Any]]:
@@ -443,9 +470,7 @@ def _schedule(record: Record, eta: float, now: float, policy: Policy) -> Publish
         record.promote_at = eta
         record.dispatch_due = None
         return None
-    record.promote_at = None
-    record.dispatch_due = dispatch_deadline(eta, now, policy)
-    return Publish(record.job.id, record.token, eta if eta > now else None)
+    return _owe(record, eta, now, policy)
 
 
 def _discard(record: Record, now: float) -> None:
@@ -686,15 +711,80 @@ def _owes_nothing(record: Record) -> bool:
 def _claim(record: Record, now: float, policy: Policy) -> Transition:
     """Publish the job's current token again, for its ETA if that is still ahead (a scheduled
     job, a retry's backoff); the outbox deadline moves one grace past it."""
-    job = record.job
     new = record.copy()
-    eta = None
-    if job.state == "scheduled" and job.scheduled_at is not None:
-        eta = job.scheduled_at.timestamp()
-    elif job.state == "retryable" and job.next_retry_at is not None:
-        eta = job.next_retry_at.timestamp()
-    if eta is not None and eta <= now:
-        eta = None
-    new.promote_at = None
-    new.dispatch_due = dispatch_deadline(eta, now, policy)
-    return Transition(new, publish=Publish(job.id, new.token, eta))
+    return Transition(new, publish=_owe(new, message_eta(record.job), now, policy))
+
+
+def waiting_deadline(record: Record, policy: Policy) -> float | None:
+    """When a job waiting for a message it was sent (no outbox entry needed, nothing held in
+    the store) is owed that message once more: ``redispatch_after`` past the later of its last
+    publish and the time the message is meant for. None: not waiting for a sent message."""
+    if record.job.state not in STARTABLE or record.promote_at is not None:
+        return None
+    published = record.extended_at
+    if published is None:  # written before the backstop existed
+        return None
+    eta = message_eta(record.job)
+    return max(published, eta or published) + policy.redispatch_after
+
+
+def resend(record: Record, now: float, policy: Policy) -> Transition:
+    """A job has waited ``redispatch_after`` for a message that may be gone (a broker that
+    lost it, a worker that acked it without starting): publish it once more with the same
+    token; if the first one still comes, fencing drops whichever arrives second."""
+    deadline = waiting_deadline(record, policy)
+    if deadline is None:
+        return rejected("not_waiting")
+    if deadline > now:
+        return rejected("not_due")
+    return _claim(record, now, policy)
+
+
+# --------------------------------------------------------------------------- a job that stays stuck
+
+#: Error types of a sweep that could not carry out a job's due transition.
+DISPATCH_ERROR = "dispatch_error"
+DISPATCH_FAILED = "dispatch_failed"
+
+
+def dispatch_failures(job: Job) -> int:
+    """Sweeps in a row that failed on this job: the ``dispatch_error`` entries that end its
+    error history (any other entry, such as an attempt's error, ends the run)."""
+    count = 0
+    for entry in reversed(job.errors):
+        if entry.get("type") != DISPATCH_ERROR:
+            break
+        count += 1
+    return count
+
+
+def dispatch_failed(record: Record, reason: str, now: float, policy: Policy) -> Transition:
+    """A sweep could not carry out a due transition of this job for a reason of its own (the
+    broker refuses its queue or options, its transition raised): the failure is recorded in
+    its error history, where the next sweeps count it, and after
+    ``policy.dispatch_failure_limit`` sweeps in a row the job is discarded with
+    ``dispatch_failed``. Recording the count in the record keeps it right across sweepers and
+    restarts, and needs no field of its own."""
+    job = record.job
+    if job.state in TERMINAL:
+        return rejected(f"terminal:{job.state}")
+    failures = dispatch_failures(job) + 1
+    new = record.copy()
+    j = new.job
+    if failures < policy.dispatch_failure_limit:
+        entry = _history_entry(make_error(DISPATCH_ERROR, reason), j.attempt, now)
+        entry["code"] = "DISPATCH_ERROR"
+        j.errors = [*j.errors, entry]
+        return Transition(new)
+    error = make_error(
+        DISPATCH_FAILED, f"the sweeper failed {failures} times in a row to dispatch the job; "
+        f"last: {reason}",
+    )
+    entry = _history_entry(error, j.attempt, now)
+    entry["code"] = "DISPATCH_ERROR"
+    j.error = error
+    j.errors = [*j.errors, entry]
+    _discard(new, now)
+    new.heartbeat_at = None
+    new.extended_at = None
+    return Transition(new, events=[_discarded_event(j)])
