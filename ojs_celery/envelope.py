@@ -13,6 +13,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Annotated, Any, Final, Literal
 
@@ -76,6 +77,8 @@ CELERY_KWARGS_FIELD: Final = "x_celery_kwargs"
 CELERY_OPTIONS_FIELD: Final = "x_celery_options"
 
 
+_SYSTEM_FIELD_SET: set[str] = set(SYSTEM_FIELDS)
+
 State = Literal[
     "scheduled",
     "available",
@@ -95,6 +98,20 @@ class InvalidJob(ValueError):
         self.violations = violations
         lines = "\n".join(f"  {path}: {rule}" for path, rule in violations)
         super().__init__(f"invalid OJS job ({len(violations)} violation(s)):\n{lines}")
+
+
+class DuplicateJob(InvalidJob):
+    """A job with this client-chosen id exists with a different envelope (a conflict).
+
+    Enqueueing the same envelope with the same id again returns the existing job instead
+    (enqueue is idempotent: a retry after a lost reply is safe). A subclass of
+    :class:`InvalidJob` naming the ``id`` field, so that ``except InvalidJob`` still catches
+    every rejected input; the CLI gives it an exit status of its own.
+    """
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__([("id", f"a different job with id {job_id} exists already")])
+        self.job_id = job_id
 
 
 #: The version (7) and variant (0b10) bits of a UUIDv7, and the random bits they replace.
@@ -292,6 +309,12 @@ class Job(BaseModel):
     def terminal(self) -> bool:
         return self.state in ("completed", "cancelled", "discarded")
 
+    def same_request(self, other: Job) -> bool:
+        """Whether both were enqueued with the same envelope (and the same trusted Celery
+        options): every field but the system-managed ones is equal."""
+        return bool(self.model_dump(mode="json", exclude=_SYSTEM_FIELD_SET)
+                    == other.model_dump(mode="json", exclude=_SYSTEM_FIELD_SET))
+
     def to_dict(self) -> dict[str, Any]:
         """The job as OJS JSON data: absent optional fields are omitted."""
         data = self.model_dump(mode="json", by_alias=True, exclude_none=True)
@@ -401,33 +424,61 @@ def _surely_small(job: Job) -> bool:
     return 3 * len(text.encode()) <= MAX_ENVELOPE_BYTES
 
 
-def parse_envelope(data: dict[str, Any] | str | bytes | Job) -> Job:
+#: Extra checks of a decoded envelope that need more than the envelope (the Celery app: is the
+#: type an OJS task, is the queue declared): ``(field path, rule)`` pairs, as violations.
+Rules = Callable[[dict[str, Any]], list[tuple[str, str]]]
+
+
+def decode_json(text: str | bytes, what: str = "(envelope)") -> Any:
+    """JSON text (UTF-8 when bytes) as data, or :class:`InvalidJob` naming ``what``."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise InvalidJob([(what, _NESTING_RULE)]) from None
+    except UnicodeDecodeError as exc:
+        raise InvalidJob([(what, f"is not UTF-8 text: {exc.reason} at byte {exc.start}")]) \
+            from None
+    except ValueError as exc:  # json.JSONDecodeError, or bytes in another encoding
+        raise InvalidJob([(what, f"is not valid JSON: {exc}")]) from None
+
+
+def parse_envelope(data: dict[str, Any] | str | bytes | Job, *, rules: Rules | None = None) -> Job:
     """Validate client input and return a new job (state unset; system fields ignored).
 
-    Raises :class:`InvalidJob` listing every violation; nothing else is touched.
+    Raises :class:`InvalidJob` listing every violation, those of ``rules`` included (a rule's
+    violation of a field the envelope's own rules already reject is left out); nothing else
+    is touched.
     """
     if isinstance(data, Job):
         data = data.model_dump(mode="json", by_alias=True, exclude_none=True)
     if isinstance(data, (str, bytes)):
         if len(data) > MAX_ENVELOPE_BYTES:
             raise InvalidJob([("(envelope)", "must not exceed 1 MiB")])
-        try:
-            data = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise InvalidJob([("(envelope)", f"is not valid JSON: {exc}")]) from None
+        data = decode_json(data)
     if not isinstance(data, dict):
         raise InvalidJob([("(envelope)", "must be a JSON object")])
     clean = {k: v for k, v in data.items() if k not in SYSTEM_FIELDS and v is not None}
-    violations = _celery_field_violations(clean)
+    violations = [(str(k), "must be a string field name") for k in clean if not isinstance(k, str)]
+    violations += [(key, _NESTING_RULE) for key in _too_deep(clean)]
+    violations += _celery_field_violations(clean)
+    named = {path for path, _ in violations}
+    for key in named:
+        clean.pop(key, None)  # checked already: pydantic would only add noise (or recurse)
     if "args" in clean and not isinstance(clean["args"], list):
         violations.append(("args", "must be a JSON array"))
+        named.add("args")
+    if "args" in named:
         clean["args"] = []  # placeholder: check the other fields without a bogus "is required"
     try:
-        job = Job.model_validate(clean)
+        job: Job | None = Job.model_validate(clean)
     except ValidationError as exc:
-        violations.extend(field_violations(exc))
-        raise InvalidJob(violations) from None
-    if violations:
+        job = None
+        violations += [(path, rule) for path, rule in field_violations(exc)
+                       if _top_field(path) not in named]
+    if rules is not None:
+        named |= {_top_field(path) for path, _ in violations}
+        violations += [(path, rule) for path, rule in rules(data) if _top_field(path) not in named]
+    if violations or job is None:
         raise InvalidJob(violations)
     if _surely_small(job):
         return job
@@ -441,13 +492,39 @@ def parse_envelope(data: dict[str, Any] | str | bytes | Job) -> Job:
     return job
 
 
-def parse_batch(data: str | bytes | list[Any]) -> list[Job]:
+def _top_field(path: str) -> str:
+    return re.split(r"[.\[]", path, maxsplit=1)[0]
+
+
+#: How deep arrays and objects may nest in one field of an envelope. Deeper data would exhaust
+#: Python's recursion somewhere on its way (JSON codecs, pydantic, kombu, the worker).
+MAX_NESTING = 64
+_NESTING_RULE = f"must not nest arrays and objects more than {MAX_NESTING} levels deep"
+
+
+def _too_deep(data: dict[Any, Any]) -> list[str]:
+    """The fields of ``data`` whose value nests deeper than :data:`MAX_NESTING` (walked
+    without recursion, and stopping at the limit)."""
+    deep: list[str] = []
+    for key, value in data.items():
+        if not isinstance(value, (list, dict, tuple)):
+            continue
+        stack: list[tuple[Any, int]] = [(value, 1)]
+        while stack:
+            item, depth = stack.pop()
+            if depth > MAX_NESTING:
+                deep.append(str(key))
+                break
+            for child in item.values() if isinstance(item, dict) else item:
+                if isinstance(child, (list, dict, tuple)):
+                    stack.append((child, depth + 1))
+    return deep
+
+
+def parse_batch(data: str | bytes | list[Any], *, rules: Rules | None = None) -> list[Job]:
     """Validate a JSON array (or ``{"jobs": [...]}``) of envelopes; every job must be valid."""
     if isinstance(data, (str, bytes)):
-        try:
-            data = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise InvalidJob([("(batch)", f"is not valid JSON: {exc}")]) from None
+        data = decode_json(data, "(batch)")
     if isinstance(data, dict) and isinstance(data.get("jobs"), list):
         data = data["jobs"]
     if not isinstance(data, list) or not data:
@@ -457,7 +534,7 @@ def parse_batch(data: str | bytes | list[Any]) -> list[Job]:
     first_index: dict[str, int] = {}
     for index, item in enumerate(data):
         try:
-            job = parse_envelope(item)
+            job = parse_envelope(item, rules=rules)
         except InvalidJob as exc:
             violations.extend(
                 (f"[{index}]" if path == "(envelope)" else f"[{index}].{path}", rule)

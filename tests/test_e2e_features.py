@@ -10,7 +10,15 @@ import pytest
 from celery import Celery
 from celery.result import AsyncResult
 
-from ojs_celery import BrokerUnavailable, InvalidJob, cancel, enqueue, get_job, install
+from ojs_celery import (
+    BrokerUnavailable,
+    DuplicateJob,
+    InvalidJob,
+    cancel,
+    enqueue,
+    get_job,
+    install,
+)
 from ojs_celery.envelope import CELERY_OPTIONS_FIELD, new_job_id
 from ojs_celery.lifecycle import Publish
 from ojs_celery.producer import publish
@@ -120,8 +128,10 @@ def test_unknown_type_and_plain_task_are_rejected_before_anything_is_stored(env:
 
 def test_duplicate_id_is_rejected(env: Env) -> None:
     job = enqueue({"type": "e2e.add", "args": [1, 1]}, app=env.app)
-    with pytest.raises(InvalidJob, match="exists already"):
-        enqueue({"type": "e2e.add", "args": [1, 1], "id": job.id.upper()}, app=env.app)
+    with pytest.raises(DuplicateJob, match="exists already"):
+        enqueue({"type": "e2e.add", "args": [1, 2], "id": job.id.upper()}, app=env.app)
+    again = enqueue({"type": "e2e.add", "args": [1, 1], "id": job.id.upper()}, app=env.app)
+    assert again.id == job.id  # the same envelope again: the job that exists
 
 
 def test_an_envelope_cannot_choose_a_callback(env: Env) -> None:
