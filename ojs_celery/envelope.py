@@ -99,6 +99,11 @@ class InvalidJob(ValueError):
         lines = "\n".join(f"  {path}: {rule}" for path, rule in violations)
         super().__init__(f"invalid OJS job ({len(violations)} violation(s)):\n{lines}")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its violations: raised in a prefork child, it must unpickle in the
+        # worker's main process (billiard sends it there), or the worker stops consuming.
+        return (type(self), (self.violations,), self.__dict__)
+
 
 class DuplicateJob(InvalidJob):
     """A job with this client-chosen id exists with a different envelope (a conflict).
@@ -112,6 +117,9 @@ class DuplicateJob(InvalidJob):
     def __init__(self, job_id: str) -> None:
         super().__init__([("id", f"a different job with id {job_id} exists already")])
         self.job_id = job_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.job_id,), self.__dict__)
 
 
 #: The version (7) and variant (0b10) bits of a UUIDv7, and the random bits they replace.

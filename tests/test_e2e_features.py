@@ -161,6 +161,33 @@ def test_apply_async_links_travel_with_the_job_and_fire_once(env: Env) -> None:
         'retried "ok on 2"']
 
 
+def test_package_exceptions_raised_in_a_prefork_child_do_not_stop_the_worker(env: Env) -> None:
+    names = ["InvalidJob", "DuplicateJob", "JobError", "StoreError", "BrokerUnavailable",
+             "JobNotFound", "NotInstalled", "NoCurrentJob"]
+    jobs = [enqueue({"type": "e2e.raise_package_error", "args": [name],
+                     "retry": {"max_attempts": 2, "initial_interval": "PT0.1S"}},
+                    app=env.app) for name in names]
+    for job, name in zip(jobs, names, strict=True):
+        done = env.wait_state(job.id, "discarded")
+        assert done.error is not None
+        assert done.error["type"] == ("declined" if name == "JobError" else name)
+    for job in jobs:  # the main process got each outcome whole and reported it to Celery
+        wait_for(lambda j=job: AsyncResult(j.id, app=env.app).state == "FAILURE", 15,
+                 "the result backend to show the failure")
+    after = enqueue({"type": "e2e.add", "args": [3, 4]}, app=env.app)
+    assert env.wait_state(after.id, "completed").result == 7
+
+
+def test_invalid_job_from_a_retry_of_an_unmigrated_message_does_not_stop_the_worker(
+    env: Env,
+) -> None:
+    tag = new_job_id()
+    env.app.send_task("e2e.retry_unmigrated", args=[tag], queue=env.config["queue"])
+    wait_for(lambda: f"retry_unmigrated {tag}" in env.lines("runs"), 15, "the handler to run")
+    after = enqueue({"type": "e2e.add", "args": [5, 6]}, app=env.app)
+    assert env.wait_state(after.id, "completed").result == 11  # the worker still consumes
+
+
 def test_enqueue_reports_a_broker_that_is_down(tmp_path: pathlib.Path) -> None:
     app = Celery("down", broker="redis://127.0.0.1:1/0", set_as_current=False)
     app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}"}
