@@ -404,6 +404,14 @@ def _celery_field_violations(data: dict[str, Any]) -> list[tuple[str, str]]:
     return found
 
 
+def _is_utf8(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False, default=str).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_json(value: Any) -> bool:
     try:
         to_jsonable_python(value)
@@ -440,7 +448,9 @@ Rules = Callable[[dict[str, Any]], list[tuple[str, str]]]
 def decode_json(text: str | bytes, what: str = "(envelope)") -> Any:
     """JSON text (UTF-8 when bytes) as data, or :class:`InvalidJob` naming ``what``."""
     try:
-        return json.loads(text)
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")  # not UTF-16 or -32, which json.loads would guess
+        return json.loads(text, parse_constant=_not_a_json_number)
     except RecursionError:
         raise InvalidJob([(what, _NESTING_RULE)]) from None
     except UnicodeDecodeError as exc:
@@ -448,6 +458,10 @@ def decode_json(text: str | bytes, what: str = "(envelope)") -> Any:
             from None
     except ValueError as exc:  # json.JSONDecodeError, or bytes in another encoding
         raise InvalidJob([(what, f"is not valid JSON: {exc}")]) from None
+
+
+def _not_a_json_number(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def parse_envelope(data: dict[str, Any] | str | bytes | Job, *, rules: Rules | None = None) -> Job:
@@ -495,6 +509,11 @@ def parse_envelope(data: dict[str, Any] | str | bytes | Job, *, rules: Rules | N
     except PydanticSerializationError:
         bad = [key for key, value in job.extensions.items() if not _is_json(value)]
         raise InvalidJob([(key, "must be JSON data") for key in bad or ["(envelope)"]]) from None
+    except UnicodeEncodeError:
+        bad = [str(key) for key, value in clean.items() if not _is_utf8(value)]
+        raise InvalidJob([(key, "must be Unicode text that UTF-8 can encode (no lone "
+                           "surrogates such as \\ud800)") for key in bad or ["(envelope)"]]) \
+            from None
     if size > MAX_ENVELOPE_BYTES:
         raise InvalidJob([("(envelope)", f"must not exceed 1 MiB (is {size} bytes)")])
     return job
@@ -541,6 +560,9 @@ def parse_batch(data: str | bytes | list[Any], *, rules: Rules | None = None) ->
     violations: list[tuple[str, str]] = []
     first_index: dict[str, int] = {}
     for index, item in enumerate(data):
+        if isinstance(item, (str, bytes)):  # JSON data in a batch, not text to decode again
+            violations.append((f"[{index}]", "must be a JSON object"))
+            continue
         try:
             job = parse_envelope(item, rules=rules)
         except InvalidJob as exc:
