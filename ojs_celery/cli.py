@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import click
 from celery import Celery
 from celery.app.utils import find_app
+from celery.exceptions import ImproperlyConfigured
 
 from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job
 from .envelope import DuplicateJob, InvalidJob
@@ -40,7 +41,7 @@ EXIT_BROKER = 5
 EXIT_STATUSES = {
     0: "done",
     EXIT_FAILED: "not done: no such job or worker, a job that already ended, a failed sweep",
-    EXIT_INVALID: "invalid input or usage (one line per problem; nothing stored)",
+    EXIT_INVALID: "invalid input, settings or usage (one line per problem; nothing stored)",
     EXIT_DUPLICATE: "a different job with this id exists (nothing stored)",
     EXIT_STORE: "the job store cannot be reached",
     EXIT_BROKER: "stored, but the broker cannot be reached (the sweeper publishes it later)",
@@ -103,6 +104,8 @@ class _Commands(click.Group):
         except InvalidJob as exc:  # DuplicateJob included
             status = EXIT_DUPLICATE if isinstance(exc, DuplicateJob) else EXIT_INVALID
             _fail([f"{path}: {rule}" for path, rule in exc.violations], status)
+        except ImproperlyConfigured as exc:  # the app's ojs settings, read by install()
+            _fail([line for line in str(exc).splitlines() if line.strip()], EXIT_INVALID)
         except StoreError as exc:
             _fail([f"error: the job store cannot be reached: {exc}"], EXIT_STORE)
         except BrokerUnavailable as exc:

@@ -156,6 +156,13 @@ def test_a_broker_that_is_down_is_one_line_and_status_5(
     assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr
 
 
+def test_invalid_settings_are_one_line_per_problem_and_status_2(env: Env) -> None:
+    bad = {"ojs": {**env.config["ojs"], "sweep_intervall": 1, "heartbeat_interval": -1}}
+    out = run_with(env, bad, "get", "01a1fc00-0000-7000-8000-0000000000d3")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "ojs.sweep_intervall: unknown setting" in out.stderr
+
+
 def test_help_lists_the_exit_statuses(env: Env) -> None:
     from ojs_celery.cli import EXIT_STATUSES
 
