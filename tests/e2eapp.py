@@ -203,6 +203,14 @@ def make_app(config: dict[str, Any]) -> Celery:
                f"{request.id} redelivered={bool(info.get('redelivered'))}")
 
     signals.task_received.connect(on_received, weak=False)
+
+    def on_postrun(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
+        """What Celery made of each call in the pool child (SUCCESS, RETRY, IGNORED...)."""
+        if sender is None or sender.app is not app:
+            return
+        record(directory, "postrun", f"{task_id} {state}")
+
+    signals.task_postrun.connect(on_postrun, weak=False)
     return app
 
 
