@@ -78,7 +78,9 @@ def publish_rules(runtime: Runtime) -> Rules:
     ``type_map``) and its queue is one the app can publish to."""
 
     def rules(data: dict[str, Any]) -> list[tuple[str, str]]:
-        return publish_violations(runtime, data.get("type"), data.get("queue", DEFAULT_QUEUE))
+        queue = data.get("queue")
+        return publish_violations(runtime, data.get("type"), DEFAULT_QUEUE if queue is None
+                                  else queue)
 
     return rules
 
