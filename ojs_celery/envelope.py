@@ -387,21 +387,34 @@ def field_violations(
     return found
 
 
-def _celery_field_violations(data: dict[str, Any]) -> list[tuple[str, str]]:
-    """What is wrong with the ``x_celery_*`` fields of an envelope from outside."""
-    found: list[tuple[str, str]] = []
+def _field_violations_before_model(data: dict[Any, Any]) -> list[tuple[Any, str]]:
+    """``(key, rule)`` for the top-level fields the model cannot be trusted with: a key that is
+    no string, a value nested deeper than :data:`MAX_NESTING`, an ``x_celery_*`` field that an
+    envelope may not set or that is malformed. One pass, on every enqueue's path."""
+    found: list[tuple[Any, str]] = []
     for key, value in data.items():
-        if not isinstance(key, str) or not key.lower().startswith(CELERY_NAMESPACE):
-            continue
-        if key != CELERY_KWARGS_FIELD:
-            found.append((key, f"is not accepted from an envelope: {CELERY_NAMESPACE}* fields "
-                          f"belong to ojs_celery, and only {CELERY_KWARGS_FIELD} may be set "
-                          "(callbacks, routing and Celery options come from Python code)"))
-        elif not isinstance(value, dict):
-            found.append((key, "must be a JSON object (the Celery keyword arguments)"))
-        elif not all(isinstance(name, str) for name in value):
-            found.append((key, "must have string keys (the Celery keyword arguments)"))
+        if not isinstance(key, str):
+            found.append((key, "must be a string field name"))
+        elif isinstance(value, (list, dict, tuple)) and _nests_too_deep(value):
+            found.append((key, _NESTING_RULE))
+        elif key[:9].lower() == CELERY_NAMESPACE:
+            rule = _celery_field_rule(key, value)
+            if rule is not None:
+                found.append((key, rule))
     return found
+
+
+def _celery_field_rule(key: str, value: Any) -> str | None:
+    """What is wrong with the ``x_celery_*`` field ``key`` of an envelope from outside."""
+    if key != CELERY_KWARGS_FIELD:
+        return (f"is not accepted from an envelope: {CELERY_NAMESPACE}* fields belong to "
+                f"ojs_celery, and only {CELERY_KWARGS_FIELD} may be set (callbacks, routing "
+                "and Celery options come from Python code)")
+    if not isinstance(value, dict):
+        return "must be a JSON object (the Celery keyword arguments)"
+    if not all(isinstance(name, str) for name in value):
+        return "must have string keys (the Celery keyword arguments)"
+    return None
 
 
 def _is_utf8(value: Any) -> bool:
@@ -450,7 +463,7 @@ def decode_json(text: str | bytes, what: str = "(envelope)") -> Any:
     try:
         if isinstance(text, bytes):
             text = text.decode("utf-8")  # not UTF-16 or -32, which json.loads would guess
-        return json.loads(text, parse_constant=_not_a_json_number)
+        return _DECODER.decode(text)
     except RecursionError:
         raise InvalidJob([(what, _NESTING_RULE)]) from None
     except UnicodeDecodeError as exc:
@@ -462,6 +475,10 @@ def decode_json(text: str | bytes, what: str = "(envelope)") -> Any:
 
 def _not_a_json_number(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+#: One decoder for all: ``json.loads`` with any option builds a new decoder on every call.
+_DECODER = json.JSONDecoder(parse_constant=_not_a_json_number)
 
 
 def parse_envelope(data: dict[str, Any] | str | bytes | Job, *, rules: Rules | None = None) -> Job:
@@ -480,12 +497,11 @@ def parse_envelope(data: dict[str, Any] | str | bytes | Job, *, rules: Rules | N
     if not isinstance(data, dict):
         raise InvalidJob([("(envelope)", "must be a JSON object")])
     clean = {k: v for k, v in data.items() if k not in SYSTEM_FIELDS and v is not None}
-    violations = [(str(k), "must be a string field name") for k in clean if not isinstance(k, str)]
-    violations += [(key, _NESTING_RULE) for key in _too_deep(clean)]
-    violations += _celery_field_violations(clean)
+    violations: list[tuple[str, str]] = []
+    for key, rule in _field_violations_before_model(clean):
+        violations.append((str(key), rule))
+        del clean[key]  # checked already: pydantic would only add noise (or recurse)
     named = {path for path, _ in violations}
-    for key in named:
-        clean.pop(key, None)  # checked already: pydantic would only add noise (or recurse)
     if "args" in clean and not isinstance(clean["args"], list):
         violations.append(("args", "must be a JSON array"))
         named.add("args")
@@ -529,23 +545,18 @@ MAX_NESTING = 64
 _NESTING_RULE = f"must not nest arrays and objects more than {MAX_NESTING} levels deep"
 
 
-def _too_deep(data: dict[Any, Any]) -> list[str]:
-    """The fields of ``data`` whose value nests deeper than :data:`MAX_NESTING` (walked
-    without recursion, and stopping at the limit)."""
-    deep: list[str] = []
-    for key, value in data.items():
-        if not isinstance(value, (list, dict, tuple)):
-            continue
-        stack: list[tuple[Any, int]] = [(value, 1)]
-        while stack:
-            item, depth = stack.pop()
-            if depth > MAX_NESTING:
-                deep.append(str(key))
-                break
-            for child in item.values() if isinstance(item, dict) else item:
-                if isinstance(child, (list, dict, tuple)):
-                    stack.append((child, depth + 1))
-    return deep
+def _nests_too_deep(value: list[Any] | dict[Any, Any] | tuple[Any, ...]) -> bool:
+    """Whether ``value`` nests arrays and objects deeper than :data:`MAX_NESTING` (walked
+    without recursion, stopping at the limit)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_NESTING:
+            return True
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, (list, dict, tuple)):
+                stack.append((child, depth + 1))
+    return False
 
 
 def parse_batch(data: str | bytes | list[Any], *, rules: Rules | None = None) -> list[Job]:
