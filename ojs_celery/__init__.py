@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job
 from .context import JobContext, NoCurrentJob, current_job
-from .envelope import InvalidJob, Job, RetryPolicy, parse_envelope
+from .envelope import DuplicateJob, InvalidJob, Job, RetryPolicy, parse_envelope
 from .install import install
 from .producer import BrokerUnavailable
 from .runtime import NotInstalled
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BrokerUnavailable",
+    "DuplicateJob",
     "InvalidJob",
     "Job",
     "JobContext",

@@ -7,10 +7,10 @@ from typing import Any
 from celery import Celery
 
 from .effects import carry_out
-from .envelope import InvalidJob, Job, parse_batch, parse_envelope
-from .producer import BrokerUnavailable, publish, with_celery_options
+from .envelope import DuplicateJob, InvalidJob, Job, Rules, parse_batch, parse_envelope
+from .producer import DEFAULT_QUEUE, BrokerUnavailable, celery_queue, publish, with_celery_options
 from .runtime import Runtime, UnknownType, get_runtime
-from .store import DuplicateJob
+from .store import DuplicateJob as StoredDuplicate
 
 
 class JobNotFound(LookupError):
@@ -48,13 +48,17 @@ def enqueue_batch(
     id stores nothing), then publish each. A broker that fails leaves the rest to the
     sweeper (they are stored with their outbox entries) and raises at the end."""
     runtime = get_runtime(app)
-    jobs = parse_batch(envelopes)
+    jobs = parse_batch(envelopes, rules=publish_rules(runtime))
     for job in jobs:
         runtime.task_name_for(job.type)
     try:
         transitions = runtime.store.create_many(jobs)
-    except DuplicateJob as exc:
-        raise InvalidJob([("id", str(exc).removeprefix("id: "))]) from None
+    except StoredDuplicate as exc:
+        existing = runtime.store.get_records([job.id for job in jobs])
+        if all(r is not None and r.job.same_request(job) for r, job in zip(existing, jobs,
+                                                                             strict=True)):
+            return [r.job for r in existing if r is not None]  # the same batch again
+        raise DuplicateJob(exc.job_id) from None
     unpublished: BrokerUnavailable | None = None
     for transition in transitions:
         try:
@@ -70,43 +74,75 @@ def enqueue_batch(
 def enqueue(envelope: dict[str, Any] | str | bytes | Job, *, app: Celery | None = None) -> Job:
     """Validate an OJS envelope, store it and publish it; return the stored job.
 
-    Raises :class:`~ojs_celery.InvalidJob` (nothing stored or published) for a bad envelope,
-    an unknown type or a duplicate id, and :class:`BrokerUnavailable` if the broker is down.
+    Raises :class:`~ojs_celery.InvalidJob` (nothing stored or published) naming every problem:
+    of the envelope, an unknown type, a queue the app does not declare; its subclass
+    :class:`~ojs_celery.DuplicateJob` when a job with this client-chosen id exists with a
+    different envelope (the same envelope again returns the existing job);
+    :class:`~ojs_celery.StoreError` if the store cannot be reached, and
+    :class:`~ojs_celery.BrokerUnavailable` if the job is stored but not yet published.
     """
     runtime = get_runtime(app)
-    job = parse_envelope(envelope)
-    return enqueue_job(runtime, job, id_chosen=client_chose_id(envelope))
+    job = parse_envelope(envelope, rules=publish_rules(runtime))
+    return enqueue_job(runtime, job, id_chosen=client_chose_id(job), checked=True)
 
 
-def client_chose_id(envelope: Any) -> bool:
-    """Whether the producer may have set the job id (then it may be taken). Errs on "yes"."""
-    if isinstance(envelope, dict):
-        return envelope.get("id") is not None
-    if isinstance(envelope, str):
-        return '"id"' in envelope
-    if isinstance(envelope, bytes):
-        return b'"id"' in envelope
-    return True
+def client_chose_id(job: Job) -> bool:
+    """Whether the producer set the job's id (then it may be taken), decided from the parsed
+    envelope: a key spelled with JSON escapes (``"\\u0069d"``) is the same ``id``."""
+    return "id" in job.model_fields_set
+
+
+def publish_rules(runtime: Runtime) -> Rules:
+    """The checks an envelope needs this app for: its type is an OJS task (or mapped in
+    ``type_map``) and its queue is one the app can publish to."""
+
+    def rules(data: dict[str, Any]) -> list[tuple[str, str]]:
+        queue = data.get("queue")
+        return publish_violations(runtime, data.get("type"), DEFAULT_QUEUE if queue is None
+                                  else queue)
+
+    return rules
+
+
+def publish_violations(runtime: Runtime, job_type: Any, queue: Any) -> list[tuple[str, str]]:
+    """Why a job of ``job_type`` on ``queue`` could not be published here (none: it can)."""
+    found: list[tuple[str, str]] = []
+    if isinstance(job_type, str):
+        try:
+            runtime.task_name_for(job_type)
+        except UnknownType as exc:
+            found.append(("type", str(exc).removeprefix("type: ")))
+    if isinstance(queue, str):
+        name = celery_queue(runtime.app, queue)
+        queues = runtime.app.amqp.queues
+        if name not in queues and not getattr(queues, "create_missing", True):
+            found.append(("queue", f"is not a queue the Celery app declares ({name!r} is not "
+                          "in task_queues, and task_create_missing_queues is off)"))
+    return found
 
 
 def enqueue_job(
     runtime: Runtime, job: Job, *, id_chosen: bool = True,
-    celery_options: dict[str, Any] | None = None,
+    celery_options: dict[str, Any] | None = None, checked: bool = False,
 ) -> Job:
-    """Store and publish a job that is already valid. ``celery_options`` (``link``,
+    """Store and publish a job that is already valid (``checked``: and whose type and queue
+    :func:`publish_violations` found publishable). ``celery_options`` (``link``,
     ``link_error``) come from trusted Python code only, never from an envelope."""
-    try:
-        runtime.task_name_for(job.type)
-    except UnknownType as exc:
-        raise InvalidJob([("type", str(exc).removeprefix("type: "))]) from None
+    if not checked:
+        violations = publish_violations(runtime, job.type, job.queue)
+        if violations:
+            raise InvalidJob(violations)
     if celery_options:
         job = with_celery_options(job, celery_options)
     if id_chosen:
         # A client-chosen id may be taken: the store answers before anything is published.
         try:
             transition = runtime.store.create(job)
-        except DuplicateJob as exc:
-            raise InvalidJob([("id", str(exc).removeprefix("id: "))]) from None
+        except StoredDuplicate:
+            existing = runtime.store.get(job.id)
+            if existing is not None and existing.same_request(job):
+                return existing  # the same envelope again: enqueue is idempotent
+            raise DuplicateJob(job.id) from None
         assert transition.record is not None
         carry_out(runtime, transition, raise_unpublished=True)
         return transition.record.job

@@ -1,8 +1,10 @@
 """``ojs-celery``: enqueue, inspect and follow OJS jobs from the shell.
 
 It feels like ``celery``: ``-A/--app`` (or ``CELERY_APP``) names the Celery app, and the same
-commands are available as ``celery -A proj ojs ...``. Output is compact JSON, one line per item;
-invalid input prints the violations on stderr and exits with status 2, with nothing stored.
+commands are available as ``celery -A proj ojs ...``. Output is compact JSON, one line per item.
+Errors are one line each on stderr, never a traceback, with an exit status per kind (see
+:data:`EXIT_STATUSES`): invalid input prints one line per problem and exits with status 2, with
+nothing stored.
 """
 
 from __future__ import annotations
@@ -13,22 +15,39 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 from celery import Celery
 from celery.app.utils import find_app
+from celery.exceptions import ImproperlyConfigured
 
 from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job
-from .envelope import InvalidJob
+from .envelope import DuplicateJob, InvalidJob
 from .events import listen
 from .install import install
 from .producer import BrokerUnavailable
 from .runtime import get_runtime
+from .store import StoreError
 from .sweeper import run_loop, sweep
 from .worker.registry import DIRECTIVES
 
+EXIT_FAILED = 1
 EXIT_INVALID = 2
+EXIT_DUPLICATE = 3
+EXIT_STORE = 4
+EXIT_BROKER = 5
+#: Every exit status of every command (also shown by ``--help``).
+EXIT_STATUSES = {
+    0: "done",
+    EXIT_FAILED: "not done: no such job or worker, a job that already ended, a failed sweep",
+    EXIT_INVALID: "invalid input, settings or usage (one line per problem; nothing stored)",
+    EXIT_DUPLICATE: "a different job with this id exists (nothing stored)",
+    EXIT_STORE: "the job store cannot be reached",
+    EXIT_BROKER: "stored, but the broker cannot be reached (the sweeper publishes it later)",
+}
+_EPILOG = "\b\nExit status:\n" + "\n".join(
+    f"  {code}  {text}" for code, text in EXIT_STATUSES.items())
 
 
 def load_app(name: str | None) -> Celery:
@@ -65,32 +84,54 @@ def _line(data: Any) -> None:
     sys.stdout.flush()
 
 
-def _invalid(exc: InvalidJob) -> None:
-    click.echo(str(exc), err=True)
-    sys.exit(EXIT_INVALID)
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
 
 
-@click.group(name="ojs", help="Enqueue and inspect Open Job Spec jobs on a Celery app.")
+def _fail(lines: list[str], status: int) -> NoReturn:
+    for line in lines:
+        click.echo(_one_line(line), err=True)
+    sys.exit(status)
+
+
+class _Commands(click.Group):
+    """A command group that turns the package's errors into one-line messages and their exit
+    statuses (:data:`EXIT_STATUSES`) instead of tracebacks."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except InvalidJob as exc:  # DuplicateJob included
+            status = EXIT_DUPLICATE if isinstance(exc, DuplicateJob) else EXIT_INVALID
+            _fail([f"{path}: {rule}" for path, rule in exc.violations], status)
+        except ImproperlyConfigured as exc:  # the app's ojs settings, read by install()
+            _fail([line for line in str(exc).splitlines() if line.strip()], EXIT_INVALID)
+        except StoreError as exc:
+            _fail([f"error: the job store cannot be reached: {exc}"], EXIT_STORE)
+        except BrokerUnavailable as exc:
+            _fail([f"error: {exc}"], EXIT_BROKER)
+
+
+@click.group(name="ojs", cls=_Commands, epilog=_EPILOG,
+             help="Enqueue and inspect Open Job Spec jobs on a Celery app.")
 def commands() -> None:
     """The subcommands shared by ``ojs-celery`` and ``celery ojs``."""
 
 
 @commands.command(name="enqueue")
-@click.argument("source", type=click.File("r"), default="-")
+@click.argument("source", type=click.File("rb"), default="-")
 @click.option("--batch", is_flag=True, help="SOURCE holds a JSON array of envelopes.")
 @click.pass_context
 def enqueue_command(ctx: click.Context, source: Any, batch: bool) -> None:
-    """Enqueue the OJS envelope in SOURCE (a file, or - for stdin); print the stored job."""
+    """Enqueue the OJS envelope in SOURCE (a file, or - for stdin); print the stored job.
+
+    Exit status 2 for invalid input (one line per problem on stderr, nothing stored), 3 if a
+    different job with the same id exists (the same envelope again prints the existing job),
+    4 if the store and 5 if the broker cannot be reached.
+    """
     app = _app(ctx)
     text = source.read()
-    try:
-        jobs = enqueue_batch(text, app=app) if batch else [enqueue(text, app=app)]
-    except InvalidJob as exc:
-        _invalid(exc)
-        return
-    except BrokerUnavailable as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+    jobs = enqueue_batch(text, app=app) if batch else [enqueue(text, app=app)]
     for job in jobs:
         _line(job.to_dict())
 
@@ -102,8 +143,7 @@ def get_command(ctx: click.Context, job_id: str) -> None:
     """Print the job JOB_ID as JSON (exit status 1 if there is none)."""
     job = get_job(job_id, app=_app(ctx))
     if job is None:
-        click.echo(f"error: no job with id {job_id}", err=True)
-        sys.exit(1)
+        _fail([f"error: no job with id {job_id}"], EXIT_FAILED)
     _line(job.to_dict())
 
 
@@ -111,15 +151,15 @@ def get_command(ctx: click.Context, job_id: str) -> None:
 @click.argument("job_id")
 @click.pass_context
 def cancel_command(ctx: click.Context, job_id: str) -> None:
-    """Cancel JOB_ID and print it (exit status 1 if unknown or already ended)."""
+    """Cancel JOB_ID and print it; a job cancelled before is printed as it is (exit status 0).
+
+    Exit status 1 if there is no such job or it already ended otherwise (completed or
+    discarded).
+    """
     try:
         job = cancel(job_id, app=_app(ctx))
-    except JobNotFound as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
-    except ValueError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+    except (JobNotFound, ValueError) as exc:
+        _fail([f"error: {exc}"], EXIT_FAILED)
     _line(job.to_dict())
 
 
@@ -180,7 +220,7 @@ def _worker_rows(app: Celery) -> list[dict[str, Any]]:
     return rows
 
 
-@commands.group(name="workers", invoke_without_command=True)
+@commands.group(name="workers", cls=_Commands, invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
 @click.pass_context
 def workers_command(ctx: click.Context, as_json: bool) -> None:
@@ -201,7 +241,8 @@ def workers_command(ctx: click.Context, as_json: bool) -> None:
 
 def _directive(name: str) -> click.Command:
     @click.command(name=name, help=f"Send the one-shot `{name}` directive to WORKER_ID(s) "
-                   "(delivered in the reply to its next beat).")
+                   "(delivered in the reply to its next beat). Exit status 1 if one of them "
+                   "is not registered (then none is sent).")
     @click.argument("worker_ids", nargs=-1)
     @click.option("--all", "everyone", is_flag=True, help="Every registered worker.")
     @click.pass_context
@@ -214,8 +255,7 @@ def _directive(name: str) -> click.Command:
         targets = sorted(known) if everyone else list(worker_ids)
         unknown = [w for w in targets if w not in known]
         if unknown:
-            click.echo(f"error: no registered worker {', '.join(unknown)}", err=True)
-            sys.exit(1)
+            _fail([f"error: no registered worker {', '.join(unknown)}"], EXIT_FAILED)
         for worker_id in targets:
             store.meta.send_directive(worker_id, name)
             _line({"worker_id": worker_id, "directive": name})
@@ -232,7 +272,7 @@ def _announce(ready: threading.Event) -> None:
         click.echo("listening for OJS events (Ctrl-C to stop)", err=True)
 
 
-@click.group(name="ojs-celery", help=commands.help)
+@click.group(name="ojs-celery", cls=_Commands, epilog=_EPILOG, help=commands.help)
 @click.option("-A", "--app", "app_name", envvar="CELERY_APP", help="The Celery app (module:attr).")
 @click.pass_context
 def cli(ctx: click.Context, app_name: str | None) -> None:

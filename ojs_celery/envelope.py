@@ -13,6 +13,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Annotated, Any, Final, Literal
 
@@ -76,6 +77,8 @@ CELERY_KWARGS_FIELD: Final = "x_celery_kwargs"
 CELERY_OPTIONS_FIELD: Final = "x_celery_options"
 
 
+_SYSTEM_FIELD_SET: set[str] = set(SYSTEM_FIELDS)
+
 State = Literal[
     "scheduled",
     "available",
@@ -95,6 +98,28 @@ class InvalidJob(ValueError):
         self.violations = violations
         lines = "\n".join(f"  {path}: {rule}" for path, rule in violations)
         super().__init__(f"invalid OJS job ({len(violations)} violation(s)):\n{lines}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its violations: raised in a prefork child, it must unpickle in the
+        # worker's main process (billiard sends it there), or the worker stops consuming.
+        return (type(self), (self.violations,), self.__dict__)
+
+
+class DuplicateJob(InvalidJob):
+    """A job with this client-chosen id exists with a different envelope (a conflict).
+
+    Enqueueing the same envelope with the same id again returns the existing job instead
+    (enqueue is idempotent: a retry after a lost reply is safe). A subclass of
+    :class:`InvalidJob` naming the ``id`` field, so that ``except InvalidJob`` still catches
+    every rejected input; the CLI gives it an exit status of its own.
+    """
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__([("id", f"a different job with id {job_id} exists already")])
+        self.job_id = job_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.job_id,), self.__dict__)
 
 
 #: The version (7) and variant (0b10) bits of a UUIDv7, and the random bits they replace.
@@ -292,6 +317,12 @@ class Job(BaseModel):
     def terminal(self) -> bool:
         return self.state in ("completed", "cancelled", "discarded")
 
+    def same_request(self, other: Job) -> bool:
+        """Whether both were enqueued with the same envelope (and the same trusted Celery
+        options): every field but the system-managed ones is equal."""
+        return bool(self.model_dump(mode="json", exclude=_SYSTEM_FIELD_SET)
+                    == other.model_dump(mode="json", exclude=_SYSTEM_FIELD_SET))
+
     def to_dict(self) -> dict[str, Any]:
         """The job as OJS JSON data: absent optional fields are omitted."""
         data = self.model_dump(mode="json", by_alias=True, exclude_none=True)
@@ -356,21 +387,42 @@ def field_violations(
     return found
 
 
-def _celery_field_violations(data: dict[str, Any]) -> list[tuple[str, str]]:
-    """What is wrong with the ``x_celery_*`` fields of an envelope from outside."""
-    found: list[tuple[str, str]] = []
+def _field_violations_before_model(data: dict[Any, Any]) -> list[tuple[Any, str]]:
+    """``(key, rule)`` for the top-level fields the model cannot be trusted with: a key that is
+    no string, a value nested deeper than :data:`MAX_NESTING`, an ``x_celery_*`` field that an
+    envelope may not set or that is malformed. One pass, on every enqueue's path."""
+    found: list[tuple[Any, str]] = []
     for key, value in data.items():
-        if not isinstance(key, str) or not key.lower().startswith(CELERY_NAMESPACE):
-            continue
-        if key != CELERY_KWARGS_FIELD:
-            found.append((key, f"is not accepted from an envelope: {CELERY_NAMESPACE}* fields "
-                          f"belong to ojs_celery, and only {CELERY_KWARGS_FIELD} may be set "
-                          "(callbacks, routing and Celery options come from Python code)"))
-        elif not isinstance(value, dict):
-            found.append((key, "must be a JSON object (the Celery keyword arguments)"))
-        elif not all(isinstance(name, str) for name in value):
-            found.append((key, "must have string keys (the Celery keyword arguments)"))
+        if not isinstance(key, str):
+            found.append((key, "must be a string field name"))
+        elif isinstance(value, (list, dict, tuple)) and _nests_too_deep(value):
+            found.append((key, _NESTING_RULE))
+        elif key[:9].lower() == CELERY_NAMESPACE:
+            rule = _celery_field_rule(key, value)
+            if rule is not None:
+                found.append((key, rule))
     return found
+
+
+def _celery_field_rule(key: str, value: Any) -> str | None:
+    """What is wrong with the ``x_celery_*`` field ``key`` of an envelope from outside."""
+    if key != CELERY_KWARGS_FIELD:
+        return (f"is not accepted from an envelope: {CELERY_NAMESPACE}* fields belong to "
+                f"ojs_celery, and only {CELERY_KWARGS_FIELD} may be set (callbacks, routing "
+                "and Celery options come from Python code)")
+    if not isinstance(value, dict):
+        return "must be a JSON object (the Celery keyword arguments)"
+    if not all(isinstance(name, str) for name in value):
+        return "must have string keys (the Celery keyword arguments)"
+    return None
+
+
+def _is_utf8(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False, default=str).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_json(value: Any) -> bool:
@@ -401,33 +453,70 @@ def _surely_small(job: Job) -> bool:
     return 3 * len(text.encode()) <= MAX_ENVELOPE_BYTES
 
 
-def parse_envelope(data: dict[str, Any] | str | bytes | Job) -> Job:
+#: Extra checks of a decoded envelope that need more than the envelope (the Celery app: is the
+#: type an OJS task, is the queue declared): ``(field path, rule)`` pairs, as violations.
+Rules = Callable[[dict[str, Any]], list[tuple[str, str]]]
+
+
+def decode_json(text: str | bytes, what: str = "(envelope)") -> Any:
+    """JSON text (UTF-8 when bytes) as data, or :class:`InvalidJob` naming ``what``."""
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")  # not UTF-16 or -32, which json.loads would guess
+        return _DECODER.decode(text)
+    except RecursionError:
+        raise InvalidJob([(what, _NESTING_RULE)]) from None
+    except UnicodeDecodeError as exc:
+        raise InvalidJob([(what, f"is not UTF-8 text: {exc.reason} at byte {exc.start}")]) \
+            from None
+    except ValueError as exc:  # json.JSONDecodeError, or bytes in another encoding
+        raise InvalidJob([(what, f"is not valid JSON: {exc}")]) from None
+
+
+def _not_a_json_number(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+#: One decoder for all: ``json.loads`` with any option builds a new decoder on every call.
+_DECODER = json.JSONDecoder(parse_constant=_not_a_json_number)
+
+
+def parse_envelope(data: dict[str, Any] | str | bytes | Job, *, rules: Rules | None = None) -> Job:
     """Validate client input and return a new job (state unset; system fields ignored).
 
-    Raises :class:`InvalidJob` listing every violation; nothing else is touched.
+    Raises :class:`InvalidJob` listing every violation, those of ``rules`` included (a rule's
+    violation of a field the envelope's own rules already reject is left out); nothing else
+    is touched.
     """
     if isinstance(data, Job):
         data = data.model_dump(mode="json", by_alias=True, exclude_none=True)
     if isinstance(data, (str, bytes)):
         if len(data) > MAX_ENVELOPE_BYTES:
             raise InvalidJob([("(envelope)", "must not exceed 1 MiB")])
-        try:
-            data = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise InvalidJob([("(envelope)", f"is not valid JSON: {exc}")]) from None
+        data = decode_json(data)
     if not isinstance(data, dict):
         raise InvalidJob([("(envelope)", "must be a JSON object")])
     clean = {k: v for k, v in data.items() if k not in SYSTEM_FIELDS and v is not None}
-    violations = _celery_field_violations(clean)
+    violations: list[tuple[str, str]] = []
+    for key, rule in _field_violations_before_model(clean):
+        violations.append((str(key), rule))
+        del clean[key]  # checked already: pydantic would only add noise (or recurse)
+    named = {path for path, _ in violations}
     if "args" in clean and not isinstance(clean["args"], list):
         violations.append(("args", "must be a JSON array"))
+        named.add("args")
+    if "args" in named:
         clean["args"] = []  # placeholder: check the other fields without a bogus "is required"
     try:
-        job = Job.model_validate(clean)
+        job: Job | None = Job.model_validate(clean)
     except ValidationError as exc:
-        violations.extend(field_violations(exc))
-        raise InvalidJob(violations) from None
-    if violations:
+        job = None
+        violations += [(path, rule) for path, rule in field_violations(exc)
+                       if _top_field(path) not in named]
+    if rules is not None:
+        named |= {_top_field(path) for path, _ in violations}
+        violations += [(path, rule) for path, rule in rules(data) if _top_field(path) not in named]
+    if violations or job is None:
         raise InvalidJob(violations)
     if _surely_small(job):
         return job
@@ -436,18 +525,44 @@ def parse_envelope(data: dict[str, Any] | str | bytes | Job) -> Job:
     except PydanticSerializationError:
         bad = [key for key, value in job.extensions.items() if not _is_json(value)]
         raise InvalidJob([(key, "must be JSON data") for key in bad or ["(envelope)"]]) from None
+    except UnicodeEncodeError:
+        bad = [str(key) for key, value in clean.items() if not _is_utf8(value)]
+        raise InvalidJob([(key, "must be Unicode text that UTF-8 can encode (no lone "
+                           "surrogates such as \\ud800)") for key in bad or ["(envelope)"]]) \
+            from None
     if size > MAX_ENVELOPE_BYTES:
         raise InvalidJob([("(envelope)", f"must not exceed 1 MiB (is {size} bytes)")])
     return job
 
 
-def parse_batch(data: str | bytes | list[Any]) -> list[Job]:
+def _top_field(path: str) -> str:
+    return re.split(r"[.\[]", path, maxsplit=1)[0]
+
+
+#: How deep arrays and objects may nest in one field of an envelope. Deeper data would exhaust
+#: Python's recursion somewhere on its way (JSON codecs, pydantic, kombu, the worker).
+MAX_NESTING = 64
+_NESTING_RULE = f"must not nest arrays and objects more than {MAX_NESTING} levels deep"
+
+
+def _nests_too_deep(value: list[Any] | dict[Any, Any] | tuple[Any, ...]) -> bool:
+    """Whether ``value`` nests arrays and objects deeper than :data:`MAX_NESTING` (walked
+    without recursion, stopping at the limit)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_NESTING:
+            return True
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, (list, dict, tuple)):
+                stack.append((child, depth + 1))
+    return False
+
+
+def parse_batch(data: str | bytes | list[Any], *, rules: Rules | None = None) -> list[Job]:
     """Validate a JSON array (or ``{"jobs": [...]}``) of envelopes; every job must be valid."""
     if isinstance(data, (str, bytes)):
-        try:
-            data = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise InvalidJob([("(batch)", f"is not valid JSON: {exc}")]) from None
+        data = decode_json(data, "(batch)")
     if isinstance(data, dict) and isinstance(data.get("jobs"), list):
         data = data["jobs"]
     if not isinstance(data, list) or not data:
@@ -456,8 +571,11 @@ def parse_batch(data: str | bytes | list[Any]) -> list[Job]:
     violations: list[tuple[str, str]] = []
     first_index: dict[str, int] = {}
     for index, item in enumerate(data):
+        if isinstance(item, (str, bytes)):  # JSON data in a batch, not text to decode again
+            violations.append((f"[{index}]", "must be a JSON object"))
+            continue
         try:
-            job = parse_envelope(item)
+            job = parse_envelope(item, rules=rules)
         except InvalidJob as exc:
             violations.extend(
                 (f"[{index}]" if path == "(envelope)" else f"[{index}].{path}", rule)

@@ -42,6 +42,9 @@ class RetryRequested(Exception):
         self.exc = exc
         self.delay = delay
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.exc, self.delay), self.__dict__)
+
 
 def error_from_exception(exc: BaseException) -> dict[str, JsonValue]:
     """The OJS error object: ``type`` is the class name unless the handler chose one."""

@@ -185,6 +185,32 @@ def make_app(config: dict[str, Any]) -> Celery:
     def plain(x: int) -> int:
         return x
 
+    @app.task(shared=False, name="e2e.raise_package_error", base=OJSTask)
+    def raise_package_error(name: str) -> None:
+        """Raise one of ojs_celery's own exceptions (it must reach the main process whole)."""
+        import ojs_celery
+
+        job_id = current_job().job_id
+        errors: dict[str, BaseException] = {
+            "InvalidJob": ojs_celery.InvalidJob([("args[0]", "is bad")]),
+            "DuplicateJob": ojs_celery.DuplicateJob(job_id),
+            "JobError": ojs_celery.JobError("declined", type="declined", retryable=False),
+            "StoreError": ojs_celery.StoreError("store down"),
+            "BrokerUnavailable": ojs_celery.BrokerUnavailable("broker down"),
+            "JobNotFound": ojs_celery.JobNotFound(job_id),
+            "NotInstalled": ojs_celery.NotInstalled("not installed"),
+            "NoCurrentJob": ojs_celery.NoCurrentJob("no job"),
+        }
+        raise errors[name]
+
+    @app.task(shared=False, name="e2e.retry_unmigrated", base=OJSTask, bind=True)
+    def retry_unmigrated(self: OJSTask, tag: str) -> None:
+        """Run from a message without the ``ojs`` header (published before the app was
+        migrated): Celery's own ``retry`` republishes through ``apply_async``, which refuses
+        arguments that are not JSON (``InvalidJob``, wrapped by Celery in a ``Reject``)."""
+        record(directory, "runs", f"retry_unmigrated {tag}")
+        raise self.retry(args=[{"not", "json"}], countdown=0.1)
+
     def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
         if request is None or request.task.app is not app:
             return
@@ -193,6 +219,14 @@ def make_app(config: dict[str, Any]) -> Celery:
                f"{request.id} redelivered={bool(info.get('redelivered'))}")
 
     signals.task_received.connect(on_received, weak=False)
+
+    def on_postrun(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
+        """What Celery made of each call in the pool child (SUCCESS, RETRY, IGNORED...)."""
+        if sender is None or sender.app is not app:
+            return
+        record(directory, "postrun", f"{task_id} {state}")
+
+    signals.task_postrun.connect(on_postrun, weak=False)
     return app
 
 

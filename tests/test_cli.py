@@ -89,6 +89,88 @@ def test_cancel(env: Env) -> None:
     assert unknown.returncode == 1 and "no job" in unknown.stderr
 
 
+def test_cancel_of_a_cancelled_job_prints_it_with_status_0_as_help_says(env: Env) -> None:
+    scheduled = json.dumps({"type": "e2e.add", "args": [1, 1],
+                            "scheduled_at": "2099-01-01T00:00:00Z"})
+    job = json.loads(run(env, "enqueue", "-", stdin=scheduled).stdout)
+    assert run(env, "cancel", job["id"]).returncode == 0
+    again = run(env, "cancel", job["id"])
+    assert again.returncode == 0 and json.loads(again.stdout)["state"] == "cancelled"
+    help_text = " ".join(run(env, "cancel", "--help").stdout.split())
+    assert "a job cancelled before is printed as it is (exit status 0)" in help_text
+
+
+def test_every_problem_is_one_line_on_stderr(env: Env) -> None:
+    out = run(env, "enqueue", "-", stdin='{"type": "nope"}')
+    assert out.returncode == 2 and out.stdout == ""
+    assert sorted(line.split(":")[0] for line in out.stderr.splitlines()) == ["args", "type"]
+
+
+def test_a_batch_with_an_unknown_type_exits_2_naming_the_field(
+    env: Env, tmp_path: pathlib.Path
+) -> None:
+    batch = tmp_path / "batch.json"
+    batch.write_text(json.dumps([{"type": "e2e.add", "args": [1, 2]},
+                                 {"type": "e2e.missing", "args": []}]))
+    out = run(env, "enqueue", "--batch", str(batch))
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert [line.split(":")[0] for line in out.stderr.splitlines()] == ["[1].type"]
+
+
+def test_a_duplicate_id_has_its_own_exit_status(env: Env) -> None:
+    envelope = {"id": "01a1fc00-0000-7000-8000-0000000000d1", "type": "e2e.add", "args": [1, 2]}
+    first = run(env, "enqueue", "-", stdin=json.dumps(envelope))
+    assert first.returncode == 0, first.stderr
+    same = run(env, "enqueue", "-", stdin=json.dumps(envelope))
+    assert same.returncode == 0 and json.loads(same.stdout)["id"] == envelope["id"]
+    other = run(env, "enqueue", "-", stdin=json.dumps({**envelope, "args": [5, 5]}))
+    assert other.returncode == 3 and other.stdout == ""
+    assert [line.split(":")[0] for line in other.stderr.splitlines()] == ["id"]
+
+
+def run_with(env: Env, changes: dict[str, Any], *args: str,
+             stdin: str = "") -> subprocess.CompletedProcess[str]:
+    config = {**env.config, **changes}
+    return subprocess.run(
+        [CLI, "-A", "tests.e2eapp:app", *args], input=stdin, capture_output=True, text=True,
+        cwd=ROOT, env={**cli_env(env), "OJS_E2E_CONFIG": json.dumps(config)}, timeout=60,
+    )
+
+
+def test_a_store_that_is_down_is_one_line_and_status_4(env: Env) -> None:
+    down = {"ojs": {**env.config["ojs"], "store_url": "redis://127.0.0.1:1/0"}}
+    for args in (("enqueue", "-"), ("get", "01a1fc00-0000-7000-8000-0000000000d2")):
+        out = run_with(env, down, *args, stdin='{"type": "e2e.add", "args": [1, 2]}')
+        assert out.returncode == 4, out.stderr
+        assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_a_broker_that_is_down_is_one_line_and_status_5(
+    env: Env, tmp_path: pathlib.Path
+) -> None:
+    down = {"broker_url": "redis://127.0.0.1:1/0", "broker_transport_options": {},
+            "ojs": {**env.config["ojs"], "store_url": f"sqlite:///{tmp_path / 's.sqlite3'}"}}
+    out = run_with(env, down, "enqueue", "-", stdin='{"type": "e2e.add", "args": [1, 2]}')
+    assert out.returncode == 5, out.stderr
+    assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_invalid_settings_are_one_line_per_problem_and_status_2(env: Env) -> None:
+    bad = {"ojs": {**env.config["ojs"], "sweep_intervall": 1, "heartbeat_interval": -1}}
+    out = run_with(env, bad, "get", "01a1fc00-0000-7000-8000-0000000000d3")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "ojs.sweep_intervall: unknown setting" in out.stderr
+
+
+def test_help_lists_the_exit_statuses(env: Env) -> None:
+    from ojs_celery.cli import EXIT_STATUSES
+
+    out = run(env, "--help")
+    for code in EXIT_STATUSES:
+        assert f"  {code}  " in out.stdout
+
+
 def test_unknown_app_is_a_usage_error(env: Env) -> None:
     out = subprocess.run([CLI, "-A", "no_such_module", "get", "x"], capture_output=True,
                          text=True, cwd=ROOT, timeout=60)

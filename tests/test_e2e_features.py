@@ -10,7 +10,15 @@ import pytest
 from celery import Celery
 from celery.result import AsyncResult
 
-from ojs_celery import BrokerUnavailable, InvalidJob, cancel, enqueue, get_job, install
+from ojs_celery import (
+    BrokerUnavailable,
+    DuplicateJob,
+    InvalidJob,
+    cancel,
+    enqueue,
+    get_job,
+    install,
+)
 from ojs_celery.envelope import CELERY_OPTIONS_FIELD, new_job_id
 from ojs_celery.lifecycle import Publish
 from ojs_celery.producer import publish
@@ -98,8 +106,8 @@ def test_late_outcome_of_a_cancelled_attempt_is_rejected(env: Env) -> None:
     cancelled = cancel(result.id, app=env.app)
     assert cancelled.state == "cancelled"
 
-    wait_for(lambda: f"outcome of job {result.id} attempt 1 rejected" in env.worker.log(), 15,
-             "the worker to reject the late outcome")
+    wait_for(lambda: f"{result.id} IGNORED" in env.lines("postrun"), 15,
+             "the worker to drop the late outcome")
     assert [f for f in env.lines("finished") if result.id in f]  # the handler did finish
     assert env.job(result.id).state == "cancelled"
     assert AsyncResult(result.id, app=env.app).state == "PENDING"  # nothing reached Celery
@@ -120,8 +128,10 @@ def test_unknown_type_and_plain_task_are_rejected_before_anything_is_stored(env:
 
 def test_duplicate_id_is_rejected(env: Env) -> None:
     job = enqueue({"type": "e2e.add", "args": [1, 1]}, app=env.app)
-    with pytest.raises(InvalidJob, match="exists already"):
-        enqueue({"type": "e2e.add", "args": [1, 1], "id": job.id.upper()}, app=env.app)
+    with pytest.raises(DuplicateJob, match="exists already"):
+        enqueue({"type": "e2e.add", "args": [1, 2], "id": job.id.upper()}, app=env.app)
+    again = enqueue({"type": "e2e.add", "args": [1, 1], "id": job.id.upper()}, app=env.app)
+    assert again.id == job.id  # the same envelope again: the job that exists
 
 
 def test_an_envelope_cannot_choose_a_callback(env: Env) -> None:
@@ -149,6 +159,33 @@ def test_apply_async_links_travel_with_the_job_and_fire_once(env: Env) -> None:
     wait_for(lambda: any(c.startswith("retried ") for c in env.lines("callbacks")), 10, "link")
     assert [c for c in env.lines("callbacks") if c.startswith("retried ")] == [
         'retried "ok on 2"']
+
+
+def test_package_exceptions_raised_in_a_prefork_child_do_not_stop_the_worker(env: Env) -> None:
+    names = ["InvalidJob", "DuplicateJob", "JobError", "StoreError", "BrokerUnavailable",
+             "JobNotFound", "NotInstalled", "NoCurrentJob"]
+    jobs = [enqueue({"type": "e2e.raise_package_error", "args": [name],
+                     "retry": {"max_attempts": 2, "initial_interval": "PT0.1S"}},
+                    app=env.app) for name in names]
+    for job, name in zip(jobs, names, strict=True):
+        done = env.wait_state(job.id, "discarded")
+        assert done.error is not None
+        assert done.error["type"] == ("declined" if name == "JobError" else name)
+    for job in jobs:  # the main process got each outcome whole and reported it to Celery
+        wait_for(lambda j=job: AsyncResult(j.id, app=env.app).state == "FAILURE", 15,
+                 "the result backend to show the failure")
+    after = enqueue({"type": "e2e.add", "args": [3, 4]}, app=env.app)
+    assert env.wait_state(after.id, "completed").result == 7
+
+
+def test_invalid_job_from_a_retry_of_an_unmigrated_message_does_not_stop_the_worker(
+    env: Env,
+) -> None:
+    tag = new_job_id()
+    env.app.send_task("e2e.retry_unmigrated", args=[tag], queue=env.config["queue"])
+    wait_for(lambda: f"retry_unmigrated {tag}" in env.lines("runs"), 15, "the handler to run")
+    after = enqueue({"type": "e2e.add", "args": [5, 6]}, app=env.app)
+    assert env.wait_state(after.id, "completed").result == 11  # the worker still consumes
 
 
 def test_enqueue_reports_a_broker_that_is_down(tmp_path: pathlib.Path) -> None:

@@ -216,13 +216,14 @@ def test_ojs_header_carries_a_record_snapshot_the_worker_can_start_from() -> Non
     assert big is not None and "record" not in ojs_header(big.job, 1, big)
 
 
-def test_client_chose_id_errs_on_yes() -> None:
+def test_client_chose_id_is_decided_from_the_parsed_envelope() -> None:
     from ojs_celery.api import client_chose_id
 
-    assert not client_chose_id({"type": "a", "args": []})
-    assert not client_chose_id({"type": "a", "args": [], "id": None})
-    assert client_chose_id({"type": "a", "args": [], "id": "x"})
-    assert not client_chose_id('{"type": "a", "args": []}')
-    assert client_chose_id('{"type": "a", "args": ["id"]}')  # a false "yes" is safe
-    assert client_chose_id(b'{"id": "x"}')
-    assert client_chose_id(object())
+    id_ = "01a1fc00-0000-7000-8000-000000000001"
+    assert not client_chose_id(parse_envelope({"type": "a", "args": []}))
+    assert not client_chose_id(parse_envelope({"type": "a", "args": [], "id": None}))
+    assert client_chose_id(parse_envelope({"type": "a", "args": [], "id": id_}))
+    assert not client_chose_id(parse_envelope('{"type": "a", "args": ["id"]}'))
+    assert client_chose_id(parse_envelope('{"\\u0069d": "%s", "type": "a", "args": []}'
+                                          .replace("%s", id_)))
+    assert client_chose_id(parse_envelope(job()))  # a Job given whole keeps its id

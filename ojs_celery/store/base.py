@@ -46,6 +46,9 @@ class DuplicateJob(ValueError):
         self.job_id = job_id
         super().__init__(f"id: a job with id {job_id} exists already (ids must be unique)")
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles with its id, not its message
+        return (type(self), (self.job_id,))
+
 
 #: A URL's password: ``scheme://user:PASSWORD@`` (up to the netloc's last ``@``), or a query
 #: parameter such as ``?password=PASSWORD``.

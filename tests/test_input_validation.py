@@ -1,0 +1,146 @@
+"""What ``enqueue`` accepts can be published, and what it refuses it names, field by field,
+with nothing stored or published. Runs against the embedded broker and store (no worker)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from ojs_celery import DuplicateJob, InvalidJob, enqueue, enqueue_batch, get_job
+from ojs_celery.envelope import MAX_NESTING, new_job_id
+from tests.e2eapp import make_app
+from tests.workers import filesystem_config
+
+
+@pytest.fixture()
+def app(tmp_path: pathlib.Path) -> Iterator[Celery]:
+    config = filesystem_config(tmp_path)
+    config["celery"] = {"task_create_missing_queues": False}
+    yield make_app(config)
+
+
+def published(app: Celery) -> list[pathlib.Path]:
+    folder = pathlib.Path(app.conf.broker_transport_options["data_folder_in"])
+    return sorted(folder.glob("*.msg"))
+
+
+def rejected(app: Celery, envelope: Any) -> list[tuple[str, str]]:
+    before = published(app)
+    with pytest.raises(InvalidJob) as raised:
+        enqueue(envelope, app=app)
+    assert published(app) == before
+    return raised.value.violations
+
+
+def nested(depth: int) -> list[Any]:
+    top: list[Any] = []
+    current = top
+    for _ in range(depth - 1):
+        inner: list[Any] = []
+        current.append(inner)
+        current = inner
+    return top
+
+
+def test_celery_kwargs_that_are_not_an_object_are_refused(app: Celery) -> None:
+    job_id = new_job_id()
+    found = rejected(app, {"id": job_id, "type": "e2e.add", "args": [1],
+                           "x_celery_kwargs": [1]})
+    assert [path for path, _ in found] == ["x_celery_kwargs"]
+    assert get_job(job_id, app=app) is None
+
+
+def test_a_queue_the_app_does_not_declare_is_refused(app: Celery) -> None:
+    job_id = new_job_id()
+    found = rejected(app, {"id": job_id, "type": "e2e.add", "args": [1, 2],
+                           "queue": "nowhere"})
+    assert [path for path, _ in found] == ["queue"]
+    assert "task_create_missing_queues" in found[0][1]
+    assert get_job(job_id, app=app) is None
+    with pytest.raises(InvalidJob) as raised:  # Celery callers too
+        app.tasks["e2e.add"].apply_async((1, 2), queue="nowhere")
+    assert [path for path, _ in raised.value.violations] == ["queue"]
+    assert published(app) == []
+    enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)  # the default queue is declared
+    assert len(published(app)) == 1
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_deep_nesting_is_refused_by_a_named_limit(app: Celery, as_text: bool) -> None:
+    envelope: Any = {"type": "e2e.add", "args": nested(100_000)}
+    if as_text:
+        envelope = '{"type": "e2e.add", "args": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    found = rejected(app, envelope)
+    assert len(found) == 1
+    path, rule = found[0]
+    assert path in ("args", "(envelope)")
+    assert f"more than {MAX_NESTING} levels" in rule
+
+
+def test_nesting_up_to_the_limit_is_accepted(app: Celery) -> None:
+    job = enqueue({"type": "e2e.add", "args": nested(MAX_NESTING)}, app=app)
+    assert get_job(job.id, app=app) is not None
+    found = rejected(app, {"type": "e2e.add", "args": nested(MAX_NESTING + 1),
+                           "meta": {"a": nested(MAX_NESTING + 1)}})
+    assert sorted(path for path, _ in found) == ["args", "meta"]
+
+
+def test_every_problem_is_reported_at_once(app: Celery) -> None:
+    found = rejected(app, {"type": "nope"})
+    assert sorted(path for path, _ in found) == ["args", "type"]
+    found = rejected(app, {"type": "nope", "args": "x", "queue": "nowhere", "priority": 1000,
+                           "x_celery_link": {}})
+    assert sorted(path for path, _ in found) == ["args", "priority", "queue", "type",
+                                                  "x_celery_link"]
+
+
+def test_an_id_spelled_with_json_escapes_is_a_chosen_id(app: Celery) -> None:
+    job_id = new_job_id()
+    text = '{"\\u0069d": "' + job_id + '", "type": "e2e.add", "args": [1, 2]}'
+    first = enqueue(text, app=app)
+    assert first.id == job_id
+    other = text.replace("[1, 2]", "[2, 2]")
+    with pytest.raises(DuplicateJob):
+        enqueue(other, app=app)
+    stored = get_job(job_id, app=app)
+    assert stored is not None and stored.args == [1, 2]
+    assert len(published(app)) == 1
+
+
+def test_same_id_same_envelope_returns_the_existing_job(app: Celery) -> None:
+    envelope = {"id": new_job_id(), "type": "e2e.add", "args": [1, 2], "x_trace": "t"}
+    first = enqueue(envelope, app=app)
+    again = enqueue(json.dumps({**envelope, "id": envelope["id"].upper()}), app=app)
+    assert again.id == first.id and again.created_at == first.created_at
+    assert len(published(app)) == 1  # published once
+
+
+def test_same_id_different_envelope_is_a_duplicate(app: Celery) -> None:
+    envelope = {"id": new_job_id(), "type": "e2e.add", "args": [1, 2]}
+    enqueue(envelope, app=app)
+    for change in ({"args": [1, 3]}, {"priority": 5}, {"x_trace": "t"}):
+        with pytest.raises(DuplicateJob) as raised:
+            enqueue({**envelope, **change}, app=app)
+        assert isinstance(raised.value, InvalidJob)
+        assert [path for path, _ in raised.value.violations] == ["id"]
+        assert raised.value.job_id == envelope["id"]
+    assert len(published(app)) == 1
+
+
+def test_a_batch_with_an_unknown_type_names_the_field(app: Celery) -> None:
+    with pytest.raises(InvalidJob) as raised:
+        enqueue_batch([{"type": "e2e.add", "args": [1, 2]}, {"type": "e2e.missing", "args": []},
+                       {"type": "e2e.plain", "args": [1]}], app=app)
+    assert [path for path, _ in raised.value.violations] == ["[1].type", "[2].type"]
+    assert published(app) == []
+
+
+def test_non_utf8_bytes_are_refused(app: Celery) -> None:
+    found = rejected(app, b'{"type": "e2e.add", "args": ["\xff\xfe"]}')
+    assert [path for path, _ in found] == ["(envelope)"]
+    assert "UTF-8" in found[0][1]
