@@ -13,6 +13,7 @@ and ``on_failure(exc_info, send_failed_event, return_ok)`` signatures, ``task_re
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import random
 import socket
 import threading
@@ -24,10 +25,13 @@ from typing import Any
 from celery.worker import state as worker_state
 
 __all__ = [
+    "MissingExtra",
     "call_soon",
     "filesystem_message_names",
     "jitter_backoff",
     "pool_connection",
+    "require_broker_extra",
+    "require_store_extra",
     "scheduled_requests",
 ]
 
@@ -195,3 +199,79 @@ def _redis_needs_command_name() -> bool:
 
 
 _REDIS_NEEDS_COMMAND_NAME = _redis_needs_command_name()
+
+
+# --- extras -----------------------------------------------------------------------------------
+
+
+class MissingExtra(ImportError):
+    """A configured backend whose optional dependencies are not installed."""
+
+
+#: URL scheme -> (extra, the modules that extra installs and the backend imports).
+_STORE_EXTRAS = {
+    "redis": ("redis", ("redis",)),
+    "rediss": ("redis", ("redis",)),
+    "unix": ("redis", ("redis",)),
+    "postgresql": ("postgres", ("psycopg",)),
+    "postgres": ("postgres", ("psycopg",)),
+}
+#: kombu's Redis transport also imports ``packaging`` (kombu 5.5 to 5.7; 5.7 installs it only
+#: with its own ``redis`` extra).
+_BROKER_EXTRAS = {
+    "redis": ("redis", ("redis", "packaging")),
+    "rediss": ("redis", ("redis", "packaging")),
+    "sentinel": ("redis", ("redis", "packaging")),
+}
+
+
+def _missing(modules: Iterable[str]) -> list[str]:
+    return [name for name in modules if importlib.util.find_spec(name) is None]
+
+
+def _scheme(url: str) -> tuple[str, str | None]:
+    """The scheme of ``url`` and, for SQLAlchemy's ``dialect+driver``, the driver."""
+    scheme = url.split(":", 1)[0].lower()
+    dialect, _, driver = scheme.partition("+")
+    return dialect, driver or None
+
+
+def require_store_extra(url: str) -> None:
+    """Raise :class:`MissingExtra` naming the extra to install when the job store at ``url``
+    needs a package that is not installed. A PostgreSQL URL naming another driver
+    (``postgresql+psycopg2://``) is left to SQLAlchemy."""
+    dialect, driver = _scheme(url)
+    if dialect in ("postgresql", "postgres") and driver not in (None, "psycopg"):
+        return
+    _require(_STORE_EXTRAS.get(dialect), f"the job store {_shown(url)}")
+
+
+def require_broker_extra(url: str | None) -> None:
+    """Raise :class:`MissingExtra` naming the extra to install when the Celery broker at
+    ``url`` needs a package that is not installed (kombu imports its Redis transport only on
+    the first connection: without this check the error comes from the middle of a publish)."""
+    if not url:
+        return
+    for one in str(url).split(";"):
+        _require(_BROKER_EXTRAS.get(_scheme(one.strip())[0]), f"the broker {_shown(one)}")
+
+
+def _require(need: tuple[str, tuple[str, ...]] | None, what: str) -> None:
+    if need is None:
+        return
+    extra, modules = need
+    missing = _missing(modules)
+    if missing:
+        raise MissingExtra(
+            f"{what} needs the ojs-celery[{extra}] extra: pip install 'ojs-celery[{extra}]' "
+            f"(missing: {', '.join(missing)})"
+        )
+
+
+def _shown(url: str) -> str:
+    """``url`` without credentials, for an error message."""
+    scheme, sep, rest = url.strip().partition("://")
+    if not sep:
+        return repr(scheme)
+    host = rest.rsplit("@", 1)[-1].split("/", 1)[0]
+    return f"{scheme}://{host}"

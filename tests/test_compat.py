@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pathlib
 import socket
+import sys
 import threading
 import time
 from queue import Empty
@@ -63,6 +64,34 @@ def test_pool_connection_checks_out_a_working_connection() -> None:
     finally:
         pool.release(connection)
         client.close()
+
+
+def test_a_missing_store_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    compat.require_store_extra("sqlite:///x.sqlite3")
+    compat.require_store_extra("redis://127.0.0.1:6379/0")
+    compat.require_store_extra("postgresql://u@h/db")
+    monkeypatch.setitem(sys.modules, "redis", None)
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    with pytest.raises(compat.MissingExtra) as raised:
+        compat.require_store_extra("redis://:secret@127.0.0.1:6379/0")
+    assert "ojs-celery[redis]" in str(raised.value)
+    assert "secret" not in str(raised.value)
+    with pytest.raises(compat.MissingExtra, match=r"ojs-celery\[postgres\]"):
+        compat.require_store_extra("postgres://u@h/db")
+    compat.require_store_extra("postgresql+psycopg2://u@h/db")  # SQLAlchemy's to report
+    compat.require_store_extra("sqlite:///x.sqlite3")
+
+
+def test_a_missing_broker_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "packaging", None)
+    with pytest.raises(compat.MissingExtra) as raised:
+        compat.require_broker_extra("redis://user:secret@127.0.0.1:6379/0")
+    assert "ojs-celery[redis]" in str(raised.value)
+    assert "packaging" in str(raised.value)
+    assert "secret" not in str(raised.value)
+    compat.require_broker_extra("amqp://guest:guest@127.0.0.1:5672//")
+    compat.require_broker_extra("ojsfs://localhost/")
+    compat.require_broker_extra(None)
 
 
 def test_scheduled_requests_lists_a_countdown_job_held_by_the_worker() -> None:
