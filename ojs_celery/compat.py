@@ -30,6 +30,7 @@ __all__ = [
     "filesystem_message_names",
     "jitter_backoff",
     "pool_connection",
+    "require_backend_extra",
     "require_broker_extra",
     "require_store_extra",
     "scheduled_requests",
@@ -216,12 +217,24 @@ _STORE_EXTRAS = {
     "postgresql": ("postgres", ("psycopg",)),
     "postgres": ("postgres", ("psycopg",)),
 }
-#: kombu's Redis transport also imports ``packaging`` (kombu 5.5 to 5.7; 5.7 installs it only
-#: with its own ``redis`` extra).
+
+
+def _kombu_redis_modules() -> tuple[str, ...]:
+    """What kombu's Redis transport imports: also ``packaging`` from kombu 5.5 on (5.7 installs
+    it only with its own ``redis`` extra; 5.4.2 does not use it)."""
+    import kombu
+
+    major, minor = (int(part) for part in kombu.__version__.split(".")[:2])
+    return ("redis", "packaging") if (major, minor) >= (5, 5) else ("redis",)
+
+
 _BROKER_EXTRAS = {
-    "redis": ("redis", ("redis", "packaging")),
-    "rediss": ("redis", ("redis", "packaging")),
-    "sentinel": ("redis", ("redis", "packaging")),
+    scheme: ("redis", _kombu_redis_modules()) for scheme in ("redis", "rediss", "sentinel")
+}
+_BACKEND_EXTRAS = {
+    "redis": ("redis", ("redis",)),
+    "rediss": ("redis", ("redis",)),
+    "sentinel": ("redis", ("redis",)),
 }
 
 
@@ -254,6 +267,13 @@ def require_broker_extra(url: str | None) -> None:
         return
     for one in str(url).split(";"):
         _require(_BROKER_EXTRAS.get(_scheme(one.strip())[0]), f"the broker {_shown(one)}")
+
+
+def require_backend_extra(url: str | None) -> None:
+    """Raise :class:`MissingExtra` naming the extra to install when Celery's result backend at
+    ``url`` is Redis and redis-py is not installed (Celery itself says "install redis")."""
+    if url and isinstance(url, str):
+        _require(_BACKEND_EXTRAS.get(_scheme(url)[0]), f"the result backend {_shown(url)}")
 
 
 def _require(need: tuple[str, tuple[str, ...]] | None, what: str) -> None:

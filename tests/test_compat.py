@@ -12,6 +12,7 @@ from queue import Empty
 from types import SimpleNamespace
 from typing import Any
 
+import kombu
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
@@ -83,15 +84,32 @@ def test_a_missing_store_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_a_missing_broker_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "packaging", None)
+    compat.require_broker_extra("redis://127.0.0.1:6379/0")
+    monkeypatch.setitem(sys.modules, "redis", None)
     with pytest.raises(compat.MissingExtra) as raised:
         compat.require_broker_extra("redis://user:secret@127.0.0.1:6379/0")
     assert "ojs-celery[redis]" in str(raised.value)
-    assert "packaging" in str(raised.value)
     assert "secret" not in str(raised.value)
     compat.require_broker_extra("amqp://guest:guest@127.0.0.1:5672//")
     compat.require_broker_extra("ojsfs://localhost/")
     compat.require_broker_extra(None)
+
+
+@pytest.mark.skipif(tuple(int(p) for p in kombu.__version__.split(".")[:2]) < (5, 5),
+                    reason="kombu 5.4's Redis transport does not import packaging")
+def test_kombus_redis_transport_needs_packaging(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "packaging", None)
+    with pytest.raises(compat.MissingExtra, match="packaging"):
+        compat.require_broker_extra("redis://127.0.0.1:6379/0")
+
+
+def test_a_missing_result_backend_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    compat.require_backend_extra("redis://127.0.0.1:6379/0")
+    monkeypatch.setitem(sys.modules, "redis", None)
+    with pytest.raises(compat.MissingExtra, match=r"result backend .*ojs-celery\[redis\]"):
+        compat.require_backend_extra("redis://127.0.0.1:6379/0")
+    compat.require_backend_extra("db+sqlite:///results.sqlite3")
+    compat.require_backend_extra(None)
 
 
 def test_scheduled_requests_lists_a_countdown_job_held_by_the_worker() -> None:
