@@ -20,7 +20,6 @@ versions=("$@")
 [ ${#versions[@]} -eq 0 ] && versions=("${SUPPORTED[@]}")
 mkdir -p "$ROOT"
 
-summary=()
 status=0
 for v in "${versions[@]}"; do
     venv="$ROOT/venv-celery-$v"
@@ -32,7 +31,7 @@ for v in "${versions[@]}"; do
         echo "celery $v: installing into $venv ..." >&2
         if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check \
                 -e ".[test]" "celery~=$v.0" "kombu~=$v.0" >"$log" 2>&1; then
-            summary+=("celery $v: INSTALL FAILED (see $log)")
+            echo "celery $v: INSTALL FAILED (see $log)"
             status=1
             continue
         fi
@@ -48,7 +47,6 @@ print(" ".join(f"{n} {m.version(n)}" for n in ("celery", "kombu", "billiard", "r
     counts=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error|skipped)|^=+ .*(passed|failed|error).* in " "$log" \
              | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
     [ $rc -ne 0 ] && status=1
-    summary+=("$installed: ${counts:-no result (exit $rc), see $log}")
+    echo "$installed: ${counts:-no result (exit $rc), see $log}"
 done
-printf '%s\n' "${summary[@]}"
 exit $status
