@@ -1,0 +1,297 @@
+"""What differs between the Celery, kombu and redis-py versions ojs_celery supports.
+
+Supported: Celery 5.4 to 5.7, each with the kombu of its minor (5.4.x to 5.7.x), billiard 4.2
+to 4.3, and redis-py 5.0 to 8.x (kombu 5.5's Redis extra caps redis-py at 5.2.1, kombu 5.7's
+asks for 6.4 or later). Each shim names the versions whose source was read for it. Every other
+Celery internal the package uses is the same in all of them: ``worker_state.active_requests``
+and ``reserved_requests``, ``Request._request_dict``, the ``Request.on_timeout(soft, timeout)``
+and ``on_failure(exc_info, send_failed_event, return_ok)`` signatures, ``task_ready(request)``,
+``control_command``, ``Consumer.call_soon``/``add_task_queue``/``cancel_task_queue``,
+``app.steps``, and billiard's ``soft_timeout_sighandler`` (billiard 4.2.0 to 4.3.2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import random
+import socket
+import threading
+import uuid
+from collections.abc import Iterable
+from time import monotonic
+from typing import Any
+
+from celery.worker import state as worker_state
+
+__all__ = [
+    "MissingExtra",
+    "call_soon",
+    "filesystem_message_names",
+    "jitter_backoff",
+    "pool_connection",
+    "require_backend_extra",
+    "require_broker_extra",
+    "require_store_extra",
+    "scheduled_requests",
+]
+
+
+# --- Celery -----------------------------------------------------------------------------------
+
+
+def scheduled_requests(consumer: Any) -> list[Any]:
+    """The requests this worker holds for an ETA or countdown that has not come yet.
+
+    Celery 5.7.0 keeps them in ``worker_state.scheduled_requests``. Celery 5.4.0, 5.5.3 and
+    5.6.3 have no such set: the requests wait as the first argument of the consumer's timer
+    entries (what ``celery inspect scheduled`` reads there too). In no version are they in
+    ``reserved_requests`` before their time comes. A request whose ETA passed while it waits
+    for a rate-limit token is still listed on 5.7 and no longer on the older versions.
+    """
+    held = getattr(worker_state, "scheduled_requests", None)
+    if held is not None:
+        return _copy(held)
+    from celery.worker.request import Request
+
+    timer = getattr(consumer, "timer", None)
+    queue = getattr(getattr(timer, "schedule", None), "queue", None) or []
+    found = []
+    for waiting in _copy(queue):
+        args = getattr(getattr(waiting, "entry", None), "args", None) or ()
+        if args and isinstance(args[0], Request):
+            found.append(args[0])
+    return found
+
+
+def _copy(items: Iterable[Any]) -> list[Any]:
+    """A copy of a set or list the worker's main thread may change while we read it."""
+    for _ in range(5):
+        try:
+            return list(items)
+        except RuntimeError:  # "Set changed size during iteration"
+            continue
+    return []
+
+
+# --- kombu ------------------------------------------------------------------------------------
+
+
+def call_soon(consumer: Any, callback: Any, *args: Any) -> None:
+    """Run ``callback(*args)`` in the worker's consumer thread, promptly, from any thread.
+
+    ``Consumer.call_soon`` hands the callback to kombu's event loop (the hub). kombu 5.7.0
+    wakes the loop's poller when another thread does so; kombu 5.4.2, 5.5.4 and 5.6.2 do not,
+    so the callback waits for the poll to return (up to a second, or until a message arrives,
+    which is then delivered first: a queue cancelled this way still hands out the message that
+    woke the loop). On those versions this registers a socket pair with the hub (from the loop
+    thread, at the first call and again after the hub was reset by a connection loss) and
+    writes to it after queueing the callback. Without a hub (filesystem transport) the consumer
+    runs pending callbacks at every poll of its own.
+    """
+    consumer.call_soon(callback, *args)
+    hub = getattr(consumer, "hub", None)
+    if hub is None or hasattr(hub, "_create_waker"):  # kombu 5.7: wakes itself
+        return
+    with _WAKERS_LOCK:
+        waker = getattr(hub, "_ojs_waker", None)
+        if waker is None:
+            waker = hub._ojs_waker = _Waker()
+    waker.wake(hub)
+
+
+_WAKERS_LOCK = threading.Lock()
+
+
+class _Waker:
+    """A socket pair in kombu's hub whose only job is to end the current poll."""
+
+    def __init__(self) -> None:
+        self.reader, self.writer = socket.socketpair()
+        self.reader.setblocking(False)
+        self.writer.setblocking(False)
+        self._poller: Any = None  # the hub's poller we are registered with
+        self._registering = False
+
+    def wake(self, hub: Any) -> None:
+        if self._poller is not None and self._poller is getattr(hub, "_poller", None):
+            with contextlib.suppress(OSError):
+                self.writer.send(b"\0")
+        elif not self._registering:  # registered by the loop thread itself, at its next turn
+            self._registering = True
+            hub.call_soon(self._register, hub)
+
+    def _register(self, hub: Any) -> None:
+        self._registering = False
+        hub.add_reader(self.reader, self._drain)
+        self._poller = hub.poller
+
+    def _drain(self) -> None:
+        with contextlib.suppress(OSError):
+            self.reader.recv(4096)
+
+
+
+def filesystem_message_names(queue: str) -> tuple[str, str]:
+    """The final and the temporary file name of a message for kombu's filesystem transport.
+
+    kombu 5.7.0 takes a file for ``queue`` when the part after its first dot is
+    ``<queue>.msg``; kombu 5.4.2, 5.5.4 and 5.6.2 take any file whose name *contains*
+    ``.<queue>.msg``. So the temporary name must not contain the queue's name at all, or the
+    older versions move and read the message while it is being written (and lose it).
+    """
+    unique = f"{round(monotonic() * 1000)}_{uuid.uuid4()}"
+    return f"{unique}.{queue}.msg", f".{unique}.tmp"
+
+
+# --- redis-py ---------------------------------------------------------------------------------
+
+
+def jitter_backoff(base: float, cap: float) -> Any:
+    """redis-py's ``ExponentialWithJitterBackoff(base=, cap=)``, on every supported redis-py.
+
+    The class exists from redis-py 5.3.0 on; redis-py 5.0 to 5.2.1 (the newest that kombu 5.5's
+    Redis extra allows) has only ``AbstractBackoff``, on which this builds the same formula:
+    ``min(cap, random() * base * 2 ** failures)``.
+    """
+    from redis import backoff
+
+    native = getattr(backoff, "ExponentialWithJitterBackoff", None)
+    if native is not None:
+        return native(base=base, cap=cap)
+    return _JitterBackoff(base, cap)
+
+
+class _JitterBackoff:
+    """``ExponentialWithJitterBackoff`` for redis-py before 5.3 (see :func:`jitter_backoff`)."""
+
+    def __init__(self, base: float, cap: float) -> None:
+        self._base = base
+        self._cap = cap
+
+    def reset(self) -> None:
+        pass
+
+    def compute(self, failures: int) -> float:
+        return float(min(self._cap, random.random() * self._base * 2**failures))
+
+
+def pool_connection(pool: Any) -> Any:
+    """A connection checked out of a redis-py ``ConnectionPool``.
+
+    redis-py 5.3.0 and later take no argument (passing the old ``command_name`` warns);
+    redis-py 5.0 to 5.2.1 require ``command_name`` (any string: the plain pool ignores it).
+    """
+    if _REDIS_NEEDS_COMMAND_NAME:
+        return pool.get_connection("_")
+    return pool.get_connection()
+
+
+def _redis_needs_command_name() -> bool:
+    try:
+        import redis
+    except ImportError:
+        return False
+    parts = [*redis.__version__.split("."), "0", "0"][:2]
+    try:
+        return (int(parts[0]), int(parts[1])) < (5, 3)
+    except ValueError:
+        return False
+
+
+_REDIS_NEEDS_COMMAND_NAME = _redis_needs_command_name()
+
+
+# --- extras -----------------------------------------------------------------------------------
+
+
+class MissingExtra(ImportError):
+    """A configured backend whose optional dependencies are not installed."""
+
+
+#: URL scheme -> (extra, the modules that extra installs and the backend imports).
+_STORE_EXTRAS = {
+    "redis": ("redis", ("redis",)),
+    "rediss": ("redis", ("redis",)),
+    "unix": ("redis", ("redis",)),
+    "postgresql": ("postgres", ("psycopg",)),
+    "postgres": ("postgres", ("psycopg",)),
+}
+
+
+def _kombu_redis_modules() -> tuple[str, ...]:
+    """What kombu's Redis transport imports: also ``packaging`` from kombu 5.5 on (5.7 installs
+    it only with its own ``redis`` extra; 5.4.2 does not use it)."""
+    import kombu
+
+    major, minor = (int(part) for part in kombu.__version__.split(".")[:2])
+    return ("redis", "packaging") if (major, minor) >= (5, 5) else ("redis",)
+
+
+_BROKER_EXTRAS = {
+    scheme: ("redis", _kombu_redis_modules()) for scheme in ("redis", "rediss", "sentinel")
+}
+_BACKEND_EXTRAS = {
+    "redis": ("redis", ("redis",)),
+    "rediss": ("redis", ("redis",)),
+    "sentinel": ("redis", ("redis",)),
+}
+
+
+def _missing(modules: Iterable[str]) -> list[str]:
+    return [name for name in modules if importlib.util.find_spec(name) is None]
+
+
+def _scheme(url: str) -> tuple[str, str | None]:
+    """The scheme of ``url`` and, for SQLAlchemy's ``dialect+driver``, the driver."""
+    scheme = url.split(":", 1)[0].lower()
+    dialect, _, driver = scheme.partition("+")
+    return dialect, driver or None
+
+
+def require_store_extra(url: str) -> None:
+    """Raise :class:`MissingExtra` naming the extra to install when the job store at ``url``
+    needs a package that is not installed. A PostgreSQL URL naming another driver
+    (``postgresql+psycopg2://``) is left to SQLAlchemy."""
+    dialect, driver = _scheme(url)
+    if dialect in ("postgresql", "postgres") and driver not in (None, "psycopg"):
+        return
+    _require(_STORE_EXTRAS.get(dialect), f"the job store {_shown(url)}")
+
+
+def require_broker_extra(url: str | None) -> None:
+    """Raise :class:`MissingExtra` naming the extra to install when the Celery broker at
+    ``url`` needs a package that is not installed (kombu imports its Redis transport only on
+    the first connection: without this check the error comes from the middle of a publish)."""
+    if not url:
+        return
+    for one in str(url).split(";"):
+        _require(_BROKER_EXTRAS.get(_scheme(one.strip())[0]), f"the broker {_shown(one)}")
+
+
+def require_backend_extra(url: str | None) -> None:
+    """Raise :class:`MissingExtra` naming the extra to install when Celery's result backend at
+    ``url`` is Redis and redis-py is not installed (Celery itself says "install redis")."""
+    if url and isinstance(url, str):
+        _require(_BACKEND_EXTRAS.get(_scheme(url)[0]), f"the result backend {_shown(url)}")
+
+
+def _require(need: tuple[str, tuple[str, ...]] | None, what: str) -> None:
+    if need is None:
+        return
+    extra, modules = need
+    missing = _missing(modules)
+    if missing:
+        raise MissingExtra(
+            f"{what} needs the ojs-celery[{extra}] extra: pip install 'ojs-celery[{extra}]' "
+            f"(missing: {', '.join(missing)})"
+        )
+
+
+def _shown(url: str) -> str:
+    """``url`` without credentials, for an error message."""
+    scheme, sep, rest = url.strip().partition("://")
+    if not sep:
+        return repr(scheme)
+    host = rest.rsplit("@", 1)[-1].split("/", 1)[0]
+    return f"{scheme}://{host}"

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Install the lowest version of every dependency that pyproject.toml allows (the floors) in a
+# scratch virtualenv and run the store contract suite (SQLite, PostgreSQL, Redis) plus the
+# tests of what the other floors carry (pydantic: envelope and settings; click: the CLI).
+# Raise a floor in pyproject.toml and here together.
+#
+#   scripts/floors.sh                       # venv under .compat/, kept between runs
+#   FLOORS_TESTS="tests/test_store_contract.py -k redis" scripts/floors.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# The oldest supported Celery, with the kombu and billiard it was released with.
+FLOORS=(
+    "celery==5.4.0" "kombu==5.4.2" "billiard==4.2.0"
+    "pydantic==2.6.2"             # 2.6.1 and older (pydantic-core 2.16.2) take "2030-01-02" as an aware datetime
+    "SQLAlchemy==2.0.28"          # 2.0.27 and older drop an INSERT's rowcount (preserve_rowcount)
+    "click==8.1.2"                # Celery 5.4 to 5.6 ask for 8.1.2 (5.7: 8.3.1)
+    "redis==5.0.0"
+    "hiredis==2.1.0"              # the oldest with wheels for Python 3.11
+    "psycopg==3.1.4" "psycopg-binary==3.1.4"   # the oldest binary wheels for Python 3.11
+)
+TESTS=${FLOORS_TESTS:-"tests/test_store_contract.py tests/test_compat.py tests/test_envelope.py tests/test_conf.py tests/test_cli.py"}
+PYTHON=${PYTHON:-python3}
+ROOT=${COMPAT_DIR:-.compat}
+venv="$ROOT/venv-floors"
+log="$ROOT/floors.log"
+mkdir -p "$ROOT"
+
+if [ ! -f "$venv/.installed" ] || [ pyproject.toml -nt "$venv/.installed" ] \
+        || [ "$0" -nt "$venv/.installed" ]; then
+    rm -rf "$venv"
+    "$PYTHON" -m venv "$venv"
+    echo "floors: installing into $venv ..." >&2
+    if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+            -e ".[test]" "${FLOORS[@]}" >"$log" 2>&1; then
+        echo "floors: INSTALL FAILED (see $log)"
+        exit 1
+    fi
+    touch "$venv/.installed"
+fi
+installed=$("$venv/bin/python" -c '
+import importlib.metadata as m
+names = ("celery", "kombu", "billiard", "pydantic", "SQLAlchemy", "click", "redis", "hiredis",
+         "psycopg")
+print(" ".join(f"{n} {m.version(n)}" for n in names))')
+echo "floors: $installed" >&2
+# shellcheck disable=SC2086
+"$venv/bin/python" -m pytest -q -p no:cacheprovider $TESTS >"$log" 2>&1
+rc=$?
+counts=$(grep -E "^=+ .*(passed|failed|error).* in |^[0-9]+ (passed|failed)" "$log" | tail -1 \
+         | sed 's/=//g; s/^ *//; s/ *$//')
+echo "floors ($installed): ${counts:-no result (exit $rc), see $log}"
+exit $rc

@@ -1,0 +1,164 @@
+"""The shims of ``ojs_celery.compat``, against whichever Celery, kombu and redis-py are installed
+(``scripts/compat.sh`` and ``scripts/floors.sh`` run them on each supported version)."""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+import sys
+import threading
+import time
+from queue import Empty
+from types import SimpleNamespace
+from typing import Any
+
+import kombu
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from kombu import Connection
+
+from ojs_celery import compat
+from tests import services
+from tests.workers import wait_for
+
+
+def test_a_message_being_written_is_invisible_to_kombus_filesystem_consumer(
+    tmp_path: pathlib.Path,
+) -> None:
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    options = {"data_folder_in": str(folder), "data_folder_out": str(folder),
+               "processed_folder": str(tmp_path), "control_folder": str(tmp_path)}
+    final, temporary = compat.filesystem_message_names("jobs")
+    payload = b'{"body": "x", "headers": {}, "properties": {"delivery_tag": "t"}}'
+    (folder / temporary).write_bytes(payload[:10])  # half written
+    with Connection("filesystem://localhost/", transport_options=options) as conn:
+        channel: Any = conn.default_channel
+        with pytest.raises(Empty):
+            channel._get("jobs")
+        (folder / temporary).write_bytes(payload)
+        (folder / temporary).rename(folder / final)
+        assert channel._get("jobs")["body"] == "x"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_jitter_backoff_stays_under_its_cap(native: bool) -> None:
+    backoff = (compat.jitter_backoff(0.01, 0.2) if native
+               else compat._JitterBackoff(0.01, 0.2))
+    backoff.reset()
+    delays = [backoff.compute(failures) for failures in range(12) for _ in range(20)]
+    assert all(0 <= delay <= 0.2 for delay in delays)
+    assert max(delays[:20]) <= 0.01
+    assert max(delays[-20:]) > 0.01  # it grows
+
+
+def test_pool_connection_checks_out_a_working_connection() -> None:
+    import redis
+
+    client = redis.Redis.from_url(services.redis_url())
+    pool = client.connection_pool
+    connection = compat.pool_connection(pool)
+    try:
+        connection.send_command("PING")
+        assert connection.read_response() in (b"PONG", "PONG")
+    finally:
+        pool.release(connection)
+        client.close()
+
+
+def test_a_missing_store_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    compat.require_store_extra("sqlite:///x.sqlite3")
+    compat.require_store_extra("redis://127.0.0.1:6379/0")
+    compat.require_store_extra("postgresql://u@h/db")
+    monkeypatch.setitem(sys.modules, "redis", None)
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    with pytest.raises(compat.MissingExtra) as raised:
+        compat.require_store_extra("redis://:secret@127.0.0.1:6379/0")
+    assert "ojs-celery[redis]" in str(raised.value)
+    assert "secret" not in str(raised.value)
+    with pytest.raises(compat.MissingExtra, match=r"ojs-celery\[postgres\]"):
+        compat.require_store_extra("postgres://u@h/db")
+    compat.require_store_extra("postgresql+psycopg2://u@h/db")  # SQLAlchemy's to report
+    compat.require_store_extra("sqlite:///x.sqlite3")
+
+
+def test_a_missing_broker_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    compat.require_broker_extra("redis://127.0.0.1:6379/0")
+    monkeypatch.setitem(sys.modules, "redis", None)
+    with pytest.raises(compat.MissingExtra) as raised:
+        compat.require_broker_extra("redis://user:secret@127.0.0.1:6379/0")
+    assert "ojs-celery[redis]" in str(raised.value)
+    assert "secret" not in str(raised.value)
+    compat.require_broker_extra("amqp://guest:guest@127.0.0.1:5672//")
+    compat.require_broker_extra("ojsfs://localhost/")
+    compat.require_broker_extra(None)
+
+
+@pytest.mark.skipif(tuple(int(p) for p in kombu.__version__.split(".")[:2]) < (5, 5),
+                    reason="kombu 5.4's Redis transport does not import packaging")
+def test_kombus_redis_transport_needs_packaging(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "packaging", None)
+    with pytest.raises(compat.MissingExtra, match="packaging"):
+        compat.require_broker_extra("redis://127.0.0.1:6379/0")
+
+
+def test_a_missing_result_backend_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    compat.require_backend_extra("redis://127.0.0.1:6379/0")
+    monkeypatch.setitem(sys.modules, "redis", None)
+    with pytest.raises(compat.MissingExtra, match=r"result backend .*ojs-celery\[redis\]"):
+        compat.require_backend_extra("redis://127.0.0.1:6379/0")
+    compat.require_backend_extra("db+sqlite:///results.sqlite3")
+    compat.require_backend_extra(None)
+
+
+def test_scheduled_requests_lists_a_countdown_job_held_by_the_worker() -> None:
+    app = Celery("compat", broker="memory://", backend="cache+memory://",
+                 set_as_current=False)
+    app.conf.worker_hijack_root_logger = False
+
+    @app.task(name="compat.later", shared=False)
+    def later() -> None:
+        return None
+
+    with start_worker(app, pool="solo", perform_ping_check=False) as worker:
+        result = later.apply_async(countdown=60)
+        held = wait_for(lambda: compat.scheduled_requests(worker.consumer), 20,
+                        "the countdown job to be held")
+        assert [request.id for request in held] == [result.id]
+        result.revoke()
+
+
+def test_call_soon_runs_promptly_while_the_hub_waits_in_poll() -> None:
+    from kombu.asynchronous import Hub
+
+    hub = Hub()
+    idle_reader, idle_writer = socket.socketpair()  # never written: the poll waits its full second
+    hub.add_reader(idle_reader, lambda: None)
+    consumer = SimpleNamespace(hub=hub, call_soon=hub.call_soon)
+    running = True
+
+    def loop() -> None:
+        steps = hub.create_loop()
+        while running:
+            next(steps)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        primed = threading.Event()
+        compat.call_soon(consumer, primed.set)  # kombu < 5.7: registers the waker on this turn
+        assert primed.wait(5)
+        for _ in range(3):
+            ran = threading.Event()
+            time.sleep(0.05)  # let the loop go back into its poll
+            started = time.monotonic()
+            compat.call_soon(consumer, ran.set)
+            assert ran.wait(5)
+            assert time.monotonic() - started < 0.5
+    finally:
+        running = False
+        thread.join(5)
+        hub.close()
+        idle_reader.close()
+        idle_writer.close()
