@@ -15,7 +15,7 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from pydantic_core import PydanticSerializationError
 
