@@ -22,8 +22,6 @@ from collections.abc import Iterable
 from time import monotonic
 from typing import Any
 
-from celery.worker import state as worker_state
-
 __all__ = [
     "MissingExtra",
     "call_soon",
@@ -33,35 +31,10 @@ __all__ = [
     "require_backend_extra",
     "require_broker_extra",
     "require_store_extra",
-    "scheduled_requests",
 ]
 
 
 # --- Celery -----------------------------------------------------------------------------------
-
-
-def scheduled_requests(consumer: Any) -> list[Any]:
-    """The requests this worker holds for an ETA or countdown that has not come yet.
-
-    Celery 5.7.0 keeps them in ``worker_state.scheduled_requests``. Celery 5.4.0, 5.5.3 and
-    5.6.3 have no such set: the requests wait as the first argument of the consumer's timer
-    entries (what ``celery inspect scheduled`` reads there too). In no version are they in
-    ``reserved_requests`` before their time comes. A request whose ETA passed while it waits
-    for a rate-limit token is still listed on 5.7 and no longer on the older versions.
-    """
-    held = getattr(worker_state, "scheduled_requests", None)
-    if held is not None:
-        return _copy(held)
-    from celery.worker.request import Request
-
-    timer = getattr(consumer, "timer", None)
-    queue = getattr(getattr(timer, "schedule", None), "queue", None) or []
-    found = []
-    for waiting in _copy(queue):
-        args = getattr(getattr(waiting, "entry", None), "args", None) or ()
-        if args and isinstance(args[0], Request):
-            found.append(args[0])
-    return found
 
 
 def _copy(items: Iterable[Any]) -> list[Any]:

@@ -21,12 +21,15 @@ from pydantic import (
     model_validator,
 )
 
+from . import compat
 from .envelope import TYPE_PATTERN, Job, field_violations
 from .lifecycle import DAY, Policy
 
 logger = logging.getLogger(__name__)
 
 PositiveSeconds = float
+#: The beginnings of the ``store_url`` schemes a backend exists for.
+STORE_SCHEMES = ("sqlite", "postgresql", "postgres", "redis", "rediss", "unix")
 #: The job ``heartbeat_timeout`` an envelope gets when it names none (the spec's default).
 DEFAULT_JOB_HEARTBEAT_TIMEOUT = int(Job.model_fields["heartbeat_timeout"].default)
 
@@ -68,6 +71,23 @@ class Settings(BaseModel):
     shutdown_cancel_window: float = Field(5.0, ge=0)
     labels: list[str] = []
     retention: Retention = Retention()
+
+    @field_validator("store_url")
+    @classmethod
+    def _store_url(cls, value: str) -> str:
+        """A scheme the package has a backend for, with that backend's extra installed:
+        checked when the settings are read, not at the first store call."""
+        scheme = value.split(":", 1)[0].lower()
+        if not scheme.startswith(STORE_SCHEMES):
+            raise ValueError(
+                f"unsupported scheme {scheme!r} (use sqlite:///path, postgresql://... or "
+                "redis://...)"
+            )
+        try:
+            compat.require_store_extra(value)
+        except compat.MissingExtra as exc:
+            raise ValueError(str(exc)) from None
+        return value
 
     @field_validator("type_map")
     @classmethod

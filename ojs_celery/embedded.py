@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import os
 import pathlib
-import uuid
-from time import monotonic
 from typing import Any
 
 from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, filesystem
 from kombu.utils.encoding import str_to_bytes
 from kombu.utils.json import dumps
+
+from . import compat
 
 SCHEME = "ojsfs"
 
@@ -28,9 +28,9 @@ class Channel(filesystem.Channel):
     """Filesystem channel whose writes are atomic (temp file + rename)."""
 
     def _put(self, queue: Any, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
+        name, temporary_name = compat.filesystem_message_names(queue)
         final = os.path.join(self.data_folder_out, name)
-        temporary = os.path.join(self.data_folder_out, f".{name}.tmp")
+        temporary = os.path.join(self.data_folder_out, temporary_name)
         try:
             with open(temporary, "wb") as handle:
                 handle.write(str_to_bytes(dumps(payload)))  # type: ignore[no-untyped-call]

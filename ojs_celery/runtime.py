@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery, current_app
 from celery.exceptions import ImproperlyConfigured
 
+from . import compat
 from .conf import Settings, read_settings
 from .events import EventBus
 from .outbox import DispatchAcker
@@ -69,6 +70,7 @@ class Runtime:
         when they are invalid (the error is raised by :attr:`settings`)."""
         try:
             settings = read_settings(conf.get("ojs"))
+            _require_extras(conf)
         except ImproperlyConfigured as exc:
             self._settings, self._settings_error = None, exc
             return None
@@ -131,6 +133,16 @@ class Runtime:
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+def _require_extras(conf: Any) -> None:
+    """The broker and result backend Celery is configured with have their packages (kombu
+    imports a transport only at the first connection, in the middle of a publish)."""
+    try:
+        compat.require_broker_extra(conf.get("broker_url"))
+        compat.require_backend_extra(conf.get("result_backend"))
+    except compat.MissingExtra as exc:
+        raise ImproperlyConfigured(str(exc)) from None
 
 
 def _handles(task: Any, name: str, ojs_type: str) -> bool:

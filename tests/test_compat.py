@@ -19,6 +19,7 @@ from celery.contrib.testing.worker import start_worker
 from kombu import Connection
 
 from ojs_celery import compat
+from ojs_celery.worker.node import eta_held
 from tests import services
 from tests.workers import wait_for
 
@@ -123,7 +124,7 @@ def test_scheduled_requests_lists_a_countdown_job_held_by_the_worker() -> None:
 
     with start_worker(app, pool="solo", perform_ping_check=False) as worker:
         result = later.apply_async(countdown=60)
-        held = wait_for(lambda: compat.scheduled_requests(worker.consumer), 20,
+        held = wait_for(lambda: eta_held(worker.consumer.timer), 20,
                         "the countdown job to be held")
         assert [request.id for request in held] == [result.id]
         result.revoke()

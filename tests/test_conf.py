@@ -181,3 +181,22 @@ def test_settings_frozen() -> None:
     s = read_settings({})
     with pytest.raises(ValueError):
         s.sweep_interval = 1.0
+
+
+def test_store_url_scheme_is_checked_when_the_settings_are_read() -> None:
+    with pytest.raises(ImproperlyConfigured, match=r"ojs\.store_url: unsupported scheme 'mongodb'"):
+        read_settings({"store_url": "mongodb://localhost/ojs"})
+
+
+def test_a_store_url_whose_extra_is_missing_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ojs_celery import compat
+
+    monkeypatch.setattr(compat, "_missing", lambda modules: list(modules))
+    with pytest.raises(ImproperlyConfigured, match=r"ojs\.store_url: .*ojs-celery\[redis\]"):
+        read_settings({"store_url": "redis://:secret@127.0.0.1:6379/0"})
+    try:
+        read_settings({"store_url": "redis://:secret@127.0.0.1:6379/0"})
+    except ImproperlyConfigured as exc:
+        assert "secret" not in str(exc)

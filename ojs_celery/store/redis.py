@@ -20,11 +20,11 @@ from importlib import resources
 from typing import Any
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
+from .. import compat
 from ..lifecycle import CLOCKS, Policy, Record
 from .base import (
     RECORD_FIELDS,
@@ -130,7 +130,7 @@ class RedisStore(JobStore):
         self.client: redis.Redis = redis.Redis.from_url(
             url,
             decode_responses=True,
-            retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.2), retries=2),
+            retry=Retry(compat.jitter_backoff(base=0.01, cap=0.2), retries=2),
         )
         self._job_prefix = f"{prefix}:job:"
         self._due_keys = {clock: f"{prefix}:due:{clock}" for clock in CLOCKS}

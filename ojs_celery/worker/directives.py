@@ -14,11 +14,16 @@ from typing import Any
 
 from celery import bootsteps
 
+from .. import compat
 from .faults import OncePerKind
 from .node import WorkerNode, node_of, ojs_requests
 from .registration import RegistrationStep
 
 logger = logging.getLogger(__name__)
+
+
+def _nothing() -> None:
+    """A callback that only makes :func:`ojs_celery.compat.call_soon` prepare its waker."""
 
 
 class Directives:
@@ -56,7 +61,7 @@ class Directives:
                 }, subject=node.worker_id)
             elif wanted in ("resume", "running") and current == "quiet":
                 node.state = "running"
-                node.consumer.call_soon(self._resume_consuming)
+                compat.call_soon(node.consumer, self._resume_consuming)
                 logger.warning("ojs_celery: worker %s is running again (%s)", node.worker_id,
                                source)
             elif wanted == "terminate":
@@ -69,7 +74,7 @@ class Directives:
             node.beat.soon()
 
     def stop_consuming(self) -> None:
-        self.node.consumer.call_soon(self._stop_consuming)
+        compat.call_soon(self.node.consumer, self._stop_consuming)
 
     def _stop_consuming(self) -> None:
         self._each_queue(self.node.consumer.cancel_task_queue)
@@ -98,3 +103,4 @@ class DirectivesStep(bootsteps.StartStopStep):  # type: ignore[misc]
         node = node_of(parent)
         if getattr(node, "directives", None) is None:
             node.directives = Directives(node)
+            compat.call_soon(parent, _nothing)  # kombu < 5.7: sets up the hub's waker now

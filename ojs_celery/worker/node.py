@@ -66,14 +66,14 @@ def eta_held(timer: Any) -> list[Any]:
     argument of their entry on the consumer's timer (which is what ``celery inspect scheduled``
     reads: ``consumer.timer.schedule.queue``, a snapshot of kombu's heap).
     """
-    requests = _snapshot(getattr(worker_state, "scheduled_requests", ()))
+    requests = {r.id: r for r in _snapshot(getattr(worker_state, "scheduled_requests", ()))}
     schedule = getattr(timer, "schedule", None)
     for waiting in _snapshot(getattr(schedule, "queue", ())):
         entry = getattr(waiting, "entry", None)
         args = getattr(entry, "args", None)
         if args and not getattr(entry, "canceled", False) and hasattr(args[0], "id"):
-            requests.append(args[0])
-    return requests
+            requests.setdefault(args[0].id, args[0])
+    return list(requests.values())
 
 
 def anything_running() -> bool:
