@@ -681,8 +681,7 @@ def redispatch(record: Record, now: float, policy: Policy) -> Transition:
     error, no attempt used), so that it need not wait for the broker's redelivery."""
     if record.job.state not in STARTABLE:
         return rejected("not_startable")
-    new = record.copy()
-    return Transition(new, publish=_owe(new, None, now, policy))
+    return _claim(record, now, policy)  # a message held for its ETA keeps it
 
 
 def republish(record: Record, now: float, policy: Policy) -> Transition:
@@ -710,7 +709,8 @@ def _owes_nothing(record: Record) -> bool:
 
 
 def _claim(record: Record, now: float, policy: Policy) -> Transition:
-    """Publish the job's current token again; the outbox deadline moves one grace ahead."""
+    """Publish the job's current token again, for its ETA if that is still ahead (a scheduled
+    job, a retry's backoff); the outbox deadline moves one grace past it."""
     new = record.copy()
     return Transition(new, publish=_owe(new, message_eta(record.job), now, policy))
 
