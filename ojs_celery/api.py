@@ -6,7 +6,7 @@ from typing import Any
 
 from celery import Celery
 
-from .effects import carry_out
+from .effects import carry_out, log_unpublished
 from .envelope import DuplicateJob, InvalidJob, Job, Rules, parse_batch, parse_envelope
 from .producer import DEFAULT_QUEUE, BrokerUnavailable, celery_queue, publish, with_celery_options
 from .runtime import Runtime, UnknownType, get_runtime
@@ -45,8 +45,9 @@ def enqueue_batch(
     envelopes: str | bytes | list[object], *, app: Celery | None = None
 ) -> list[Job]:
     """Validate every envelope, store them all in one atomic step (all or none: a duplicate
-    id stores nothing), then publish each. A broker that fails leaves the rest to the
-    sweeper (they are stored with their outbox entries) and raises at the end."""
+    id stores nothing), then publish each. As with :func:`enqueue`, once the batch is stored
+    this returns: a message that could not be published stays in the outbox, and the sweeper
+    publishes it."""
     runtime = get_runtime(app)
     jobs = parse_batch(envelopes, rules=publish_rules(runtime))
     for job in jobs:
@@ -59,15 +60,15 @@ def enqueue_batch(
                                                                              strict=True)):
             return [r.job for r in existing if r is not None]  # the same batch again
         raise DuplicateJob(exc.job_id) from None
-    unpublished: BrokerUnavailable | None = None
+    broker_down = False
     for transition in transitions:
-        try:
-            carry_out(runtime, transition, publish_message=unpublished is None,
+        try:  # after one failed publish, leave the rest to the sweeper at once
+            carry_out(runtime, transition, publish_message=not broker_down,
                       raise_unpublished=True)
-        except BrokerUnavailable as exc:
-            unpublished = exc
-    if unpublished is not None:
-        raise unpublished
+        except Exception as exc:
+            broker_down = broker_down or isinstance(exc, BrokerUnavailable)
+            assert transition.record is not None
+            log_unpublished(transition.record.job.id, exc)
     return [transition.record.job for transition in transitions if transition.record]
 
 
@@ -78,8 +79,10 @@ def enqueue(envelope: dict[str, Any] | str | bytes | Job, *, app: Celery | None 
     of the envelope, an unknown type, a queue the app does not declare; its subclass
     :class:`~ojs_celery.DuplicateJob` when a job with this client-chosen id exists with a
     different envelope (the same envelope again returns the existing job);
-    :class:`~ojs_celery.StoreError` if the store cannot be reached, and
-    :class:`~ojs_celery.BrokerUnavailable` if the job is stored but not yet published.
+    :class:`~ojs_celery.StoreError` if the store cannot be reached. When it returns, the job is
+    stored and will run; when it raises, nothing was stored. A message that could not be
+    published (the broker is down) stays in the outbox and the sweeper publishes it: that is
+    logged, not raised, so that a caller who retries never gets the job twice.
     """
     runtime = get_runtime(app)
     job = parse_envelope(envelope, rules=publish_rules(runtime))
@@ -144,17 +147,21 @@ def enqueue_job(
                 return existing  # the same envelope again: enqueue is idempotent
             raise DuplicateJob(job.id) from None
         assert transition.record is not None
-        carry_out(runtime, transition, raise_unpublished=True)
+        carry_out(runtime, transition)
         return transition.record.job
     # A fresh UUIDv7 cannot collide: publish while the store write is in flight (one round
     # trip instead of two). If the write fails, enqueue raises and the message already sent
     # names a job that does not exist, which a worker drops.
     transition, confirm = runtime.store.begin_create(job)
     assert transition.record is not None
-    try:
-        if transition.publish is not None:
+    unpublished: Exception | None = None
+    if transition.publish is not None:
+        try:
             publish(runtime, transition.record.job, transition.publish, record=transition.record)
-    finally:
-        confirm()
+        except Exception as exc:  # the store write decides what enqueue reports
+            unpublished = exc
+    confirm()  # raises if nothing was stored: the message, if sent, names no job
     runtime.emit(transition)
+    if unpublished is not None:
+        log_unpublished(job.id, unpublished)
     return transition.record.job

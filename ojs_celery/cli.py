@@ -26,7 +26,6 @@ from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job
 from .envelope import DuplicateJob, InvalidJob
 from .events import listen
 from .install import install
-from .producer import BrokerUnavailable
 from .runtime import get_runtime
 from .store import StoreError
 from .sweeper import run_loop, sweep
@@ -36,7 +35,6 @@ EXIT_FAILED = 1
 EXIT_INVALID = 2
 EXIT_DUPLICATE = 3
 EXIT_STORE = 4
-EXIT_BROKER = 5
 #: Every exit status of every command (also shown by ``--help``).
 EXIT_STATUSES = {
     0: "done",
@@ -44,7 +42,6 @@ EXIT_STATUSES = {
     EXIT_INVALID: "invalid input, settings or usage (one line per problem; nothing stored)",
     EXIT_DUPLICATE: "a different job with this id exists (nothing stored)",
     EXIT_STORE: "the job store cannot be reached",
-    EXIT_BROKER: "stored, but the broker cannot be reached (the sweeper publishes it later)",
 }
 _EPILOG = "\b\nExit status:\n" + "\n".join(
     f"  {code}  {text}" for code, text in EXIT_STATUSES.items())
@@ -108,8 +105,6 @@ class _Commands(click.Group):
             _fail([line for line in str(exc).splitlines() if line.strip()], EXIT_INVALID)
         except StoreError as exc:
             _fail([f"error: the job store cannot be reached: {exc}"], EXIT_STORE)
-        except BrokerUnavailable as exc:
-            _fail([f"error: {exc}"], EXIT_BROKER)
 
 
 @click.group(name="ojs", cls=_Commands, epilog=_EPILOG,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from .lifecycle import Transition
-from .producer import BrokerUnavailable, publish
+from .producer import publish
 from .runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -32,8 +32,10 @@ def carry_out(
     """Emit ``done``'s events, stop the attempt it ended (``stop_attempt``), publish what it
     owes (``publish_message``); returns whether a message was published.
 
-    A broker that is down leaves the message in the outbox (the sweeper publishes it later):
-    logged, or raised as :class:`~ojs_celery.BrokerUnavailable` with ``raise_unpublished``.
+    A message that cannot be published stays in the outbox (the sweeper publishes it later):
+    logged, whatever the error; with ``raise_unpublished`` a broker that is down is raised
+    as :class:`~ojs_celery.BrokerUnavailable` (and any other error as it is), for the sweeper
+    to tell an outage from a job's own fault.
     """
     if done.record is None:
         return False
@@ -45,12 +47,18 @@ def carry_out(
         return False
     try:
         publish(runtime, done.record.job, done.publish, record=done.record)
-    except BrokerUnavailable as exc:
+    except Exception as exc:
         if raise_unpublished:
             raise
-        logger.error("ojs_celery: %s", exc)
+        log_unpublished(done.record.job.id, exc)
         return False
     return True
+
+
+def log_unpublished(job_id: str, exc: BaseException) -> None:
+    """The job is stored and owes a message that could not be sent: the sweeper sends it."""
+    logger.error("ojs_celery: job %s is stored but its message could not be published (%s); "
+                 "the sweeper publishes it later", job_id, exc)
 
 
 def stop_running_attempt(runtime: Runtime, job_id: str, token: int) -> None:
