@@ -50,9 +50,9 @@ def describe(event: dict[str, Any], started: float) -> str:
                 value = str(value)[:15] + "…"
             extra.append(f"{key}={value}")
     if "error" in data:
-        extra.append(f"error={data['error'].get('code')}: {data['error'].get('message')}")
+        extra.append(f"error={data['error'].get('type')}: {data['error'].get('message')}")
     if "last_error" in data:
-        extra.append(f"last_error={data['last_error'].get('code')}")
+        extra.append(f"last_error={data['last_error'].get('type')}")
     return (f"{time.monotonic() - started:6.2f}s  {event['type']:<18} "
             f"{data.get('job_type', ''):<12} {' '.join(extra)}")
 

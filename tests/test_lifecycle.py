@@ -244,6 +244,7 @@ def test_decide_total_timeout_rule_boundary() -> None:
         "timeout_kind": "total",
         "limit_seconds": 100,
         "elapsed_seconds": 50.0,
+        "code": "HANDLER_TIMEOUT",
     }
     assert "100" in str(decision.total_timeout_error["message"])
 
@@ -292,6 +293,7 @@ def test_timeout_error_shape(type_: str, kind: str) -> None:
         "timeout_kind": kind,
         "limit_seconds": 30,
         "elapsed_seconds": 31.235,
+        "code": "HANDLER_TIMEOUT",
     }
 
 
@@ -465,6 +467,7 @@ def test_start_ttl_expired_discards() -> None:
     assert j.completed_at == from_epoch(T0 + 30)
     assert j.error == {
         "type": "enqueue_ttl_expired",
+        "code": "HANDLER_TIMEOUT",
         "message": j.error["message"],  # type: ignore[index]
         "timeout_kind": "enqueue_ttl",
         "limit_seconds": 30,
@@ -474,7 +477,7 @@ def test_start_ttl_expired_discards() -> None:
     entry = j.errors[0]
     assert entry["code"] == "HANDLER_TIMEOUT"
     assert entry["type"] == "enqueue_ttl_expired"
-    assert entry["attempt"] == 1
+    assert entry["attempt"] == 0  # it never started: the same attempt as the job's
     assert entry["occurred_at"] == ts(T0 + 30)
     assert new.worker_id is None
     assert new.dispatch_due is None
@@ -488,7 +491,8 @@ def test_start_ttl_expired_discards() -> None:
     assert expired["attempt"] == 0
     discarded = event(transition, "job.discarded")
     assert discarded["total_attempts"] == 0
-    assert discarded["last_error"] == {"code": "enqueue_ttl_expired", "message": j.error["message"]}
+    assert discarded["last_error"] == {"code": "HANDLER_TIMEOUT", "type": "enqueue_ttl_expired",
+                                       "message": j.error["message"]}
 
 
 def test_start_just_before_ttl_starts() -> None:
@@ -695,7 +699,8 @@ def test_fail_retryable() -> None:
         **base,
         "state": "retryable",
         "attempt": 1,
-        "error": {"code": "ValueError", "type": "ValueError", "message": "boom", "retryable": True},
+        "error": {"code": "HANDLER_ERROR", "type": "ValueError", "message": "boom",
+                  "retryable": True},
     }
     assert event(transition, "job.retrying") == {
         **base,
@@ -704,7 +709,7 @@ def test_fail_retryable() -> None:
         "max_attempts": 3,
         "next_retry_at": ts(T0 + 11),
         "delay_seconds": 1.0,
-        "error": {"code": "ValueError", "message": "boom"},
+        "error": {"code": "HANDLER_ERROR", "type": "ValueError", "message": "boom"},
     }
     assert record.job.state == "active"  # input untouched
 
@@ -748,7 +753,7 @@ def test_fail_exhausted_discards() -> None:
         "queue": "emails",
         "state": "discarded",
         "total_attempts": 1,
-        "last_error": {"code": "ValueError", "message": "boom"},
+        "last_error": {"code": "HANDLER_ERROR", "type": "ValueError", "message": "boom"},
     }
 
 
@@ -825,7 +830,8 @@ def test_fail_retry_past_total_timeout_discards_with_total_timeout() -> None:
     assert [e["type"] for e in j.errors] == ["ValueError", "total_timeout"]
     assert names(transition) == ["job.failed", "job.total_timeout", "job.discarded"]
     assert event(transition, "job.failed")["error"]["retryable"] is False
-    assert event(transition, "job.discarded")["last_error"]["code"] == "total_timeout"
+    assert event(transition, "job.discarded")["last_error"] == {
+        "code": "HANDLER_TIMEOUT", "type": "total_timeout", "message": j.error["message"]}
     assert transition.publish is None
 
 

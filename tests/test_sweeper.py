@@ -73,9 +73,9 @@ def test_enqueue_ttl_expires_a_job_nobody_started(app: Celery, seen: Counter[str
     assert report.applied["enqueue_ttl"] == 1
     stored = runtime_of(app).store.get(job.id)
     assert stored is not None and stored.state == "discarded"
-    assert stored.error == {"type": "enqueue_ttl_expired", "message": stored.error["message"],
-                            "timeout_kind": "enqueue_ttl", "limit_seconds": 5,
-                            "elapsed_seconds": 5.5}
+    assert stored.error == {"type": "enqueue_ttl_expired", "code": "HANDLER_TIMEOUT",
+                            "message": stored.error["message"], "timeout_kind": "enqueue_ttl",
+                            "limit_seconds": 5, "elapsed_seconds": 5.5}
     assert seen["job.ttl_expired"] == 1 and seen["job.discarded"] == 1
 
 
@@ -374,7 +374,8 @@ def _corrupt(runtime: Runtime, job_id: str) -> None:
     import sqlalchemy as sa
 
     with store.engine.begin() as conn:
-        conn.execute(sa.update(store.jobs).where(store.jobs.c.id == job_id).values(data="{broken"))
+        table = store.job_table
+        conn.execute(sa.update(table).where(table.c.id == job_id).values(data="{broken"))
 
 
 def test_a_job_the_broker_refuses_is_skipped_then_discarded_and_the_pass_goes_on(

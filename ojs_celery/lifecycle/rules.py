@@ -21,6 +21,9 @@ TERMINAL = frozenset({"completed", "cancelled", "discarded"})
 NEVER_STARTED = frozenset({"scheduled", "available", "pending"})
 STARTABLE = frozenset({"scheduled", "available", "retryable"})
 
+#: Error types of a sweep that could not carry out a job's due transition.
+DISPATCH_ERROR = "dispatch_error"
+DISPATCH_FAILED = "dispatch_failed"
 #: Error types produced by the system itself (the rest are exception class names).
 TIMEOUT_KINDS = {
     "timeout": "execution",
@@ -121,8 +124,21 @@ def rejected(reason: str) -> Transition:
 # --------------------------------------------------------------------------- errors and backoff
 
 
+def error_code(type_: str) -> str:
+    """The OJS error catalogue's code for an error ``type``: ``HANDLER_TIMEOUT`` for the
+    timeouts, ``DISPATCH_ERROR`` for a job the sweeper could not dispatch, ``HANDLER_ERROR``
+    for the rest (a handler's exception, a recovery such as ``stalled`` or ``shutdown``)."""
+    if type_ in TIMEOUT_KINDS:
+        return "HANDLER_TIMEOUT"
+    if type_ in (DISPATCH_ERROR, DISPATCH_FAILED):
+        return "DISPATCH_ERROR"
+    return "HANDLER_ERROR"
+
+
 def make_error(type_: str, message: str, **extra: JsonValue) -> dict[str, JsonValue]:
-    error: dict[str, JsonValue] = {"type": type_, "message": message}
+    """An OJS error object: ``type`` and ``message``, the catalogue ``code`` (the same in the
+    stored error, its history entry and every event that reports it), and ``extra``."""
+    error: dict[str, JsonValue] = {"type": type_, "code": error_code(type_), "message": message}
     error.update({k: v for k, v in extra.items() if v is not None})
     return error
 
@@ -213,8 +229,10 @@ def _timeout_event(job: Job, error: dict[str, JsonValue]) -> tuple[str, dict[str
 
 
 def _history_entry(error: dict[str, JsonValue], attempt: int, now: float) -> dict[str, JsonValue]:
-    code = "HANDLER_TIMEOUT" if error.get("type") in TIMEOUT_KINDS else "HANDLER_ERROR"
-    entry: dict[str, JsonValue] = {"code": code, **error}
+    """The error history's entry: the error with its code, the attempt it ended (0 for a job
+    that never started: it had no attempt, and ``attempt`` counts starts), and when."""
+    code = error.get("code") or error_code(str(error.get("type")))
+    entry: dict[str, JsonValue] = {**error, "code": code}
     entry["attempt"] = attempt
     entry["occurred_at"] = format_timestamp(from_epoch(now))
     return entry
@@ -429,8 +447,7 @@ def fail(
     failed = _base(
         j,
         attempt=j.attempt,
-        error={"code": error_type, "type": error_type, "message": error.get("message"),
-               "retryable": decision.retry},
+        error={**_reported(error), "retryable": decision.retry},
     )
     if decision.retry:
         j.state = "retryable"
@@ -448,7 +465,7 @@ def fail(
                     max_attempts=j.retry.max_attempts,
                     next_retry_at=format_timestamp(j.next_retry_at),
                     delay_seconds=round(decision.delay, 3),
-                    error={"code": error_type, "message": error.get("message")},
+                    error=_reported(error),
                 ),
             )
         )
@@ -490,15 +507,22 @@ def _discarded_event(job: Job) -> tuple[str, dict[str, Any]]:
     return "job.discarded", _base(
         job,
         total_attempts=job.attempt,
-        last_error={"code": last.get("type"), "message": last.get("message")},
+        last_error=_reported(last),
     )
+
+
+def _reported(error: dict[str, JsonValue]) -> dict[str, JsonValue]:
+    """An error as events report it: the stored error's code, type and message."""
+    type_ = str(error.get("type") or "error")
+    return {"code": error.get("code") or error_code(type_), "type": type_,
+            "message": error.get("message")}
 
 
 def _expire(record: Record, now: float, error: dict[str, JsonValue]) -> Transition:
     new = record.copy()
     j = new.job
     j.error = error
-    j.errors = [*j.errors, _history_entry(error, max(j.attempt, 1), now)]
+    j.errors = [*j.errors, _history_entry(error, j.attempt, now)]
     _discard(new, now)
     return Transition(new, events=[_timeout_event(j, error), _discarded_event(j)])
 
@@ -548,7 +572,7 @@ def expire_at(record: Record, now: float) -> Transition:
     j = new.job
     error = make_error("expired", f"job expired at {format_timestamp(job.expires_at)}")
     j.error = error
-    j.errors = [*j.errors, _history_entry(error, max(j.attempt, 1), now)]
+    j.errors = [*j.errors, _history_entry(error, j.attempt, now)]
     _discard(new, now)
     expired = _base(
         j,
@@ -742,9 +766,6 @@ def resend(record: Record, now: float, policy: Policy) -> Transition:
 
 # --------------------------------------------------------------------------- a job that stays stuck
 
-#: Error types of a sweep that could not carry out a job's due transition.
-DISPATCH_ERROR = "dispatch_error"
-DISPATCH_FAILED = "dispatch_failed"
 
 
 def dispatch_failures(job: Job) -> int:
@@ -773,7 +794,6 @@ def dispatch_failed(record: Record, reason: str, now: float, policy: Policy) -> 
     j = new.job
     if failures < policy.dispatch_failure_limit:
         entry = _history_entry(make_error(DISPATCH_ERROR, reason), j.attempt, now)
-        entry["code"] = "DISPATCH_ERROR"
         j.errors = [*j.errors, entry]
         return Transition(new)
     error = make_error(
@@ -781,7 +801,6 @@ def dispatch_failed(record: Record, reason: str, now: float, policy: Policy) -> 
         f"last: {reason}",
     )
     entry = _history_entry(error, j.attempt, now)
-    entry["code"] = "DISPATCH_ERROR"
     j.error = error
     j.errors = [*j.errors, entry]
     _discard(new, now)
