@@ -14,6 +14,7 @@ from . import control
 from .conf import Settings
 from .embedded import register_transport
 from .identity import assign_worker_id
+from .logs import quiet_worker_logs
 from .runtime import Runtime, attach, get_runtime
 from .sweeper import SWEEP_TASK, FaultLog, last_sweep, sweep
 from .worker import children
@@ -54,6 +55,7 @@ def install(app: Celery) -> Runtime:
         if getattr(sender, "app", None) is not app:
             return
         _settings_or_exit()
+        quiet_worker_logs(app, SWEEP_TASK)
         worker_id = assign_worker_id()
         name = pool_name(getattr(sender, "pool_cls", ""))
         logger.info("ojs_celery: worker id %s (pool %s)", worker_id, name)
