@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from contextvars import ContextVar
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .envelope import Job, JsonValue
 from .lifecycle import Record
@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 logger = logging.getLogger(__name__)
+
+#: At most one ``job.progress`` event a second per attempt (the progress extension's rate).
+PROGRESS_EVENT_INTERVAL = 1.0
 
 _current: ContextVar[JobContext | None] = ContextVar("ojs_current_job", default=None)
 
@@ -41,6 +44,7 @@ class JobContext:
         self.last_checkpoint: JsonValue = record.job.last_checkpoint
         self.cancelled = False
         self.started = time.monotonic()
+        self._last_progress_event = -PROGRESS_EVENT_INTERVAL
 
     @property
     def job_id(self) -> str:
@@ -68,8 +72,30 @@ class JobContext:
         """Report progress in [0, 1] (clamped, never decreasing), optional data and a checkpoint.
 
         Counts as a heartbeat. A checkpoint is what the next attempt gets as ``last_checkpoint``.
+        Emits ``job.progress`` (the progress extension's fields), at most one a second per
+        attempt (the extension's rate), and always when the job reaches 1.0.
         """
-        return self._beat(progress=value, data=data, checkpoint=checkpoint)
+        written = self._beat(progress=value, data=data, checkpoint=checkpoint)
+        if written and (value is not None or data is not None):
+            self._progress_event()
+        return written
+
+    def _progress_event(self) -> None:
+        current = self._record.job.progress or {}
+        fraction = float(current.get("progress", 0.0))  # type: ignore[arg-type]
+        now = time.monotonic()
+        if now - self._last_progress_event < PROGRESS_EVENT_INTERVAL and fraction < 1.0:
+            return
+        self._last_progress_event = now
+        job = self._record.job
+        event: dict[str, Any] = {
+            "job_id": job.id, "job_type": job.type, "queue": job.queue, "state": job.state,
+            "worker_id": self.worker_id, "attempt": self.attempt, "progress": fraction,
+            "progress_percent": round(fraction * 100, 2),
+        }
+        if current.get("data") is not None:
+            event["data"] = current["data"]
+        self._runtime.bus.emit("job.progress", event, subject=job.id)
 
     def _beat(
         self,

@@ -32,6 +32,7 @@ EVENT_TYPES = (
     "job.ttl_expired",
     "job.total_timeout",
     "job.expired",
+    "job.progress",
     "worker.started",
     "worker.quiet",
     "worker.stopped",
@@ -50,6 +51,7 @@ job_stalled = Signal(name="job.stalled", providing_args={"event"})
 job_ttl_expired = Signal(name="job.ttl_expired", providing_args={"event"})
 job_total_timeout = Signal(name="job.total_timeout", providing_args={"event"})
 job_expired = Signal(name="job.expired", providing_args={"event"})
+job_progress = Signal(name="job.progress", providing_args={"event"})
 worker_started = Signal(name="worker.started", providing_args={"event"})
 worker_quiet = Signal(name="worker.quiet", providing_args={"event"})
 worker_stopped = Signal(name="worker.stopped", providing_args={"event"})
@@ -60,6 +62,6 @@ BY_TYPE: dict[str, Signal] = {
     for signal in (
         job_enqueued, job_started, job_completed, job_failed, job_retrying, job_discarded,
         job_cancelled, job_timeout, job_stalled, job_ttl_expired, job_total_timeout, job_expired,
-        worker_started, worker_quiet, worker_stopped, worker_heartbeat,
+        job_progress, worker_started, worker_quiet, worker_stopped, worker_heartbeat,
     )
 }

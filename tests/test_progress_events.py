@@ -1,0 +1,49 @@
+"""``ctx.progress()`` emits ``job.progress`` with the progress extension's fields, rate-limited."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from celery import Celery
+
+from ojs_celery import OJSTask, enqueue, install, signals
+from ojs_celery.context import JobContext
+from ojs_celery.embedded import embedded_settings
+
+
+def test_progress_events_at_most_one_a_second_and_always_the_last(
+    tmp_path: pathlib.Path,
+) -> None:
+    app = Celery("progress_events", set_as_current=False)
+    app.conf.update(embedded_settings(tmp_path))
+    app.conf.ojs = {**app.conf.ojs, "events": False}
+    runtime = install(app)
+
+    @app.task(shared=False, name="progress.job", base=OJSTask)
+    def progress_job() -> None:
+        return None
+
+    job = enqueue({"type": "progress.job", "args": []}, app=app)
+    started = runtime.store.start(job.id, 1, "worker_p")
+    assert started.record is not None
+    ctx = JobContext(runtime, started.record, "worker_p")
+    seen: list[dict[str, Any]] = []
+
+    def on_progress(sender: Any = None, event: dict[str, Any] | None = None, **_: Any) -> None:
+        assert event is not None
+        seen.append(event["data"])
+
+    signals.job_progress.connect(on_progress)
+    try:
+        assert ctx.progress(0.25, data={"page": 1})
+        assert ctx.progress(0.5)  # within a second of the last event: stored, no event
+        assert ctx.progress(1.0)  # done: always reported
+    finally:
+        signals.job_progress.disconnect(on_progress)
+    assert [(e["progress"], e["progress_percent"]) for e in seen] == [(0.25, 25.0), (1.0, 100.0)]
+    assert seen[0]["data"] == {"page": 1} and seen[0]["attempt"] == 1
+    assert seen[0]["worker_id"] == "worker_p" and seen[0]["job_type"] == "progress.job"
+    stored = runtime.store.get(job.id)
+    assert stored is not None and stored.progress is not None
+    assert stored.progress["progress"] == 1.0
