@@ -3,16 +3,25 @@
 A transition (see :mod:`ojs_celery.lifecycle`) says what changed; once the store has written it,
 :func:`carry_out` makes it visible and effective, always in the same order: emit its events,
 stop the attempt it took the job from (when the caller is not that attempt's owner: the
-sweeper, a cancel), publish the message it owes. The worker, the sweeper, the producer and the
-API all go through here, so a new caller (the HTTP binding) cannot forget a step.
+sweeper, a cancel), report a terminal outcome to Celery's result backend when no worker will
+(``report_result``: the sweeper, a cancel), publish the message it owes. The worker, the
+sweeper, the producer and the API all go through here, so a new caller (the HTTP binding)
+cannot forget a step.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
+from billiard.exceptions import WorkerLostError
+from celery.backends.base import DisabledBackend
+from celery.exceptions import TimeLimitExceeded
+
+from .canvas import celery_context
+from .envelope import Job
 from .lifecycle import Transition
-from .producer import publish
+from .producer import publish, trusted_options
 from .runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -28,9 +37,12 @@ def carry_out(
     stop_attempt: bool = False,
     publish_message: bool = True,
     raise_unpublished: bool = False,
+    report_result: bool = False,
 ) -> bool:
-    """Emit ``done``'s events, stop the attempt it ended (``stop_attempt``), publish what it
-    owes (``publish_message``); returns whether a message was published.
+    """Emit ``done``'s events, stop the attempt it ended (``stop_attempt``), report a terminal
+    outcome to the result backend (``report_result``: callers that are not the attempt's
+    worker, whose Celery trace reports it), publish what it owes (``publish_message``);
+    returns whether a message was published.
 
     A message that cannot be published stays in the outbox (the sweeper publishes it later):
     logged, whatever the error; with ``raise_unpublished`` a broker that is down is raised
@@ -43,6 +55,8 @@ def carry_out(
     before = done.previous
     if stop_attempt and before is not None and before.job.state == "active":
         stop_running_attempt(runtime, before.job.id, before.token)
+    if report_result and done.record.job.terminal:
+        report_outcome(runtime, done.record.job)
     if not publish_message or done.publish is None:
         return False
     try:
@@ -70,3 +84,59 @@ def stop_running_attempt(runtime: Runtime, job_id: str, token: int) -> None:
         )
     except Exception as exc:
         logger.warning("ojs_celery: could not ask workers to stop job %s: %r", job_id, exc)
+
+
+class JobDiscarded(RuntimeError):
+    """The outcome Celery's result backend shows for a job the sweeper discarded (other than
+    by a timeout or a dead worker, which get Celery's own exceptions)."""
+
+
+#: Error types of the expiry rules: Celery reports an expired task as REVOKED.
+EXPIRY_ERRORS = frozenset({"expired", "enqueue_ttl_expired", "total_timeout"})
+
+
+def report_outcome(runtime: Runtime, job: Job) -> None:
+    """Write a terminal ``job``'s outcome to Celery's result backend as Celery's worker would
+    (completed -> SUCCESS; discarded -> FAILURE, with the chord part counted, the chain's
+    results failed and the ``link_error`` callbacks called; cancelled or expired -> REVOKED,
+    the chord part counted), so that a chord whose member the sweeper ended never hangs.
+
+    Called once per accepted transition (the store's compare-and-set decides who makes it).
+    """
+    backend = runtime.app.backend
+    if isinstance(backend, DisabledBackend) or job.state not in ("completed", "discarded",
+                                                                  "cancelled"):
+        return
+    try:
+        name = runtime.task_name_for(job.type)
+    except Exception:
+        name = job.type
+    task = runtime.app.tasks.get(name)
+    store = not (task is not None and task.ignore_result)
+    request = celery_context(job, name, trusted_options(job))
+    error: dict[str, Any] = dict(job.error or {})
+    try:
+        if job.state == "completed":
+            backend.mark_as_done(job.id, job.result, request=request, store_result=store)
+        elif job.state == "cancelled" or error.get("type") in EXPIRY_ERRORS:
+            backend.mark_as_revoked(job.id, reason=str(error.get("type") or job.state),
+                                    request=request, store_result=store)
+        else:
+            backend.mark_as_failure(job.id, _exception(error), request=request,
+                                    store_result=store, call_errbacks=True)
+    except Exception as exc:  # the backend is down: the job's outcome is in the store
+        logger.error("ojs_celery: could not report job %s (%s) to the result backend: %r",
+                     job.id, job.state, exc)
+
+
+def _exception(error: dict[str, Any]) -> BaseException:
+    """The exception Celery itself would record for this error."""
+    message = str(error.get("message") or "discarded")
+    kind = error.get("type")
+    if kind == "timeout":
+        timed_out: BaseException = TimeLimitExceeded(message)
+        return timed_out
+    if kind == "worker_death":
+        lost: BaseException = WorkerLostError(message)
+        return lost
+    return JobDiscarded(f"{kind}: {message}" if kind else message)

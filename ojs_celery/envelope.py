@@ -41,6 +41,10 @@ QUEUE_PATTERN = r"^[a-z0-9][a-z0-9\-\.]*$"
 UUID7_PATTERN = re.compile(
     r"^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$"
 )
+#: The task ids a Celery caller may give (canvas assigns UUIDv4s; ``task_id=`` may be any
+#: word): lower-case, no spaces or separators a store key or an event subject would mind.
+CELERY_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._:@+=~-]{0,254}$")
+_UUID_ANY = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _DURATION = re.compile(
     r"^P(?!$)(?:(?P<y>\d+)Y)?(?:(?P<mo>\d+)M)?(?:(?P<w>\d+)W)?(?:(?P<d>\d+)D)?"
     r"(?:T(?=\d)(?:(?P<h>\d+)H)?(?:(?P<mi>\d+)M)?(?:(?P<s>\d+(?:\.\d+)?)S)?)?$"
@@ -270,13 +274,24 @@ class Job(BaseModel):
 
     @field_validator("id", mode="before")
     @classmethod
-    def _uuid7(cls, value: Any) -> Any:
+    def _uuid7(cls, value: Any, info: ValidationInfo) -> Any:
+        """A UUIDv7 for an envelope from outside; a Celery caller's task id (see
+        :data:`CELERY_ID_PATTERN`) when :func:`parse_envelope` is told the id came from Celery,
+        and when a stored record is read back (no context)."""
         if not isinstance(value, str):
             raise ValueError("must be a string")
         lowered = value.lower()
-        if not UUID7_PATTERN.match(lowered):
-            raise ValueError("must be a UUIDv7 (8-4-4-4-12 hex digits, version 7)")
-        return lowered
+        if UUID7_PATTERN.match(lowered):
+            return lowered
+        celery_id = info.context is None or bool(info.context.get("celery_id"))
+        if celery_id and _UUID_ANY.match(lowered):
+            return lowered
+        if celery_id and CELERY_ID_PATTERN.match(value):
+            return value
+        if celery_id:
+            raise ValueError("must be a UUID or up to 255 of a-z 0-9 . _ : @ + = ~ - "
+                             "(a Celery task id, lower case)")
+        raise ValueError("must be a UUIDv7 (8-4-4-4-12 hex digits, version 7)")
 
     @field_validator("scheduled_at", "expires_at", mode="before")
     @classmethod
@@ -481,12 +496,16 @@ def _not_a_json_number(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_not_a_json_number)
 
 
-def parse_envelope(data: dict[str, Any] | str | bytes | Job, *, rules: Rules | None = None) -> Job:
+def parse_envelope(
+    data: dict[str, Any] | str | bytes | Job, *, rules: Rules | None = None,
+    celery_id: bool = False,
+) -> Job:
     """Validate client input and return a new job (state unset; system fields ignored).
 
     Raises :class:`InvalidJob` listing every violation, those of ``rules`` included (a rule's
     violation of a field the envelope's own rules already reject is left out); nothing else
-    is touched.
+    is touched. ``celery_id``: the id is a task id a Celery caller (``apply_async``, canvas)
+    chose, which need not be a UUIDv7; an envelope from outside must carry a UUIDv7 or none.
     """
     if isinstance(data, Job):
         data = data.model_dump(mode="json", by_alias=True, exclude_none=True)
@@ -508,7 +527,7 @@ def parse_envelope(data: dict[str, Any] | str | bytes | Job, *, rules: Rules | N
     if "args" in named:
         clean["args"] = []  # placeholder: check the other fields without a bogus "is required"
     try:
-        job: Job | None = Job.model_validate(clean)
+        job: Job | None = Job.model_validate(clean, context={"celery_id": celery_id})
     except ValidationError as exc:
         job = None
         violations += [(path, rule) for path, rule in field_violations(exc)

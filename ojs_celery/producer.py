@@ -29,8 +29,10 @@ PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 
                         "interval_max": 1.0}
 DEFAULT_QUEUE = "default"
 #: The Celery options Python callers may give an OJS job (``.apply_async(link=...)``, canvas):
-#: the success and error callbacks, as signature dicts.
-TRUSTED_OPTIONS = ("link", "link_error")
+#: the callbacks, the rest of a chain, the chord body, group id and index, the job's parents
+#: (see :mod:`ojs_celery.canvas`).
+TRUSTED_OPTIONS = ("link", "link_error", "chain", "chord", "group_id", "group_index",
+                   "parent_id", "root_id")
 
 
 class BrokerUnavailable(RuntimeError):
@@ -157,7 +159,7 @@ def trusted_options(job: Job) -> dict[str, Any]:
     stored = (job.model_extra or {}).get(CELERY_OPTIONS_FIELD)
     if not isinstance(stored, dict):
         return {}
-    return {name: stored[name] for name in TRUSTED_OPTIONS if stored.get(name)}
+    return {name: stored[name] for name in TRUSTED_OPTIONS if stored.get(name) is not None}
 
 
 def scheduled_at_from(eta: datetime | None, countdown: float | None) -> datetime | None:

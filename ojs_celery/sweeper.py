@@ -177,7 +177,7 @@ def _enforce(
         try:
             report.published += carry_out(runtime, done, stop_attempt=True,
                                           publish_message=failure is None,
-                                          raise_unpublished=True)
+                                          raise_unpublished=True, report_result=True)
         except BrokerUnavailable as exc:
             failure = exc
         except Exception as exc:  # the broker refused this job's message
@@ -208,7 +208,7 @@ def _skip(
         return None
     if done.record is not None and done.record.job.state == "discarded":
         report.applied[lifecycle.DISPATCH_FAILED] += 1
-        carry_out(runtime, done, stop_attempt=True)
+        carry_out(runtime, done, stop_attempt=True, report_result=True)
     return None
 
 
@@ -237,7 +237,8 @@ def _bury_dead_workers(
         for job_id, rule in recoveries:
             try:
                 done = store.apply(job_id, rule)
-                report.published += carry_out(runtime, done, raise_unpublished=True)
+                report.published += carry_out(runtime, done, raise_unpublished=True,
+                                              report_result=True)
             except OUTAGES:
                 raise
             except Exception as exc:

@@ -24,6 +24,7 @@ from celery.result import AsyncResult
 from . import header as ojs_header
 from . import lifecycle
 from .api import enqueue_job
+from .canvas import canvas_options
 from .context import JobContext, _current, maybe_current_job
 from .effects import carry_out
 from .envelope import parse_envelope
@@ -96,10 +97,8 @@ class OJSTask(Task):  # type: ignore[misc]
         when = scheduled_at_from(options.get("eta"), options.get("countdown"))
         if when is not None:
             envelope["scheduled_at"] = when.isoformat()
-        links = {name: _signature_dicts(options[name]) for name in ("link", "link_error")
-                 if options.get(name)}
-        job = enqueue_job(runtime, parse_envelope(envelope), id_chosen="id" in envelope,
-                          celery_options=links)
+        job = enqueue_job(runtime, parse_envelope(envelope, celery_id=True),
+                          id_chosen="id" in envelope, celery_options=canvas_options(options))
         return self.AsyncResult(job.id)
 
     # ------------------------------------------------------------------ Celery retry paths
@@ -234,13 +233,6 @@ def _worker_is_draining(runtime: Runtime, worker_id: str, job_id: str) -> bool:
         return runtime.store.meta.is_draining(worker_id, job_id)
     except StoreError:
         return False
-
-
-def _signature_dicts(value: Any) -> Any:
-    """One signature or several, as the JSON data Celery sends them as."""
-    if isinstance(value, (list, tuple)):
-        return [dict(s) for s in value]
-    return dict(value)
 
 
 def _json_native(value: Any) -> Any:

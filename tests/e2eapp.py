@@ -211,6 +211,22 @@ def make_app(config: dict[str, Any]) -> Celery:
         record(directory, "runs", f"retry_unmigrated {tag}")
         raise self.retry(args=[{"not", "json"}], countdown=0.1)
 
+    @app.task(shared=False, name="e2e.mul", base=OJSTask)
+    def mul(a: int, b: int) -> int:
+        """No ``current_job()``: also runs inline, as ``starmap``/``chunks`` items do."""
+        return a * b
+
+    @app.task(shared=False, name="e2e.tsum", base=OJSTask)
+    def tsum(values: list[int]) -> int:
+        """A chord body: records each run, so that a test can count them."""
+        record(directory, "chord_bodies", f"{current_job().job_id} {sum(values)}")
+        return sum(values)
+
+    @app.task(shared=False, name="e2e.errback")
+    def errback(task_id: str) -> None:
+        """An old-style ``link_error`` (called with the failed task's id)."""
+        record(directory, "errbacks", task_id)
+
     def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
         if request is None or request.task.app is not app:
             return

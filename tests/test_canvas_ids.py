@@ -1,0 +1,31 @@
+"""Job ids: an envelope from outside needs a UUIDv7; a Celery caller's task id (canvas assigns
+UUIDv4s, ``task_id=`` may be any word) is accepted, and read back from the store."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from ojs_celery.envelope import InvalidJob, Job, new_job_id, parse_envelope
+
+
+def test_an_envelope_from_outside_needs_a_uuid7() -> None:
+    with pytest.raises(InvalidJob, match="UUIDv7"):
+        parse_envelope({"type": "a.b", "args": [], "id": str(uuid.uuid4())})
+    assert parse_envelope({"type": "a.b", "args": [], "id": new_job_id()}).id
+
+
+@pytest.mark.parametrize("task_id", [str(uuid.uuid4()), str(uuid.uuid4()).upper(),
+                                     "report:2024-01", "nightly.export@eu"])
+def test_a_celery_callers_task_id_is_kept(task_id: str) -> None:
+    job = parse_envelope({"type": "a.b", "args": [], "id": task_id}, celery_id=True)
+    expected = task_id.lower() if len(task_id) == 36 else task_id
+    assert job.id == expected
+    assert Job.model_validate_json(job.to_json()).id == expected  # as the store reads it
+
+
+@pytest.mark.parametrize("task_id", ["Report-1", "has space", "", "x" * 256, "a/b"])
+def test_task_ids_no_store_key_should_carry_are_refused(task_id: str) -> None:
+    with pytest.raises(InvalidJob, match="id"):
+        parse_envelope({"type": "a.b", "args": [], "id": task_id}, celery_id=True)
