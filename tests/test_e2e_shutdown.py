@@ -154,7 +154,7 @@ def test_the_drain_governs_ojs_jobs_under_celerys_soft_shutdown(
         assert [e["type"] for e in failed.errors] == ["shutdown"]
         assert failed.last_checkpoint == {"attempt": 1}
         store = get_runtime(env.app).store
-        assert not [w for w in store.list_workers() if w.pid == worker.process.pid]
+        assert not [w for w in store.workers.all() if w.pid == worker.process.pid]
     finally:
         worker.stop()
 

@@ -222,7 +222,7 @@ def test_second_sigint_is_immediate(env: Env, tmp_path: pathlib.Path) -> None:
         env.wait_state(job.id, "active")
         worker.process.send_signal(signal.SIGINT)
         store = get_runtime(env.app).store
-        wait_for(lambda: (w := store.get_worker(info.worker_id)) and w.state == "terminate",
+        wait_for(lambda: (w := store.workers.get(info.worker_id)) and w.state == "terminate",
                  BEAT + SLACK, "the drain")
         began = time.monotonic()
         worker.process.send_signal(signal.SIGINT)
@@ -338,10 +338,10 @@ def test_frozen_worker_cannot_complete_a_recovered_job(env: Env, tmp_path: pathl
         wait_for(lambda: f"whoami {job.id} attempt=1" in env.lines("finished"), 15,
                  "the frozen worker's pool process to finish the old attempt")
         store = get_runtime(env.app).store
-        wait_for(lambda: store.get_worker(frozen_id) is None, DEAD_AFTER + SWEEP + SLACK,
+        wait_for(lambda: store.workers.get(frozen_id) is None, DEAD_AFTER + SWEEP + SLACK,
                  "the frozen worker to be declared dead")
         os.kill(frozen.process.pid, signal.SIGCONT)
-        wait_for(lambda: store.get_worker(frozen_id) is not None, BEAT + SLACK,
+        wait_for(lambda: store.workers.get(frozen_id) is not None, BEAT + SLACK,
                  "the worker to register again with its next beat")
         final = env.job(job.id)
         assert final.state == "completed" and final.result == other_id
@@ -362,7 +362,7 @@ def test_a_message_held_for_its_eta_is_listed_in_beats(env: Env, tmp_path: pathl
         store = get_runtime(env.app).store
 
         def listed_before_it_runs() -> bool:
-            current = store.get_worker(info.worker_id)
+            current = store.workers.get(info.worker_id)
             return bool(current and job.id in current.reserved_job_ids
                         and env.job(job.id).attempt == 0)
 
@@ -389,13 +389,13 @@ def test_kill_9_of_a_worker_holding_an_eta_message_runs_it_once_when_due(
         job = enqueue({"type": "e2e.whoami", "args": [0.1], "queue": queue,
                        "scheduled_at": due.isoformat()}, app=env.app)
         store = get_runtime(env.app).store
-        wait_for(lambda: (w := store.get_worker(victim_id)) and job.id in w.reserved_job_ids,
+        wait_for(lambda: (w := store.workers.get(victim_id)) and job.id in w.reserved_job_ids,
                  5, "the victim to list the ETA-held job")
         os.killpg(victim.process.pid, signal.SIGKILL)
         survivor = Worker(config, tmp_path / "survivor.log", concurrency=1)
         survivor.wait_ready()
         survivor_id = registered(env, survivor).worker_id
-        wait_for(lambda: store.get_worker(victim_id) is None, DEAD_AFTER + SWEEP + SLACK,
+        wait_for(lambda: store.workers.get(victim_id) is None, DEAD_AFTER + SWEEP + SLACK,
                  "the sweeper to bury the victim")
         done = env.wait_state(job.id, "completed", timeout=10 + SLACK + 5)
         assert done.result == survivor_id and done.attempt == 1 and done.errors == []

@@ -81,7 +81,7 @@ def test_beats_survive_a_read_only_store(tmp_path: pathlib.Path, private_redis: 
         while not sweeping.is_set():
             try:
                 sweep(get_runtime(app))
-                if watched and store.get_worker(watched[0]) is None:
+                if watched and store.workers.get(watched[0]) is None:
                     dead.append(watched[0])
             except Exception:
                 pass
@@ -91,7 +91,7 @@ def test_beats_survive_a_read_only_store(tmp_path: pathlib.Path, private_redis: 
     try:
         worker.wait_ready()
         info: WorkerInfo = wait_for(
-            lambda: next((w for w in store.list_workers() if w.pid == worker.process.pid), None),
+            lambda: next((w for w in store.workers.all() if w.pid == worker.process.pid), None),
             10, "registration")
         watched.append(info.worker_id)
         thread.start()
@@ -106,16 +106,16 @@ def test_beats_survive_a_read_only_store(tmp_path: pathlib.Path, private_redis: 
         finally:
             client.execute_command("REPLICAOF", "NO", "ONE")
         healed_at = time.time()
-        wait_for(lambda: (w := store.get_worker(info.worker_id)) is not None
+        wait_for(lambda: (w := store.workers.get(info.worker_id)) is not None
                  and w.last_beat > healed_at, 5 * BEAT + 5, "a beat after healing")
         done = wait_for(lambda: (j := store.get(job.id)) is not None
                         and j.state == "completed" and j, 3 * FAULT + 15, "the job to complete")
         assert done.result == "done" and done.attempt == 1 and done.errors == []
         assert len([r for r in lines(config["dir"], "runs") if job.id in r]) == 1
         # beats go on, and a sweeper running meanwhile never declared the worker dead
-        last = store.get_worker(info.worker_id)
+        last = store.workers.get(info.worker_id)
         assert last is not None
-        wait_for(lambda: (w := store.get_worker(info.worker_id)) is not None
+        wait_for(lambda: (w := store.workers.get(info.worker_id)) is not None
                  and w.last_beat > last.last_beat, 5 * BEAT + 5, "beats to go on")
         assert not dead
     finally:
