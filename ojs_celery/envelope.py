@@ -75,6 +75,10 @@ CELERY_KWARGS_FIELD: Final = "x_celery_kwargs"
 #: the stored job, so that every attempt (a retry the sweeper publishes too) carries them.
 #: :func:`parse_envelope` refuses it: no envelope can set it.
 CELERY_OPTIONS_FIELD: Final = "x_celery_options"
+#: The marker of a job created by a Celery caller that keeps Celery's semantics (its
+#: ``max_retries`` and ``default_retry_delay``): see :mod:`ojs_celery.lifecycle.rules`'s
+#: ``decide``. Refused from an envelope, like every ``x_celery_*`` field but the kwargs.
+CELERY_SEMANTICS_FIELD: Final = "x_celery_semantics"
 
 
 _SYSTEM_FIELD_SET: set[str] = set(SYSTEM_FIELDS)

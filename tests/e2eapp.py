@@ -211,6 +211,48 @@ def make_app(config: dict[str, Any]) -> Celery:
         record(directory, "runs", f"retry_unmigrated {tag}")
         raise self.retry(args=[{"not", "json"}], countdown=0.1)
 
+    # Celery callers keep Celery's semantics (tests/test_celery_semantics*.py).
+
+    @app.task(shared=False, name="e2e.celery_fails", base=OJSTask, bind=True)
+    def celery_fails(self: OJSTask, tag: str) -> None:
+        record(directory, "celery", f"{tag} retries={self.request.retries}")
+        raise ValueError(f"{tag} fails")
+
+    @app.task(shared=False, name="e2e.celery_self_retry", base=OJSTask, bind=True)
+    def celery_self_retry(self: OJSTask, tag: str) -> None:
+        record(directory, "celery", f"{tag} retries={self.request.retries}")
+        raise self.retry(exc=ValueError(f"{tag} not yet"), countdown=1, max_retries=2)
+
+    @app.task(shared=False, name="e2e.celery_retry_args", base=OJSTask, bind=True)
+    def celery_retry_args(self: OJSTask, step: int, tag: str = "") -> str:
+        record(directory, "celery", f"{tag} step={step} retries={self.request.retries}")
+        if step < 2:
+            raise self.retry(args=[step + 1], kwargs={"tag": tag}, countdown=0.1)
+        return f"done at {step}"
+
+    @app.task(shared=False, name="e2e.celery_autoretry", base=OJSTask, bind=True,
+              autoretry_for=(ValueError,), retry_backoff=True, retry_jitter=False,
+              max_retries=1)
+    def celery_autoretry(self: OJSTask, tag: str) -> None:
+        record(directory, "celery", f"{tag} retries={self.request.retries} at={time.time()}")
+        raise ValueError(f"{tag} fails")
+
+    @app.task(shared=False, name="e2e.celery_time_limit", base=OJSTask, soft_time_limit=1,
+              time_limit=2)
+    def celery_time_limit(tag: str) -> None:
+        record(directory, "celery", f"{tag} attempt={current_job().attempt}")
+        time.sleep(30)
+
+    @app.task(shared=False, name="e2e.celery_retry_later", base=OJSTask, bind=True)
+    def celery_retry_later(self: OJSTask, tag: str, countdown: float) -> None:
+        record(directory, "celery", f"{tag} retries={self.request.retries}")
+        raise self.retry(countdown=countdown)
+
+    @app.task(shared=False, name="e2e.ojs_semantics", base=OJSTask, ojs_semantics=True)
+    def ojs_semantics(tag: str) -> None:
+        record(directory, "celery", f"{tag} attempt={current_job().attempt}")
+        raise ValueError(f"{tag} fails")
+
     def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
         if request is None or request.task.app is not app:
             return
