@@ -184,6 +184,22 @@ def scheduled_at_from(eta: datetime | None, countdown: float | None) -> datetime
 # --------------------------------------------------------------------------- Celery callers
 
 
+def celery_route(app: Celery, task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -> str:
+    """The Celery queue a Celery caller's message goes to, decided by Celery's own router
+    (``task_routes``: dicts, globs, router functions; the task's ``queue``; a per-call
+    ``queue``, which wins), as ``Task.apply_async`` would."""
+    given = {**task._get_exec_options(), **options}
+    try:
+        routed = app.amqp.router.route({k: v for k, v in given.items() if v is not None},
+                                       task.name, args or (), kwargs or {}, task_type=task)
+    except KeyError:  # QueueNotFound (task_create_missing_queues off): enqueue names it
+        queue = given.get("queue")
+        return str(getattr(queue, "name", queue) or app.conf.task_default_queue)
+    queue = routed.get("queue")
+    name = getattr(queue, "name", queue)
+    return str(name or app.conf.task_default_queue)
+
+
 def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 

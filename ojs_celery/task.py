@@ -48,6 +48,7 @@ from .outcome import (
 )
 from .producer import (
     celery_expires_at,
+    celery_route,
     celery_semantics_of,
     celery_time_fields,
     ojs_queue_of,
@@ -105,9 +106,8 @@ class OJSTask(Task):  # type: ignore[misc]
             envelope["x_celery_kwargs"] = _json_native(dict(kwargs))
         if options.get("task_id"):
             envelope["id"] = options["task_id"]
-        queue = options.get("queue")
-        if isinstance(queue, str) or queue is None:
-            envelope["queue"] = ojs_queue_of(self.app, queue)
+        envelope["queue"] = ojs_queue_of(
+            self.app, celery_route(self.app, self, args, kwargs, options))
         when = scheduled_at_from(options.get("eta"), options.get("countdown"))
         if when is not None:
             envelope["scheduled_at"] = when.isoformat()

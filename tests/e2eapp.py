@@ -253,6 +253,34 @@ def make_app(config: dict[str, Any]) -> Celery:
         record(directory, "celery", f"{tag} attempt={current_job().attempt}")
         raise ValueError(f"{tag} fails")
 
+    # Celery names beyond OJS core's patterns, routed jobs (tests/test_celery_semantics_routing).
+
+    def where(task: Any) -> dict[str, Any]:
+        """The job's queue in its record and the broker queue the message came from."""
+        info = task.request.delivery_info or {}
+        return {"job_queue": current_job().job.queue, "routing_key": info.get("routing_key"),
+                "retries": task.request.retries}
+
+    @app.task(shared=False, name="proj.tasks:send_mail", base=OJSTask, bind=True)
+    def send_mail_colon(self: OJSTask, to: str) -> dict[str, Any]:
+        return {"to": to, **where(self)}
+
+    @app.task(shared=False, name="proj_tasks.send_mail", base=OJSTask, bind=True)
+    def send_mail_underscore(self: OJSTask, to: str) -> dict[str, Any]:
+        return {"to": to, **where(self)}
+
+    @app.task(shared=False, name="e2e.routed_dict", base=OJSTask, bind=True)
+    def routed_dict(self: OJSTask) -> dict[str, Any]:
+        return where(self)
+
+    @app.task(shared=False, name="e2e.glob_routed", base=OJSTask, bind=True)
+    def glob_routed(self: OJSTask) -> dict[str, Any]:
+        return where(self)
+
+    @app.task(shared=False, name="e2e.fn_routed", base=OJSTask, bind=True)
+    def fn_routed(self: OJSTask, route_to: str) -> dict[str, Any]:
+        return where(self)
+
     def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
         if request is None or request.task.app is not app:
             return
@@ -270,6 +298,14 @@ def make_app(config: dict[str, Any]) -> Celery:
 
     signals.task_postrun.connect(on_postrun, weak=False)
     return app
+
+
+def route_by_kwarg(name: str, args: Any, kwargs: Any, options: Any, task: Any = None,
+                   **_: Any) -> dict[str, str] | None:
+    """A Celery router function (``task_routes`` entry "tests.e2eapp.route_by_kwarg")."""
+    if name == "e2e.fn_routed":
+        return {"queue": str(kwargs["route_to"])}
+    return None
 
 
 app = make_app(json.loads(os.environ["OJS_E2E_CONFIG"])) if "OJS_E2E_CONFIG" in os.environ else None
