@@ -247,6 +247,8 @@ class OJSTask(Task):  # type: ignore[misc]
             error = lifecycle.make_error(
                 "Reject", str(outcome.exc.reason or "rejected by the handler"))
             retryable = bool(outcome.exc.requeue)
+            if retryable and celery_semantics(job) is not None:
+                delay = 0.0  # Celery requeues a rejected message at once
         else:
             assert isinstance(outcome, Failed)
             error = error_from_exception(outcome.exc)

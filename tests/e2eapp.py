@@ -248,6 +248,17 @@ def make_app(config: dict[str, Any]) -> Celery:
         record(directory, "celery", f"{tag} retries={self.request.retries}")
         raise self.retry(countdown=countdown)
 
+    @app.task(shared=False, name="e2e.celery_dies_once", base=OJSTask, bind=True)
+    def celery_dies_once(self: OJSTask, tag: str) -> int:
+        """Attempt 1 loses its pool child (a recovery OJS adds); then one Celery retry."""
+        attempt = current_job().attempt
+        record(directory, "celery", f"{tag} attempt={attempt} retries={self.request.retries}")
+        if attempt == 1:
+            os._exit(1)
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.1)
+        return int(self.request.retries)
+
     @app.task(shared=False, name="e2e.ojs_semantics", base=OJSTask, ojs_semantics=True)
     def ojs_semantics(tag: str) -> None:
         record(directory, "celery", f"{tag} attempt={current_job().attempt}")

@@ -199,3 +199,13 @@ def test_ojs_semantics_option_gives_a_celery_caller_the_ojs_policy(env: Env) -> 
     job = env.wait_state(result.id, "discarded", timeout=40)
     assert job.attempt == 3  # the OJS default policy: three attempts
     assert _runs(env, tag) == ["attempt=1", "attempt=2", "attempt=3"]
+
+
+def test_a_recovery_retries_on_its_own_budget_and_is_no_celery_retry(env: Env) -> None:
+    tag = unique("dies")
+    result = env.app.tasks["e2e.celery_dies_once"].delay(tag)
+    job = env.wait_state(result.id, "completed", timeout=60)
+    assert [e["type"] for e in job.errors] == ["WorkerLostError", "Retry"]
+    assert _runs(env, tag) == ["attempt=1 retries=0", "attempt=2 retries=0",
+                               "attempt=3 retries=1"]
+    assert job.result == 1
