@@ -8,7 +8,7 @@ Durations are seconds and accept floats (tests use short intervals).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from celery.exceptions import ImproperlyConfigured
 from pydantic import (
@@ -71,6 +71,11 @@ class Settings(BaseModel):
     shutdown_cancel_window: float = Field(5.0, ge=0)
     labels: list[str] = []
     retention: Retention = Retention()
+    #: The execution timeout of a Celery caller's job whose task has no Celery time limit.
+    default_timeout: int = Field(1800, gt=0)
+    #: ``"celery"``: jobs from Celery callers keep Celery's retry semantics (README mapping);
+    #: ``"ojs"``: they get the OJS defaults, as envelopes do (a task's ``ojs_semantics`` wins).
+    celery_callers: Literal["celery", "ojs"] = "celery"
 
     @field_validator("store_url")
     @classmethod

@@ -36,8 +36,13 @@ from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 SPEC_VERSION: Final = "1.0"
 MAX_ENVELOPE_BYTES = 1024 * 1024
-TYPE_PATTERN = r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$"
-QUEUE_PATTERN = r"^[a-z0-9][a-z0-9\-\.]*$"
+#: OJS core says ``[a-z][a-z0-9_]*`` segments; real producers (the conformance cases,
+#: ``openapi.yaml``) also send hyphens and upper-case letters, and Celery task names may hold
+#: ``:`` (``proj.tasks:send_mail``): all accepted, verbatim (README, decisions).
+TYPE_PATTERN = r"^[A-Za-z][A-Za-z0-9_:\-]*(\.[A-Za-z][A-Za-z0-9_:\-]*)*$"
+#: OJS core says ``[a-z0-9][a-z0-9.-]*``; any Celery queue name (``_``, ``:``, upper case)
+#: is accepted verbatim, so that a routed Celery queue is the job's queue (README, decisions).
+QUEUE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_:.\-]*$"
 UUID7_PATTERN = re.compile(
     r"^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$"
 )
@@ -79,6 +84,10 @@ CELERY_KWARGS_FIELD: Final = "x_celery_kwargs"
 #: the stored job, so that every attempt (a retry the sweeper publishes too) carries them.
 #: :func:`parse_envelope` refuses it: no envelope can set it.
 CELERY_OPTIONS_FIELD: Final = "x_celery_options"
+#: The marker of a job created by a Celery caller that keeps Celery's semantics (its
+#: ``max_retries`` and ``default_retry_delay``): see :mod:`ojs_celery.lifecycle.rules`'s
+#: ``decide``. Refused from an envelope, like every ``x_celery_*`` field but the kwargs.
+CELERY_SEMANTICS_FIELD: Final = "x_celery_semantics"
 
 
 _SYSTEM_FIELD_SET: set[str] = set(SYSTEM_FIELDS)
@@ -361,8 +370,9 @@ def _path(loc: tuple[int | str, ...], root: str = "") -> str:
 
 
 _PATTERN_RULES = {
-    "type": "must be dot-separated lowercase segments, each [a-z][a-z0-9_]* (e.g. email.send)",
-    "queue": "must match [a-z0-9][a-z0-9.-]* (lowercase letters, digits, dots and hyphens)",
+    "type": "must be dot-separated segments, each a letter then letters, digits, _, - or : "
+            "(e.g. email.send)",
+    "queue": "must match [A-Za-z0-9][A-Za-z0-9_:.-]* (letters, digits, _, :, dots and hyphens)",
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import traceback
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeAlias, cast
 
@@ -35,15 +36,29 @@ class JobError(Exception):
 
 
 class RetryRequested(Exception):
-    """``self.retry()`` inside an OJS task: an OJS failure with an optional delay."""
+    """``self.retry()`` inside an OJS task: an OJS failure with an optional delay, and the
+    ``args``/``kwargs`` the next attempt runs with when the handler replaced them."""
 
-    def __init__(self, exc: BaseException | None, delay: float | None) -> None:
+    def __init__(
+        self,
+        exc: BaseException | None,
+        delay: float | None,
+        args: list[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(str(exc) if exc else "retry requested by the handler")
         self.exc = exc
         self.delay = delay
+        self.args_ = args
+        self.kwargs_ = kwargs
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.exc, self.delay), self.__dict__)
+        return (type(self), (self.exc, self.delay, self.args_, self.kwargs_), self.__dict__)
+
+
+#: A ``self.retry(throw=False)`` of the running handler: Celery sends the retry and lets the
+#: handler go on; here the attempt fails with it when the handler returns.
+pending_retry: ContextVar[RetryRequested | None] = ContextVar("ojs_pending_retry", default=None)
 
 
 def error_from_exception(exc: BaseException) -> dict[str, JsonValue]:
@@ -84,6 +99,8 @@ class Retried:
 
     cause: BaseException | None
     delay: float | None
+    args: list[Any] | None = None
+    kwargs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -104,12 +121,16 @@ Outcome: TypeAlias = Completed | Failed | TimedOut | Retried | Cancelled | Rejec
 
 def run_handler(call: Callable[[], Any]) -> Outcome:
     """Run the handler and say what it came to; a result that is not JSON data fails it."""
+    reset = pending_retry.set(None)
     try:
         value = call()
+        requested = pending_retry.get()
+        if requested is not None:  # self.retry(throw=False), then the handler returned
+            raise requested
     except SoftTimeLimitExceeded as exc:
         return TimedOut(exc)
     except RetryRequested as exc:
-        return Retried(exc.exc, exc.delay)
+        return Retried(exc.exc, exc.delay, exc.args_, exc.kwargs_)
     except Ignore:
         return Cancelled()
     except Reject as exc:
@@ -118,6 +139,8 @@ def run_handler(call: Callable[[], Any]) -> Outcome:
         return Retried(exc.exc, None)
     except Exception as exc:
         return Failed(exc, exc.retryable if isinstance(exc, JobError) else True)
+    finally:
+        pending_retry.reset(reset)
     try:
         json.dumps(value)
     except (TypeError, ValueError) as bad:

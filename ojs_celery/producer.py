@@ -10,16 +10,26 @@ the same task id, retries included.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from datetime import datetime
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task, signals
+from celery.utils.time import maybe_make_aware
 from kombu.exceptions import OperationalError
 
 from . import header
-from .envelope import CELERY_KWARGS_FIELD, CELERY_OPTIONS_FIELD, Job, from_epoch
+from .conf import Settings
+from .envelope import (
+    CELERY_KWARGS_FIELD,
+    CELERY_OPTIONS_FIELD,
+    Job,
+    format_timestamp,
+    from_epoch,
+)
 from .lifecycle import Publish, Record
+from .lifecycle.rules import celery_retries, celery_semantics
 from .runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -129,6 +139,9 @@ def publish(
         options["priority"] = priority
     if request.eta is not None and request.eta > at:
         options["eta"] = from_epoch(request.eta)
+    # self.request.retries in the handler: Celery's retries for a job that keeps Celery's
+    # semantics (recoveries do not count), the attempts so far for the others.
+    options["retries"] = celery_retries(job) if celery_semantics(job) is not None else job.attempt
     extensions = job.extensions
     options.update(trusted_options(job))
     kwargs = extensions.get(CELERY_KWARGS_FIELD) or {}
@@ -168,3 +181,110 @@ def scheduled_at_from(eta: datetime | None, countdown: float | None) -> datetime
     if countdown:
         return from_epoch(time.time() + float(countdown))
     return None
+
+
+# --------------------------------------------------------------------------- Celery callers
+
+
+def celery_route(app: Celery, task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -> str:
+    """The Celery queue a Celery caller's message goes to, decided by Celery's own router
+    (``task_routes``: dicts, globs, router functions; the task's ``queue``; a per-call
+    ``queue``, which wins), as ``Task.apply_async`` would."""
+    given = {**task._get_exec_options(), **options}
+    try:
+        routed = app.amqp.router.route({k: v for k, v in given.items() if v is not None},
+                                       task.name, args or (), kwargs or {}, task_type=task)
+    except KeyError:  # QueueNotFound (task_create_missing_queues off): enqueue names it
+        queue = given.get("queue")
+        return str(getattr(queue, "name", queue) or app.conf.task_default_queue)
+    queue = routed.get("queue")
+    name = getattr(queue, "name", queue)
+    return str(name or app.conf.task_default_queue)
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def celery_time_fields(
+    app: Celery, task: Task, options: dict[str, Any], settings: Settings
+) -> dict[str, int]:
+    """``timeout`` and ``grace_period`` from Celery's time limits (per call, task option, then
+    ``task_soft_time_limit``/``task_time_limit``): the soft limit (or the hard one) is the
+    timeout, hard − soft the grace. No limit at all: ``settings.default_timeout`` (the
+    worker warns at start for such tasks, see :func:`tasks_without_limit`)."""
+    soft = _first(options.get("soft_time_limit"), task.soft_time_limit,
+                  app.conf.task_soft_time_limit)
+    hard = _first(options.get("time_limit"), task.time_limit, app.conf.task_time_limit)
+    if soft is not None:
+        timeout = max(math.ceil(float(soft)), 1)
+        if hard is None:
+            return {"timeout": timeout}
+        return {"timeout": timeout, "grace_period": max(math.ceil(float(hard)) - timeout, 0)}
+    if hard is not None:
+        return {"timeout": max(math.ceil(float(hard)), 1), "grace_period": 0}
+    return {"timeout": settings.default_timeout}
+
+
+def celery_expires_at(task: Task, options: dict[str, Any], now: float) -> str | None:
+    """Celery's ``expires`` (per call or task option; seconds or a datetime) as the job's
+    ``expires_at``: checked at every start, retries included; never given to Celery."""
+    expires = _first(options.get("expires"), getattr(task, "expires", None))
+    if expires is None:
+        return None
+    if isinstance(expires, datetime):
+        return format_timestamp(maybe_make_aware(expires))
+    return format_timestamp(from_epoch(now + float(expires)))
+
+
+def celery_semantics_of(task: Task, settings: Settings) -> dict[str, Any] | None:
+    """The Celery semantics a Celery caller's job keeps (written into its record), or None
+    when the task (``ojs_semantics = True``) or the settings (``celery_callers: "ojs"``)
+    choose the OJS policy."""
+    chosen = getattr(task, "ojs_semantics", None)
+    ojs = settings.celery_callers == "ojs" if chosen is None else bool(chosen)
+    if ojs:
+        return None
+    max_retries = task.max_retries
+    return {
+        "max_retries": None if max_retries is None else int(max_retries),
+        "default_retry_delay": float(task.default_retry_delay or 0),
+    }
+
+
+def tasks_without_limit(app: Celery) -> list[str]:
+    """OJS tasks that have no Celery time limit (no task option, no ``task_time_limit``/
+    ``task_soft_time_limit``): their Celery callers' jobs get ``default_timeout``."""
+    if _first(app.conf.task_soft_time_limit, app.conf.task_time_limit) is not None:
+        return []
+    return sorted(
+        str(name) for name, task in app.tasks.items()
+        if getattr(task, "__ojs_task__", False)
+        and _first(task.soft_time_limit, task.time_limit) is None
+    )
+
+
+_warned: set[str] = set()
+
+
+def warn_default_timeouts(sender: Any = None, **_: Any) -> None:
+    """At worker start, say loudly which OJS tasks run their Celery callers' jobs under the
+    OJS default timeout because they have no Celery time limit (once per task name)."""
+    from .runtime import get_runtime  # at worker start only
+
+    app = getattr(sender, "app", None)
+    try:
+        timeout = get_runtime(app).settings.default_timeout
+    except Exception:  # not an OJS app, or settings the worker reports itself
+        return
+    for name in tasks_without_limit(app):
+        if name in _warned:
+            continue
+        _warned.add(name)
+        logger.warning(
+            "ojs_celery: task %s has no time limit (time_limit/soft_time_limit or "
+            "task_time_limit): jobs from its Celery callers get the OJS default timeout of "
+            "%ss (setting default_timeout); set a time limit to choose another", name, timeout)
+
+
+signals.worker_init.connect(warn_default_timeouts, weak=False)

@@ -20,6 +20,7 @@ import billiard.pool
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
+from celery.utils.time import maybe_make_aware
 
 from . import header as ojs_header
 from . import lifecycle
@@ -27,9 +28,10 @@ from .api import enqueue_job
 from .canvas import canvas_options
 from .context import JobContext, _current, maybe_current_job
 from .effects import carry_out
-from .envelope import parse_envelope
+from .envelope import CELERY_KWARGS_FIELD, CELERY_SEMANTICS_FIELD, parse_envelope
 from .identity import current_worker_id
 from .lifecycle import Transition
+from .lifecycle.rules import celery_semantics
 from .outcome import (
     Cancelled,
     Completed,
@@ -42,9 +44,17 @@ from .outcome import (
     TimedOut,
     celery_exception,
     error_from_exception,
+    pending_retry,
     run_handler,
 )
-from .producer import ojs_queue_of, scheduled_at_from
+from .producer import (
+    celery_expires_at,
+    celery_route,
+    celery_semantics_of,
+    celery_time_fields,
+    ojs_queue_of,
+    scheduled_at_from,
+)
 from .runtime import Runtime, get_runtime
 from .store import StoreError
 
@@ -68,6 +78,9 @@ class OJSTask(Task):  # type: ignore[misc]
     __ojs_task__ = True
     abstract = True
     ojs_type: str | None = None
+    #: True: jobs from Celery callers follow the OJS retry policy, as envelopes do; None: the
+    #: setting ``celery_callers`` decides (README, "Celery callers").
+    ojs_semantics: bool | None = None
     #: "worker": the worker's beats keep the job alive; "handler": only ctx.heartbeat()/progress().
     heartbeat: str = "worker"
     acks_late = True
@@ -81,7 +94,10 @@ class OJSTask(Task):  # type: ignore[misc]
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:
         """Existing ``.delay()``/``.apply_async()`` calls become OJS jobs (kwargs travel in
-        ``x_celery_kwargs``); the message itself is published by the OJS producer."""
+        ``x_celery_kwargs``); the message itself is published by the OJS producer. Celery's
+        routing, time limits and ``expires`` become the job's queue, ``timeout``/
+        ``grace_period`` and ``expires_at``, and the job keeps Celery's retry semantics
+        (README, "Celery callers") unless the task or the settings choose OJS semantics."""
         if options.get("headers", {}) and "ojs" in options["headers"]:
             return super().apply_async(args, kwargs, **options)
         runtime = get_runtime(self.app)
@@ -91,14 +107,21 @@ class OJSTask(Task):  # type: ignore[misc]
             envelope["x_celery_kwargs"] = _json_native(dict(kwargs))
         if options.get("task_id"):
             envelope["id"] = options["task_id"]
-        queue = options.get("queue")
-        if isinstance(queue, str) or queue is None:
-            envelope["queue"] = ojs_queue_of(self.app, queue)
+        envelope["queue"] = ojs_queue_of(
+            self.app, celery_route(self.app, self, args, kwargs, options))
         when = scheduled_at_from(options.get("eta"), options.get("countdown"))
         if when is not None:
             envelope["scheduled_at"] = when.isoformat()
-        job = enqueue_job(runtime, parse_envelope(envelope, celery_id=True),
-                          id_chosen="id" in envelope, celery_options=canvas_options(options))
+        envelope.update(celery_time_fields(self.app, self, options, runtime.settings))
+        expires_at = celery_expires_at(self, options, time.time())
+        if expires_at is not None:
+            envelope["expires_at"] = expires_at
+        job = parse_envelope(envelope, celery_id=True)
+        semantics = celery_semantics_of(self, runtime.settings)
+        if semantics is not None:
+            job = job.model_copy(update={CELERY_SEMANTICS_FIELD: semantics})
+        job = enqueue_job(runtime, job, id_chosen="id" in envelope,
+                          celery_options=canvas_options(options))
         return self.AsyncResult(job.id)
 
     # ------------------------------------------------------------------ Celery retry paths
@@ -114,14 +137,41 @@ class OJSTask(Task):  # type: ignore[misc]
         max_retries: int | None = None,
         **options: Any,
     ) -> Any:
-        """``self.retry()`` (and ``autoretry_for``) fail the attempt the OJS way: the job's
-        retry policy decides; an explicit ``countdown``/``eta`` replaces the backoff."""
-        if maybe_current_job() is None:
+        """Celery's signature and argument handling; the attempt then fails the OJS way.
+
+        A job that keeps Celery's semantics retries as in Celery: ``countdown``/``eta`` or
+        ``default_retry_delay``, bounded by ``max_retries`` (this call's, else the task's;
+        None: unbounded; past it ``exc`` or ``MaxRetriesExceededError`` is raised), with
+        ``args``/``kwargs`` replacing the job's for the next attempts. For a job with OJS
+        semantics the retry policy decides, and an explicit delay replaces the backoff.
+        ``throw=False`` returns the ``Retry`` and fails the attempt when the handler returns.
+        """
+        ctx = maybe_current_job()
+        if ctx is None:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
-        delay = countdown
+        celery = celery_semantics(ctx.job) is not None
+        if celery:
+            limit = self.max_retries if max_retries is None else max_retries
+            if limit is not None and self.request.retries + 1 > limit:
+                if exc is not None:
+                    raise exc
+                raise self.MaxRetriesExceededError(
+                    f"Can't retry {self.name}[{self.request.id}] args:{self.request.args} "
+                    f"kwargs:{self.request.kwargs}")
+            if eta is None and countdown is None:
+                countdown = self.default_retry_delay
+        delay = None if countdown is None else float(countdown)
         if eta is not None:
-            delay = max(eta.timestamp() - time.time(), 0.0)
-        raise RetryRequested(exc, delay)
+            delay = max(maybe_make_aware(eta).timestamp() - time.time(), 0.0)
+        requested = RetryRequested(
+            exc, delay,
+            None if args is None else _json_native(list(args)),
+            None if kwargs is None else _json_native(dict(kwargs)),
+        )
+        if throw:
+            raise requested
+        pending_retry.set(requested)
+        return Retry(f"Retry in {delay}s" if delay is not None else "Retry", exc)
 
     # ------------------------------------------------------------------ running
 
@@ -188,14 +238,25 @@ class OJSTask(Task):  # type: ignore[misc]
             error = (error_from_exception(outcome.cause) if outcome.cause is not None
                      else lifecycle.make_error("Retry", "retry requested by the handler"))
             delay = outcome.delay
+            if outcome.args is not None or outcome.kwargs is not None:
+                done = _write(lambda: store.apply(job.id, lambda r: _with_arguments(
+                    lifecycle.fail(r, ctx.attempt, ctx.worker_id, error, now, delay=delay,
+                                   policy=store.policy), outcome), ctx.record))
+                return self._tell_celery(runtime, ctx, done, outcome)
         elif isinstance(outcome, Rejected):
             error = lifecycle.make_error(
                 "Reject", str(outcome.exc.reason or "rejected by the handler"))
             retryable = bool(outcome.exc.requeue)
+            if retryable and celery_semantics(job) is not None:
+                delay = 0.0  # Celery requeues a rejected message at once
         else:
             assert isinstance(outcome, Failed)
             error = error_from_exception(outcome.exc)
             retryable = outcome.retryable
+        if celery_semantics(job) is not None and isinstance(outcome, (Failed, TimedOut)):
+            # Celery semantics: an exception, or a soft time limit that escaped the handler,
+            # ends the job unless autoretry_for or self.retry() asked (then it is Retried).
+            retryable = retryable and error.get("type") == "shutdown"
         done = _write(lambda: store.fail(job.id, ctx.attempt, ctx.worker_id, error,
                                          delay=delay, retryable=retryable, hint=ctx.record))
         return self._tell_celery(runtime, ctx, done, outcome)
@@ -233,6 +294,19 @@ def _worker_is_draining(runtime: Runtime, worker_id: str, job_id: str) -> bool:
         return runtime.store.meta.is_draining(worker_id, job_id)
     except StoreError:
         return False
+
+
+def _with_arguments(done: Transition, outcome: Retried) -> Transition:
+    """``self.retry(args=..., kwargs=...)``: the retried job runs with the new arguments, as
+    Celery's retry message would (written with the failure, in the same compare-and-set)."""
+    if done.record is None or done.record.job.state != "retryable":
+        return done
+    job = done.record.job
+    if outcome.args is not None:
+        job.args = outcome.args
+    if outcome.kwargs is not None:
+        setattr(job, CELERY_KWARGS_FIELD, outcome.kwargs)  # an extension field
+    return done
 
 
 def _json_native(value: Any) -> Any:

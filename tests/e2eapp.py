@@ -227,6 +227,87 @@ def make_app(config: dict[str, Any]) -> Celery:
         """An old-style ``link_error`` (called with the failed task's id)."""
         record(directory, "errbacks", task_id)
 
+    # Celery callers keep Celery's semantics (tests/test_celery_semantics*.py).
+
+    @app.task(shared=False, name="e2e.celery_fails", base=OJSTask, bind=True)
+    def celery_fails(self: OJSTask, tag: str) -> None:
+        record(directory, "celery", f"{tag} retries={self.request.retries}")
+        raise ValueError(f"{tag} fails")
+
+    @app.task(shared=False, name="e2e.celery_self_retry", base=OJSTask, bind=True)
+    def celery_self_retry(self: OJSTask, tag: str) -> None:
+        record(directory, "celery", f"{tag} retries={self.request.retries}")
+        raise self.retry(exc=ValueError(f"{tag} not yet"), countdown=1, max_retries=2)
+
+    @app.task(shared=False, name="e2e.celery_retry_args", base=OJSTask, bind=True)
+    def celery_retry_args(self: OJSTask, step: int, tag: str = "") -> str:
+        record(directory, "celery", f"{tag} step={step} retries={self.request.retries}")
+        if step < 2:
+            raise self.retry(args=[step + 1], kwargs={"tag": tag}, countdown=0.1)
+        return f"done at {step}"
+
+    @app.task(shared=False, name="e2e.celery_autoretry", base=OJSTask, bind=True,
+              autoretry_for=(ValueError,), retry_backoff=True, retry_jitter=False,
+              max_retries=1)
+    def celery_autoretry(self: OJSTask, tag: str) -> None:
+        record(directory, "celery", f"{tag} retries={self.request.retries} at={time.time()}")
+        raise ValueError(f"{tag} fails")
+
+    @app.task(shared=False, name="e2e.celery_time_limit", base=OJSTask, soft_time_limit=1,
+              time_limit=2)
+    def celery_time_limit(tag: str) -> None:
+        record(directory, "celery", f"{tag} attempt={current_job().attempt}")
+        time.sleep(30)
+
+    @app.task(shared=False, name="e2e.celery_retry_later", base=OJSTask, bind=True)
+    def celery_retry_later(self: OJSTask, tag: str, countdown: float) -> None:
+        record(directory, "celery", f"{tag} retries={self.request.retries}")
+        raise self.retry(countdown=countdown)
+
+    @app.task(shared=False, name="e2e.celery_dies_once", base=OJSTask, bind=True)
+    def celery_dies_once(self: OJSTask, tag: str) -> int:
+        """Attempt 1 loses its pool child (a recovery OJS adds); then one Celery retry."""
+        attempt = current_job().attempt
+        record(directory, "celery", f"{tag} attempt={attempt} retries={self.request.retries}")
+        if attempt == 1:
+            os._exit(1)
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.1)
+        return int(self.request.retries)
+
+    @app.task(shared=False, name="e2e.ojs_semantics", base=OJSTask, ojs_semantics=True)
+    def ojs_semantics(tag: str) -> None:
+        record(directory, "celery", f"{tag} attempt={current_job().attempt}")
+        raise ValueError(f"{tag} fails")
+
+    # Celery names beyond OJS core's patterns, routed jobs (tests/test_celery_semantics_routing).
+
+    def where(task: Any) -> dict[str, Any]:
+        """The job's queue in its record and the broker queue the message came from."""
+        info = task.request.delivery_info or {}
+        return {"job_queue": current_job().job.queue, "routing_key": info.get("routing_key"),
+                "retries": task.request.retries}
+
+    @app.task(shared=False, name="proj.tasks:send_mail", base=OJSTask, bind=True)
+    def send_mail_colon(self: OJSTask, to: str) -> dict[str, Any]:
+        return {"to": to, **where(self)}
+
+    @app.task(shared=False, name="proj_tasks.send_mail", base=OJSTask, bind=True)
+    def send_mail_underscore(self: OJSTask, to: str) -> dict[str, Any]:
+        return {"to": to, **where(self)}
+
+    @app.task(shared=False, name="e2e.routed_dict", base=OJSTask, bind=True)
+    def routed_dict(self: OJSTask) -> dict[str, Any]:
+        return where(self)
+
+    @app.task(shared=False, name="e2e.glob_routed", base=OJSTask, bind=True)
+    def glob_routed(self: OJSTask) -> dict[str, Any]:
+        return where(self)
+
+    @app.task(shared=False, name="e2e.fn_routed", base=OJSTask, bind=True)
+    def fn_routed(self: OJSTask, route_to: str) -> dict[str, Any]:
+        return where(self)
+
     def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
         if request is None or request.task.app is not app:
             return
@@ -244,6 +325,14 @@ def make_app(config: dict[str, Any]) -> Celery:
 
     signals.task_postrun.connect(on_postrun, weak=False)
     return app
+
+
+def route_by_kwarg(name: str, args: Any, kwargs: Any, options: Any, task: Any = None,
+                   **_: Any) -> dict[str, str] | None:
+    """A Celery router function (``task_routes`` entry "tests.e2eapp.route_by_kwarg")."""
+    if name == "e2e.fn_routed":
+        return {"queue": str(kwargs["route_to"])}
+    return None
 
 
 app = make_app(json.loads(os.environ["OJS_E2E_CONFIG"])) if "OJS_E2E_CONFIG" in os.environ else None

@@ -164,7 +164,7 @@ def test_type_map_valid() -> None:
     assert s.type_map == {"email.send": "proj.tasks.send_email", "report": "r"}
 
 
-@pytest.mark.parametrize("key", ["Email.Send", "email-send", "1email", "email.", ""])
+@pytest.mark.parametrize("key", ["email send", "-email", "1email", "email.", ""])
 def test_type_map_key_must_be_ojs_type(key: str) -> None:
     message = bad({"type_map": {key: "proj.tasks.x"}})
     assert "ojs.type_map" in message

@@ -14,7 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, get_args
 
-from ..envelope import Job, JsonValue, RetryPolicy, State, format_timestamp, from_epoch
+from ..envelope import (
+    CELERY_SEMANTICS_FIELD,
+    Job,
+    JsonValue,
+    RetryPolicy,
+    State,
+    format_timestamp,
+    from_epoch,
+)
 
 STATES: tuple[str, ...] = get_args(State)
 TERMINAL = frozenset({"completed", "cancelled", "discarded"})
@@ -182,6 +190,36 @@ class Decision:
     total_timeout_error: dict[str, JsonValue] | None = None
 
 
+#: Failures OJS adds to Celery's (a lost worker or child, a stall, an expired reservation, a
+#: shutdown drain): a Celery caller's job retries them per its OJS retry policy, on a budget of
+#: their own, and they do not count as Celery retries (``self.request.retries``).
+RECOVERIES = frozenset(
+    {"worker_death", "stalled", "visibility_timeout", "shutdown", "WorkerLostError"}
+)
+#: Error history entries that are no attempt's failure.
+_NOT_ATTEMPTS = frozenset({"dispatch_error", "dispatch_failed"})
+
+
+def celery_semantics(job: Job) -> dict[str, Any] | None:
+    """The Celery semantics a Celery caller's job keeps (``max_retries``,
+    ``default_retry_delay``), written at enqueue; None: the job follows the OJS policy."""
+    stored = (job.model_extra or {}).get(CELERY_SEMANTICS_FIELD)
+    return stored if isinstance(stored, dict) else None
+
+
+def celery_retries(job: Job) -> int:
+    """Celery retries so far (``self.request.retries``): failed attempts that were neither a
+    recovery OJS adds nor the last one (which ended the job). Counted from the error history,
+    so the count needs no field of its own and survives every writer."""
+    return sum(1 for entry in job.errors
+               if entry.get("type") not in RECOVERIES | _NOT_ATTEMPTS)
+
+
+def recoveries(job: Job) -> int:
+    """Failed attempts of a Celery caller's job that were recoveries OJS adds."""
+    return sum(1 for entry in job.errors if entry.get("type") in RECOVERIES)
+
+
 def decide(
     job: Job,
     error_type: str,
@@ -189,15 +227,35 @@ def decide(
     rand: Callable[[], float] = random.random,
     delay: float | None = None,
 ) -> Decision:
-    """Retry or discard after a failed attempt (``job.attempt`` = attempts started so far)."""
+    """Retry or discard after a failed attempt (``job.attempt`` = attempts started so far).
+
+    A job that keeps Celery's semantics (:func:`celery_semantics`) reaches this only when the
+    handler asked for a retry (``self.retry()``, ``autoretry_for``: bounded by ``max_retries``
+    in :meth:`~ojs_celery.OJSTask.retry`, as in Celery) or for a failure of the system: an
+    execution timeout then ends it, as in Celery, and a recovery (:data:`RECOVERIES`) retries
+    per the OJS policy on its own budget.
+    """
     policy = job.retry
-    if matches_non_retryable(error_type, policy.non_retryable_errors):
-        return Decision(retry=False)
     if error_type in ("total_timeout", "enqueue_ttl_expired"):
         return Decision(retry=False)
-    if job.attempt >= policy.max_attempts:
-        return Decision(retry=False)
-    wait = backoff_delay(policy, job.attempt, rand) if delay is None else max(delay, 0.0)
+    celery = celery_semantics(job)
+    if celery is not None and error_type in RECOVERIES:
+        used = recoveries(job) + 1
+        if used >= policy.max_attempts:
+            return Decision(retry=False)
+        wait = backoff_delay(policy, used, rand)
+    elif celery is not None:
+        if error_type == "timeout":
+            return Decision(retry=False)
+        default = celery.get("default_retry_delay")
+        fallback = float(default) if isinstance(default, (int, float)) else 0.0
+        wait = max(fallback if delay is None else delay, 0.0)
+    else:
+        if matches_non_retryable(error_type, policy.non_retryable_errors):
+            return Decision(retry=False)
+        if job.attempt >= policy.max_attempts:
+            return Decision(retry=False)
+        wait = backoff_delay(policy, job.attempt, rand) if delay is None else max(delay, 0.0)
     if job.total_timeout is not None and job.created_at is not None:
         deadline = job.created_at.timestamp() + job.total_timeout
         if deadline < now + wait + job.timeout:

@@ -1,0 +1,211 @@
+"""Celery callers keep Celery's semantics (issue 11 item 1): a handler exception ends the job
+unless ``autoretry_for`` or ``self.retry()`` asks for a retry, with Celery's delays, bounded by
+``max_retries`` and counted in ``self.request.retries``; time limits and ``expires`` become the
+job's ``timeout``/``grace_period`` and ``expires_at``. Envelopes keep the OJS defaults."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+import pytest
+from celery import Celery
+from celery.result import AsyncResult
+
+from ojs_celery import OJSTask, enqueue
+from ojs_celery.conf import Settings
+from ojs_celery.envelope import CELERY_SEMANTICS_FIELD, Job, parse_envelope
+from ojs_celery.lifecycle import decide
+from ojs_celery.lifecycle.rules import celery_retries
+from ojs_celery.producer import (
+    celery_expires_at,
+    celery_semantics_of,
+    celery_time_fields,
+    tasks_without_limit,
+)
+from tests.conftest import Env
+from tests.workers import unique, wait_for
+
+# --------------------------------------------------------------------------- the mapping
+
+
+@pytest.fixture()
+def app() -> Celery:
+    app = Celery("semantics", set_as_current=False)
+
+    @app.task(shared=False, name="m.plain", base=OJSTask)
+    def plain() -> None: ...
+
+    @app.task(shared=False, name="m.limited", base=OJSTask, soft_time_limit=10, time_limit=25,
+              max_retries=5, default_retry_delay=7, expires=60)
+    def limited() -> None: ...
+
+    @app.task(shared=False, name="m.hard", base=OJSTask, time_limit=12.5)
+    def hard() -> None: ...
+
+    @app.task(shared=False, name="m.ojs", base=OJSTask, ojs_semantics=True)
+    def ojs() -> None: ...
+
+    return app
+
+
+def test_time_limits_give_timeout_and_grace(app: Celery) -> None:
+    settings = Settings()
+    limited, hard, plain = (app.tasks[n] for n in ("m.limited", "m.hard", "m.plain"))
+    assert celery_time_fields(app, limited, {}, settings) == {"timeout": 10, "grace_period": 15}
+    assert celery_time_fields(app, hard, {}, settings) == {"timeout": 13, "grace_period": 0}
+    assert celery_time_fields(app, limited, {"soft_time_limit": 3, "time_limit": 4},
+                              settings) == {"timeout": 3, "grace_period": 1}
+    assert celery_time_fields(app, plain, {}, Settings(default_timeout=99)) == {"timeout": 99}
+    assert tasks_without_limit(app) == ["m.ojs", "m.plain"]
+    app.conf.task_soft_time_limit = 20
+    assert celery_time_fields(app, plain, {}, settings) == {"timeout": 20}
+    assert tasks_without_limit(app) == []
+
+
+def test_expires_becomes_expires_at(app: Celery) -> None:
+    now = time.time()
+    limited, plain = app.tasks["m.limited"], app.tasks["m.plain"]
+    assert celery_expires_at(plain, {}, now) is None
+    at = celery_expires_at(limited, {}, now)
+    assert at is not None
+    assert abs(datetime.fromisoformat(at).timestamp() - (now + 60)) < 0.01
+    when = datetime(2031, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    assert datetime.fromisoformat(str(celery_expires_at(plain, {"expires": when}, now))) == when
+
+
+def test_semantics_marker_from_the_task_and_the_settings(app: Celery) -> None:
+    assert celery_semantics_of(app.tasks["m.limited"], Settings()) == {
+        "max_retries": 5, "default_retry_delay": 7.0}
+    assert celery_semantics_of(app.tasks["m.plain"], Settings()) == {
+        "max_retries": 3, "default_retry_delay": 180.0}
+    assert celery_semantics_of(app.tasks["m.ojs"], Settings()) is None
+    assert celery_semantics_of(app.tasks["m.plain"], Settings(celery_callers="ojs")) is None
+
+
+def test_an_envelope_cannot_set_the_marker() -> None:
+    with pytest.raises(ValueError, match=CELERY_SEMANTICS_FIELD):
+        parse_envelope({"type": "a", "args": [], CELERY_SEMANTICS_FIELD: {"max_retries": 9}})
+
+
+def _celery_job(errors: list[str], attempt: int) -> Job:
+    job = parse_envelope({"type": "a", "args": []}).model_copy(update={
+        CELERY_SEMANTICS_FIELD: {"max_retries": 3, "default_retry_delay": 180.0}})
+    job.errors = [{"type": t, "message": "m"} for t in errors]
+    job.attempt = attempt
+    return job
+
+
+def test_decide_for_a_celery_callers_job() -> None:
+    now = time.time()
+    job = _celery_job(["ValueError", "worker_death"], attempt=3)
+    assert celery_retries(job) == 1  # the recovery does not count
+    # a requested retry: the handler's delay, else default_retry_delay; attempts do not bound it
+    assert decide(job, "ValueError", now, delay=2.0).delay == 2.0
+    assert decide(job, "ValueError", now).delay == 180.0
+    # an execution timeout ends the job, as in Celery
+    assert not decide(job, "timeout", now).retry
+    # recoveries: the OJS policy, on their own budget (max_attempts 3: two recoveries retried)
+    assert decide(job, "stalled", now).retry
+    assert not decide(_celery_job(["worker_death", "stalled"], 3), "shutdown", now).retry
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def _runs(env: Env, tag: str) -> list[str]:
+    return [line.split(" ", 1)[1] for line in env.lines("celery") if line.split(" ")[0] == tag]
+
+
+def _failure(env: Env, job_id: str) -> AsyncResult:
+    result = AsyncResult(job_id, app=env.app)
+    wait_for(lambda: result.state == "FAILURE", 20, f"FAILURE of {job_id}")
+    return result
+
+
+def test_exception_without_retry_options_ends_the_job(env: Env) -> None:
+    tag = unique("fails")
+    result = env.app.tasks["e2e.celery_fails"].delay(tag)
+    job = env.wait_state(result.id, "discarded")
+    assert job.attempt == 1
+    assert job.error is not None and job.error["type"] == "ValueError"
+    assert isinstance(_failure(env, result.id).result, ValueError)
+    assert _runs(env, tag) == ["retries=0"]
+    assert (job.model_extra or {})[CELERY_SEMANTICS_FIELD]["max_retries"] == 3
+
+
+def test_self_retry_uses_countdown_and_max_retries(env: Env) -> None:
+    tag = unique("retry")
+    result = env.app.tasks["e2e.celery_self_retry"].delay(tag)
+    job = env.wait_state(result.id, "discarded", timeout=40)
+    assert job.attempt == 3
+    assert _runs(env, tag) == ["retries=0", "retries=1", "retries=2"]
+    assert isinstance(_failure(env, result.id).result, ValueError)
+
+
+def test_retry_replaces_args_and_kwargs(env: Env) -> None:
+    tag = unique("args")
+    result = env.app.tasks["e2e.celery_retry_args"].delay(0, tag=tag)
+    job = env.wait_state(result.id, "completed", timeout=40)
+    assert job.result == "done at 2"
+    assert _runs(env, tag) == ["step=0 retries=0", "step=1 retries=1", "step=2 retries=2"]
+
+
+def test_autoretry_for_with_backoff_and_max_retries(env: Env) -> None:
+    tag = unique("auto")
+    result = env.app.tasks["e2e.celery_autoretry"].delay(tag)
+    job = env.wait_state(result.id, "discarded", timeout=40)
+    assert job.attempt == 2
+    runs = _runs(env, tag)
+    assert [r.split(" ")[0] for r in runs] == ["retries=0", "retries=1"]
+    first, second = (float(r.split("at=")[1]) for r in runs)
+    assert second - first >= 0.9  # retry_backoff: 1 * 2**0 seconds before the retry
+    assert isinstance(_failure(env, result.id).result, ValueError)
+
+
+def test_time_limits_end_the_job_as_in_celery(env: Env) -> None:
+    tag = unique("limit")
+    result = env.app.tasks["e2e.celery_time_limit"].delay(tag)
+    job = env.wait_state(result.id, "discarded", timeout=40)
+    assert (job.timeout, job.grace_period) == (1, 1)
+    assert job.attempt == 1
+    assert job.error is not None and job.error["type"] == "timeout"
+    assert "TimeLimitExceeded" in type(_failure(env, result.id).result).__name__
+    assert _runs(env, tag) == ["attempt=1"]
+
+
+def test_expires_is_checked_at_a_retry(env: Env) -> None:
+    tag = unique("expires")
+    result = env.app.tasks["e2e.celery_retry_later"].apply_async(args=[tag, 6], expires=4)
+    job = env.wait_state(result.id, "discarded", timeout=40)
+    assert job.error is not None and job.error["type"] == "expired"
+    assert job.expires_at is not None
+    assert _runs(env, tag) == ["retries=0"]
+
+
+def test_an_envelope_keeps_the_ojs_defaults(env: Env) -> None:
+    tag = unique("envelope")
+    job = enqueue({"type": "e2e.celery_fails", "args": [tag],
+                   "retry": {"max_attempts": 2, "initial_interval": "PT0.1S"}}, app=env.app)
+    done = env.wait_state(job.id, "discarded", timeout=30)
+    assert done.attempt == 2
+    assert CELERY_SEMANTICS_FIELD not in (done.model_extra or {})
+    assert _runs(env, tag) == ["retries=0", "retries=1"]
+
+
+def test_ojs_semantics_option_gives_a_celery_caller_the_ojs_policy(env: Env) -> None:
+    tag = unique("ojs")
+    result = env.app.tasks["e2e.ojs_semantics"].delay(tag)
+    job = env.wait_state(result.id, "discarded", timeout=40)
+    assert job.attempt == 3  # the OJS default policy: three attempts
+    assert _runs(env, tag) == ["attempt=1", "attempt=2", "attempt=3"]
+
+
+def test_a_recovery_retries_on_its_own_budget_and_is_no_celery_retry(env: Env) -> None:
+    tag = unique("dies")
+    result = env.app.tasks["e2e.celery_dies_once"].delay(tag)
+    job = env.wait_state(result.id, "completed", timeout=60)
+    assert [e["type"] for e in job.errors] == ["WorkerLostError", "Retry"]
+    assert _runs(env, tag) == ["attempt=1 retries=0", "attempt=2 retries=0",
+                               "attempt=3 retries=1"]
+    assert job.result == 1
