@@ -26,6 +26,7 @@ from . import lifecycle
 from .api import enqueue_job
 from .canvas import canvas_options
 from .context import JobContext, _current, maybe_current_job
+from .eager import apply_eagerly, run_eagerly
 from .effects import carry_out
 from .envelope import parse_envelope
 from .identity import current_worker_id
@@ -84,6 +85,8 @@ class OJSTask(Task):  # type: ignore[misc]
         ``x_celery_kwargs``); the message itself is published by the OJS producer."""
         if options.get("headers", {}) and "ojs" in options["headers"]:
             return super().apply_async(args, kwargs, **options)
+        if self.app.conf.task_always_eager:
+            return apply_eagerly(self, args, kwargs, options)
         runtime = get_runtime(self.app)
         envelope: dict[str, Any] = {"type": self.ojs_type or self.name,
                                     "args": _json_native(list(args or ()))}
@@ -116,7 +119,7 @@ class OJSTask(Task):  # type: ignore[misc]
     ) -> Any:
         """``self.retry()`` (and ``autoretry_for``) fail the attempt the OJS way: the job's
         retry policy decides; an explicit ``countdown``/``eta`` replaces the backoff."""
-        if maybe_current_job() is None:
+        if maybe_current_job() is None or self.request.is_eager:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         delay = countdown
         if eta is not None:
@@ -126,6 +129,8 @@ class OJSTask(Task):  # type: ignore[misc]
     # ------------------------------------------------------------------ running
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.request.is_eager:
+            return run_eagerly(self, lambda: self.run(*args, **kwargs))
         header = ojs_header.of_task_request(self.request)
         if header is None or self.request.called_directly:
             return self.run(*args, **kwargs)
