@@ -27,6 +27,7 @@ from . import lifecycle
 from .api import enqueue_job
 from .canvas import canvas_options
 from .context import JobContext, _current, maybe_current_job
+from .eager import apply_eagerly, run_eagerly
 from .effects import carry_out
 from .envelope import CELERY_KWARGS_FIELD, CELERY_SEMANTICS_FIELD, parse_envelope
 from .identity import current_worker_id
@@ -100,6 +101,8 @@ class OJSTask(Task):  # type: ignore[misc]
         (README, "Celery callers") unless the task or the settings choose OJS semantics."""
         if options.get("headers", {}) and "ojs" in options["headers"]:
             return super().apply_async(args, kwargs, **options)
+        if self.app.conf.task_always_eager:
+            return apply_eagerly(self, args, kwargs, options)
         runtime = get_runtime(self.app)
         envelope: dict[str, Any] = {"type": self.ojs_type or self.name,
                                     "args": _json_native(list(args or ()))}
@@ -147,7 +150,7 @@ class OJSTask(Task):  # type: ignore[misc]
         ``throw=False`` returns the ``Retry`` and fails the attempt when the handler returns.
         """
         ctx = maybe_current_job()
-        if ctx is None:
+        if ctx is None or self.request.is_eager:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         celery = celery_semantics(ctx.job) is not None
         if celery:
@@ -176,6 +179,8 @@ class OJSTask(Task):  # type: ignore[misc]
     # ------------------------------------------------------------------ running
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.request.is_eager:
+            return run_eagerly(self, lambda: self.run(*args, **kwargs))
         header = ojs_header.of_task_request(self.request)
         if header is None or self.request.called_directly:
             return self.run(*args, **kwargs)

@@ -222,6 +222,12 @@ def make_app(config: dict[str, Any]) -> Celery:
         record(directory, "chord_bodies", f"{current_job().job_id} {sum(values)}")
         return sum(values)
 
+    @app.task(shared=False, name="e2e.collect", base=OJSTask)
+    def collect(values: list[Any]) -> list[Any]:
+        """A chord body for any results: records each run."""
+        record(directory, "chord_bodies", f"{current_job().job_id} {json.dumps(values)}")
+        return values
+
     @app.task(shared=False, name="e2e.errback")
     def errback(task_id: str) -> None:
         """An old-style ``link_error`` (called with the failed task's id)."""

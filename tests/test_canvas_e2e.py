@@ -110,3 +110,28 @@ def test_chord_fails_when_the_sweeper_times_out_a_header_task(
             not line.startswith(result.id) for line in env.lines("chord_bodies"))
     finally:
         worker.stop()
+
+
+def test_link_and_link_error_with_celery_ids(env: Env) -> None:
+    """Callbacks fire once per job outcome, with the ids Celery assigned."""
+    add, job_error = env.app.tasks["e2e.add"], env.app.tasks["e2e.job_error"]
+    callback, errback = env.app.tasks["e2e.callback"], env.app.tasks["e2e.errback"]
+    ok = add.apply_async((2, 2), link=callback.s(tag="linked"))
+    failed = job_error.apply_async(("Fatal", False), link_error=errback.s())
+    assert ok.get(timeout=30) == 4
+    wait_for(lambda: "linked 4" in env.lines("callbacks"), 20, "the link")
+    env.wait_state(failed.id, "discarded")
+    wait_for(lambda: failed.id in env.lines("errbacks"), 20, "the link_error")
+    assert env.lines("errbacks").count(failed.id) == 1
+    assert env.lines("callbacks").count("linked 4") == 1
+
+
+def test_chord_with_a_retrying_header_task_calls_its_body_once(env: Env) -> None:
+    """A retried attempt writes RETRY, which does not count towards the chord: the body runs
+    once, after the header task's final attempt."""
+    retrying, add = env.app.tasks["e2e.self_retry"], env.app.tasks["e2e.add"]
+    collect = env.app.tasks["e2e.collect"]
+    result = chord([retrying.si(3), add.si(1, 1)], collect.s()).apply_async()
+    assert result.get(timeout=30) == ["ok on 3", 2]
+    runs = [line for line in env.lines("chord_bodies") if line.startswith(result.id)]
+    assert len(runs) == 1

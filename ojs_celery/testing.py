@@ -1,0 +1,192 @@
+"""``ojs_celery.testing``: a pytest plugin for testing an app's OJS tasks against a real worker.
+
+Enable it explicitly (``pytest -p ojs_celery.testing`` or ``pytest_plugins =
+["ojs_celery.testing"]``) and name the app (``--ojs-app=proj.celery:app``, the ``ojs_app`` ini
+option, or override the :func:`ojs_app_path` fixture). The fixtures run the app on the embedded
+default (filesystem broker, SQLite store and results in a temporary folder: no server):
+
+- ``ojs_app``: the app, configured so in the test process;
+- ``ojs_worker``: a real prefork ``celery worker`` subprocess for it, and a sweeper (a thread
+  running :func:`ojs_celery.sweeper.run_loop`);
+- ``ojs_enqueue(envelope)`` and ``ojs_wait(job_id, timeout=...)``: enqueue a job and wait for its
+  terminal state.
+
+Every name starts with ``ojs_``, so the plugin coexists with pytest-celery.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from .api import enqueue, get_job
+from .embedded import embedded_settings
+from .envelope import Job
+from .runtime import get_runtime
+from .sweeper import run_loop
+
+#: The worker subprocess reads the app's path and its settings from these variables.
+APP_VARIABLE = "OJS_TESTING_APP"
+CONF_VARIABLE = "OJS_TESTING_CONF"
+#: Seconds between sweeps in tests (deadlines are enforced within this much).
+SWEEP_INTERVAL = 0.5
+TERMINAL_STATES = ("completed", "cancelled", "discarded")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("ojs_celery")
+    group.addoption("--ojs-app", default=None,
+                    help="The Celery app the ojs_* fixtures run, as module:attribute.")
+    parser.addini("ojs_app", "The Celery app the ojs_* fixtures run, as module:attribute.")
+
+
+def load_app(path: str) -> Celery:
+    """``module:attribute`` (or ``module.attribute``) to the app it names."""
+    module_name, _, attribute = path.partition(":")
+    if not attribute:
+        module_name, _, attribute = path.rpartition(".")
+    app = getattr(importlib.import_module(module_name), attribute)
+    if not isinstance(app, Celery):
+        raise TypeError(f"{path} is not a Celery app")
+    return app
+
+
+def configure(app: Celery, settings: dict[str, Any]) -> Celery:
+    """Point ``app`` at the embedded default in ``settings`` (its own ``ojs`` settings kept,
+    the store replaced)."""
+    ojs = {**(app.conf.get("ojs") or {}), **settings["ojs"],
+           "sweep_interval": SWEEP_INTERVAL}
+    app.conf.update({**settings, "ojs": ojs})
+    get_runtime(app).configure(app.conf)  # settings read before this update are replaced
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    """``celery -A ojs_celery.testing:worker_app``: the user's app, configured from the
+    environment the :func:`ojs_worker` fixture gives its subprocess."""
+    if name != "worker_app":
+        raise AttributeError(name)
+    return configure(load_app(os.environ[APP_VARIABLE]), json.loads(os.environ[CONF_VARIABLE]))
+
+
+@pytest.fixture(scope="session")
+def ojs_app_path(pytestconfig: pytest.Config) -> str:
+    """The app to test, as ``module:attribute``; override this fixture to choose it in code."""
+    path = pytestconfig.getoption("--ojs-app") or pytestconfig.getini("ojs_app")
+    if not path:
+        raise pytest.UsageError("ojs_celery.testing: name the app with --ojs-app=module:app "
+                                "or the ojs_app ini option")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def ojs_settings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The embedded default's settings, in a temporary folder of the session."""
+    return embedded_settings(tmp_path_factory.mktemp("ojs"))
+
+
+@pytest.fixture(scope="session")
+def ojs_app(ojs_app_path: str, ojs_settings: dict[str, Any]) -> Celery:
+    """The app under test, configured in this process as the worker is."""
+    return configure(load_app(ojs_app_path), ojs_settings)
+
+
+class WorkerProcess:
+    """A ``celery worker`` subprocess (prefork) of the app under test."""
+
+    def __init__(self, app_path: str, settings: dict[str, Any], log: pathlib.Path,
+                 concurrency: int = 2) -> None:
+        self.log_path = log
+        env = {**os.environ, APP_VARIABLE: app_path, CONF_VARIABLE: json.dumps(settings),
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", f"{__name__}:worker_app", "worker",
+             "--pool", "prefork", "--concurrency", str(concurrency), "--loglevel", "INFO",
+             "--without-gossip", "--without-mingle", "--hostname", f"ojs-test-{os.getpid()}@%h"],
+            env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while " ready." not in self.log():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the worker exited at start:\n{self.log()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the worker did not start in {timeout}s:\n"
+                                   f"{self.log()[-4000:]}")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(5)
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def ojs_worker(ojs_app: Celery, ojs_app_path: str, ojs_settings: dict[str, Any],
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    """A real prefork worker for the app and a sweeper, for the whole session."""
+    worker = WorkerProcess(ojs_app_path, ojs_settings,
+                           tmp_path_factory.mktemp("ojs-worker") / "worker.log")
+    stop = threading.Event()
+    sweeper = threading.Thread(target=run_loop, args=(get_runtime(ojs_app), SWEEP_INTERVAL),
+                               kwargs={"stop": stop.is_set}, name="ojs-sweeper", daemon=True)
+    try:
+        worker.wait_ready()
+        sweeper.start()
+        yield worker
+    finally:
+        stop.set()
+        worker.stop()
+        if sweeper.is_alive():
+            sweeper.join(10)
+
+
+@pytest.fixture
+def ojs_enqueue(ojs_app: Celery) -> Callable[..., Job]:
+    """``ojs_enqueue({"type": ..., "args": [...]})``: store and publish an OJS job."""
+
+    def enqueue_one(envelope: dict[str, Any] | str | bytes | Job) -> Job:
+        return enqueue(envelope, app=ojs_app)
+
+    return enqueue_one
+
+
+@pytest.fixture
+def ojs_wait(ojs_app: Celery) -> Callable[..., Job]:
+    """``ojs_wait(job_id, timeout=30, states=...)``: the job once it reaches one of ``states``
+    (by default a terminal state); fails the test after ``timeout`` seconds."""
+
+    def wait(job_id: str, timeout: float = 30.0,
+             states: tuple[str, ...] = TERMINAL_STATES) -> Job:
+        deadline = time.monotonic() + timeout
+        while True:
+            job = get_job(job_id, app=ojs_app)
+            if job is not None and job.state in states:
+                return job
+            if time.monotonic() > deadline:
+                pytest.fail(f"job {job_id} is {job.state if job else 'unknown'} after "
+                            f"{timeout}s, wanted {states}")
+            time.sleep(0.1)
+
+    return wait

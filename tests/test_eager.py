@@ -1,0 +1,97 @@
+"""Eager mode (``task_always_eager``, ``.apply()``): OJS tasks run in-process as Celery runs them,
+with no server. The broker and the store point at a port nothing listens on, so any publish,
+outbox entry or store write would fail the test."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import pytest
+from celery import Celery, chain, group
+from celery.exceptions import MaxRetriesExceededError
+
+from ojs_celery import OJSTask, current_job, install
+
+
+def dead_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    port = dead_port()
+    app = Celery("eager_test", set_as_current=False)
+    app.conf.update(
+        broker_url=f"redis://127.0.0.1:{port}/0",
+        result_backend=f"redis://127.0.0.1:{port}/0",
+        broker_connection_retry=False,
+        broker_connection_max_retries=0,
+        task_always_eager=True,
+        task_eager_propagates=False,  # as Celery, which raises Retry itself with True
+        ojs={"store_url": f"redis://127.0.0.1:{port}/0"},
+    )
+    install(app)
+    calls: list[Any] = []
+    app.runs = calls  # type: ignore[attr-defined]
+
+    @app.task(shared=False, name="eager.add", base=OJSTask)
+    def add(a: int, b: int) -> int:
+        ctx = current_job()
+        calls.append(("add", ctx.job_id, ctx.attempt))
+        ctx.progress(0.5, checkpoint={"at": a})
+        assert ctx.job.last_checkpoint == {"at": a}
+        return a + b
+
+    @app.task(shared=False, name="eager.flaky", base=OJSTask, bind=True, max_retries=3)
+    def flaky(self: OJSTask, succeed_on: int) -> str:
+        ctx = current_job()
+        calls.append(("flaky", self.request.retries, ctx.attempt))
+        if self.request.retries + 1 < succeed_on:
+            raise self.retry(exc=ConnectionError("not yet"), countdown=60)
+        return f"ok on {ctx.attempt}"
+
+    yield app
+
+
+def test_delay_runs_in_process_with_current_job(app: Celery) -> None:
+    result = app.tasks["eager.add"].delay(2, 3)
+    assert result.get() == 5 and result.state == "SUCCESS"
+    assert app.runs == [("add", result.id, 1)]  # type: ignore[attr-defined]
+
+
+def test_apply_runs_in_process_without_always_eager(app: Celery) -> None:
+    app.conf.task_always_eager = False
+    result = app.tasks["eager.add"].apply((1, 1), task_id="my-id")
+    assert result.get() == 2
+    assert app.runs == [("add", "my-id", 1)]  # type: ignore[attr-defined]
+
+
+def test_self_retry_reruns_at_once_bounded_by_max_retries(app: Celery) -> None:
+    flaky = app.tasks["eager.flaky"]
+    assert flaky.delay(3).get() == "ok on 3"
+    assert app.runs == [("flaky", 0, 1), ("flaky", 1, 2), ("flaky", 2, 3)]  # type: ignore[attr-defined]
+    app.runs.clear()  # type: ignore[attr-defined]
+    with pytest.raises((ConnectionError, MaxRetriesExceededError)):
+        flaky.delay(99).get()
+    assert len(app.runs) == 4  # type: ignore[attr-defined]  # the first run and max_retries=3
+
+
+def test_a_mock_of_retry_sees_celerys_call_shape(app: Celery) -> None:
+    flaky = app.tasks["eager.flaky"]
+    with (mock.patch.object(flaky, "retry", side_effect=RuntimeError("stop")) as retry,
+          pytest.raises(RuntimeError, match="stop")):
+        flaky.delay(2).get()
+    retry.assert_called_once()
+    assert set(retry.call_args.kwargs) == {"exc", "countdown"}
+    assert isinstance(retry.call_args.kwargs["exc"], ConnectionError)
+
+
+def test_canvas_runs_eagerly(app: Celery) -> None:
+    add = app.tasks["eager.add"]
+    assert chain(add.s(1, 2), add.s(3)).apply_async().get() == 6
+    assert group(add.s(i, i) for i in range(3)).apply_async().get() == [0, 2, 4]

@@ -1,0 +1,62 @@
+"""``ojs_celery.testing`` used as a user would: a small test module of their own, run by pytest
+in a subprocess with the plugin enabled, against a real prefork worker on the embedded default."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+USER_APP = '''
+from celery import Celery
+from ojs_celery import OJSTask, current_job, install
+
+app = Celery("userapp", set_as_current=False)
+install(app)
+
+
+@app.task(name="user.double", base=OJSTask)
+def double(x):
+    return {"value": 2 * x, "job": current_job().job_id}
+
+
+@app.task(name="user.broken", base=OJSTask)
+def broken():
+    raise ValueError("broken on purpose")
+'''
+
+USER_TESTS = '''
+import os
+
+from celery.result import AsyncResult
+
+
+def test_a_job_completes_on_the_real_worker(ojs_worker, ojs_enqueue, ojs_wait):
+    job = ojs_enqueue({"type": "user.double", "args": [21]})
+    done = ojs_wait(job.id, timeout=60)
+    assert done.state == "completed"
+    assert done.result == {"value": 42, "job": job.id}
+    assert ojs_worker.process.pid != os.getpid()
+
+
+def test_delay_and_a_discarded_job(ojs_app, ojs_worker, ojs_enqueue, ojs_wait):
+    result = ojs_app.tasks["user.double"].delay(5)
+    assert result.get(timeout=60)["value"] == 10
+    job = ojs_enqueue({"type": "user.broken", "args": [], "retry": {"max_attempts": 1}})
+    done = ojs_wait(job.id, timeout=60)
+    assert done.state == "discarded" and done.error["type"] == "ValueError"
+    assert AsyncResult(job.id, app=ojs_app).get(timeout=30, propagate=False) is not None
+'''
+
+
+def test_the_plugin_runs_a_users_tests_against_a_real_worker(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(userapp=USER_APP, test_user=USER_TESTS)
+    result = pytester.runpytest_subprocess("-p", "ojs_celery.testing", "--ojs-app=userapp:app",
+                                           "-p", "no:cacheprovider", timeout=170)
+    result.assert_outcomes(passed=2)
+
+
+def test_the_plugin_asks_for_the_app(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_user="def test_x(ojs_app):\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "ojs_celery.testing", timeout=60)
+    result.stdout.fnmatch_lines(["*--ojs-app=module:app*"])
