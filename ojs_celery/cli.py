@@ -26,6 +26,7 @@ from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job
 from .envelope import DuplicateJob, InvalidJob
 from .events import listen
 from .install import install
+from .migration import build_report
 from .runtime import get_runtime
 from .store import StoreError
 from .sweeper import run_loop, sweep
@@ -197,6 +198,30 @@ def sweep_command(ctx: click.Context, mode: str | None, interval: float | None) 
     _line(report.as_dict())
     if report.error:
         sys.exit(1)
+
+
+@commands.command(name="inspect")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (tasks, warnings).")
+@click.pass_context
+def inspect_command(ctx: click.Context, as_json: bool) -> None:
+    """Migration report: every registered task (OJS or not, its OJS type, the queue it routes
+    to, the envelope fields its options map to) and what works against OJS in the app's
+    settings. Reads the app only; connects to nothing."""
+    report = build_report(_app(ctx))
+    if as_json:
+        _line(report.as_dict())
+        return
+    for task in report.tasks:
+        kind = f"OJS type {task.ojs_type}" if task.ojs else "not an OJS task"
+        click.echo(f"{task.name}  [{kind}]  queue {task.queue}"
+                   + (f" (OJS queue {task.ojs_queue})" if task.ojs_queue else ""))
+        fields = ", ".join(f"{key}={json.dumps(value, separators=(',', ':'))}"
+                           for key, value in task.envelope.items())
+        click.echo(f"    envelope: {fields}")
+        for warning in task.warnings:
+            click.echo(f"    warning: {warning}")
+    for warning in report.warnings:
+        click.echo(f"warning: {warning}")
 
 
 def _worker_rows(app: Celery) -> list[dict[str, Any]]:

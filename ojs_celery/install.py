@@ -9,6 +9,7 @@ from typing import Any
 
 from celery import Celery, signals
 from celery.exceptions import ImproperlyConfigured
+from kombu import entity
 
 from . import control
 from .conf import Settings
@@ -83,6 +84,7 @@ def install(app: Celery) -> Runtime:
         settings = runtime.configure(conf)
         if settings is not None:
             _add_beat_entry(conf, settings)
+            _add_to_built_queues(app, conf, settings.sweep_queue)
 
     def _settings_or_exit() -> None:
         """Read the settings as the app module left them (it may have changed them after
@@ -90,9 +92,12 @@ def install(app: Celery) -> Runtime:
         (Celery's signals log and swallow other exceptions)."""
         on_configured()
         try:
-            runtime.settings  # noqa: B018
+            settings = runtime.settings
         except ImproperlyConfigured as exc:
             raise SystemExit(f"ojs_celery: {exc}") from None
+        problem = check_sweep_queue(app, settings.sweep_queue)
+        if problem:
+            raise SystemExit(f"ojs_celery: {problem}")
 
     def on_beat_init(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is app:
@@ -112,21 +117,65 @@ def install(app: Celery) -> Runtime:
     return runtime
 
 
+#: The header in which every sweep message carries the time it was published.
+SENT_AT_HEADER = "ojs_sweep_sent_at"
+
+
+def _stamp_sweep(sender: Any = None, headers: Any = None, **_: Any) -> None:
+    """``before_task_publish``: stamp a sweep message with its publish time, whoever publishes
+    it (celery beat, django-celery-beat's ``DatabaseScheduler``, which drops the entry's
+    ``expires``, or a hand-sent task), so that the worker can tell a stale one."""
+    if sender == SWEEP_TASK and isinstance(headers, dict):
+        headers.setdefault(SENT_AT_HEADER, time.time())
+
+
+def sweep_sent_at(request: Any) -> float | None:
+    """The publish time of the sweep message ``request`` (None: sent without the stamp)."""
+    headers = getattr(request, "headers", None) or {}
+    value = headers.get(SENT_AT_HEADER) if isinstance(headers, dict) else None
+    if value is None:
+        value = getattr(request, SENT_AT_HEADER, None)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def is_stale_sweep(runtime: Runtime, sent_at: float | None, now: float) -> bool:
+    """A sweep message older than one interval, published before a sweep that has already
+    started, would only repeat that sweep late: a backlog (a sweep worker that was down, a
+    scheduler that does not expire its messages) collapses into one pass. A late message with
+    no sweep since it was sent still runs, so that a slow sweep worker is never starved."""
+    if sent_at is None or now - sent_at <= runtime.settings.sweep_interval:
+        return False
+    try:
+        last = last_sweep(runtime)
+    except Exception:  # the store is down: the pass itself reports it
+        return False
+    return last is not None and last >= sent_at
+
+
 def _add_sweep_task(app: Celery) -> None:
     """The ``ojs_celery.sweep`` task (see :func:`_add_beat_entry` for its schedule)."""
 
     faults = FaultLog()
+    signals.before_task_publish.connect(_stamp_sweep, weak=False, dispatch_uid="ojs-sweep-stamp")
 
-    @app.task(name=SWEEP_TASK, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
-    def ojs_sweep() -> dict[str, Any]:
-        return sweep(get_runtime(app), faults=faults).as_dict()
-
+    @app.task(name=SWEEP_TASK, ignore_result=True, shared=False,  # type: ignore[untyped-decorator]
+              bind=True)
+    def ojs_sweep(self: Any) -> dict[str, Any]:
+        runtime = get_runtime(app)
+        sent_at = sweep_sent_at(self.request)
+        if is_stale_sweep(runtime, sent_at, time.time()):
+            logger.debug("ojs_celery: stale sweep message (sent %.1fs ago) dropped",
+                         time.time() - (sent_at or 0))
+            return {"skipped": "stale", "sent_at": sent_at}
+        return sweep(runtime, faults=faults).as_dict()
 
 
 def _add_beat_entry(conf: Any, settings: Settings) -> None:
     """The sweep's beat entry in Celery's configuration ``conf`` (own queue, expiring within
-    the interval so that a backlog of sweeps never piles up). Added each time Celery
-    (re)configures the app, since a new configuration replaces ``beat_schedule``."""
+    the interval so that a backlog of sweeps never piles up; schedulers that drop ``expires``
+    are covered by :func:`is_stale_sweep`). Added each time Celery (re)configures the app,
+    since a new configuration replaces ``beat_schedule``; so is the sweep queue
+    (:func:`_declare_sweep_queue`)."""
     schedule = dict(conf.get("beat_schedule") or {})
     schedule["ojs-sweep"] = {
         "task": SWEEP_TASK,
@@ -134,6 +183,62 @@ def _add_beat_entry(conf: Any, settings: Settings) -> None:
         "options": {"expires": settings.sweep_interval, "queue": settings.sweep_queue},
     }
     conf.beat_schedule = schedule
+    _declare_sweep_queue(conf, settings.sweep_queue)
+
+
+def _declare_sweep_queue(conf: Any, name: str) -> None:
+    """Declare the sweep queue where the app declares its queues: in ``task_queues`` when the
+    app lists them, or when ``task_create_missing_queues`` is off (Celery then knows only the
+    queues listed, and a worker's ``-Q ojs.sweep`` or beat's publish would fail)."""
+    queues = conf.get("task_queues")
+    if not queues and conf.get("task_create_missing_queues", True):
+        return  # Celery creates the sweep queue on first use
+    if isinstance(queues, dict):
+        if name not in queues:
+            conf.task_queues = {**queues, name: {"exchange": name, "routing_key": name}}
+        return
+    declared = list(queues or [_default_queue(conf)])
+    if any(getattr(q, "name", None) == name for q in declared):
+        return
+    conf.task_queues = [*declared, _queue(name, name, "direct", name, None)]
+
+
+def _default_queue(conf: Any) -> Any:
+    """The queue Celery declares when ``task_queues`` is empty (``app.amqp.Queues``)."""
+    default = conf.get("task_default_queue") or "celery"
+    arguments = ({"x-queue-type": "quorum"}
+                 if conf.get("task_default_queue_type") == "quorum" else None)
+    return _queue(default, conf.get("task_default_exchange") or default,
+                  conf.get("task_default_exchange_type") or "direct",
+                  conf.get("task_default_routing_key") or default, arguments)
+
+
+def _queue(name: str, exchange: str, kind: str, routing_key: str,
+           arguments: dict[str, Any] | None) -> Any:
+    queue_cls: Any = entity.Queue
+    exchange_cls: Any = entity.Exchange
+    return queue_cls(name, exchange_cls(exchange, kind), routing_key=routing_key,
+                     queue_arguments=arguments)
+
+
+def _add_to_built_queues(app: Celery, conf: Any, name: str) -> None:
+    """``app.amqp.queues`` is built once from ``task_queues``: when it was built before this
+    configuration, the sweep queue declared in ``conf`` is added to it too."""
+    amqp = app.__dict__.get("amqp")
+    built = getattr(amqp, "__dict__", {}).get("queues")
+    if built is None or name in built:
+        return
+    for queue in conf.get("task_queues") or ():
+        if getattr(queue, "name", None) == name:
+            built.add(queue)
+
+
+def check_sweep_queue(app: Celery, name: str) -> str | None:
+    """Why beat or a worker of ``app`` cannot use the sweep queue ``name``, or None."""
+    if app.conf.task_create_missing_queues or name in app.amqp.queues:
+        return None
+    return (f"the sweep queue {name!r} is not declared and task_create_missing_queues is off: "
+            f"add Queue({name!r}) to task_queues (or set ojs.sweep_queue to a declared queue)")
 
 
 #: A worker warns when no sweep has run for this many intervals.

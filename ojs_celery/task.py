@@ -103,6 +103,8 @@ class OJSTask(Task):  # type: ignore[misc]
             return super().apply_async(args, kwargs, **options)
         if self.app.conf.task_always_eager:
             return apply_eagerly(self, args, kwargs, options)
+        if _plain_republish(self, options):  # a plain message's Celery retry stays plain
+            return super().apply_async(args, kwargs, **options)
         runtime = get_runtime(self.app)
         envelope: dict[str, Any] = {"type": self.ojs_type or self.name,
                                     "args": _json_native(list(args or ()))}
@@ -183,6 +185,10 @@ class OJSTask(Task):  # type: ignore[misc]
             return run_eagerly(self, lambda: self.run(*args, **kwargs))
         header = ojs_header.of_task_request(self.request)
         if header is None or self.request.called_directly:
+            # A direct call, or a message without an ``ojs`` header (published before
+            # ``install()``, or by a plain Celery producer): it runs as the plain Celery task
+            # it was sent as, and its ``self.retry()`` publishes a plain message again
+            # (:func:`_plain_republish`), bounded by Celery's ``max_retries``.
             return self.run(*args, **kwargs)
         runtime = get_runtime(self.app)
         worker_id = current_worker_id()
@@ -290,6 +296,17 @@ class OJSTask(Task):  # type: ignore[misc]
         if exc is None or isinstance(exc, (Reject, Retry, RetryRequested)):
             raise RuntimeError(str((record.job.error or {}).get("message", "discarded")))
         raise exc
+
+
+def _plain_republish(task: OJSTask, options: dict[str, Any]) -> bool:
+    """Is this publish Celery's retry of the plain (header-less) message the task runs now?
+    Celery's ``Task.retry`` sends the request's own task id and its ``retries`` count."""
+    request = task.request
+    if request.called_directly or request.is_eager or "retries" not in options:
+        return False
+    if not request.id or options.get("task_id") != request.id:
+        return False
+    return ojs_header.of_task_request(request) is None
 
 
 def _worker_is_draining(runtime: Runtime, worker_id: str, job_id: str) -> bool:

@@ -1,0 +1,1 @@
+"""Integrations with frameworks (``ojs_celery.contrib.django``)."""

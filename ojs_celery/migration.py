@@ -1,0 +1,200 @@
+"""The migration report (``ojs-celery -A APP inspect``): what each registered task becomes under
+OJS, and what in the app's configuration works against OJS.
+
+It only reads the app (its tasks, routes and settings); it connects to nothing, so it can run
+in CI against a project before the switch. What the broker's server enforces (RabbitMQ's
+``consumer_timeout``) is taken from the queue's ``x-consumer-timeout`` argument, else from
+RabbitMQ's default (30 minutes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from celery import Celery
+
+from .envelope import Job
+from .install import _WEAK_POOLS, check_sweep_queue, pool_name
+from .producer import broker_driver, ojs_queue_of
+from .runtime import get_runtime
+from .sweeper import SWEEP_TASK
+
+#: OJS's execution timeout when a task has no time limit (the envelope's default).
+DEFAULT_TIMEOUT = int(Job.model_fields["timeout"].default)
+#: Kombu's Redis transport redelivers an unacknowledged message after this (seconds).
+REDIS_VISIBILITY_DEFAULT = 3600.0
+#: RabbitMQ closes a channel whose delivery stays unacknowledged this long (since 3.8.15).
+RABBITMQ_CONSUMER_TIMEOUT_DEFAULT = 1800.0
+
+#: Task options without an OJS equivalent, with what happens to them (only reported when set
+#: to something other than Celery's default).
+NO_EQUIVALENT = {
+    "rate_limit": "no OJS equivalent: Celery's worker still applies it to OJS tasks",
+    "reject_on_worker_lost": "no effect: OJS recovers a lost worker's job itself "
+                             "(worker_death, retried per policy)",
+    "acks_on_failure_or_timeout": "no effect: OJS tasks always ack late and record failures",
+    "track_started": "no effect on OJS state: the job store records `active` itself",
+    "store_errors_even_if_ignored": "no effect on OJS state: errors are always in the job record",
+    "resultrepr_maxsize": "no OJS equivalent",
+}
+_CELERY_DEFAULTS: dict[str, Any] = {
+    "rate_limit": None, "reject_on_worker_lost": None, "acks_on_failure_or_timeout": True,
+    "track_started": False, "store_errors_even_if_ignored": False, "resultrepr_maxsize": 1024,
+}
+
+
+@dataclass
+class TaskReport:
+    name: str
+    ojs: bool
+    ojs_type: str | None
+    queue: str
+    ojs_queue: str | None
+    envelope: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    tasks: list[TaskReport]
+    warnings: list[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"tasks": [asdict(t) for t in self.tasks], "warnings": self.warnings}
+
+
+def build_report(app: Celery) -> Report:
+    """The report for every registered task of ``app`` except Celery's and OJS's own."""
+    runtime = get_runtime(app)
+    settings = runtime.settings
+    conf = app.conf
+    driver = broker_driver(app)
+    warnings: list[str] = []
+    pool = pool_name(conf.get("worker_pool") or "prefork")
+    if pool in _WEAK_POOLS:
+        warnings.append(f"worker_pool {pool!r} does not enforce {_WEAK_POOLS[pool]}: OJS "
+                        "timeouts are enforced by the sweeper only (use prefork)")
+    for name in ("task_serializer", "result_serializer"):
+        if conf.get(name) == "pickle":
+            warnings.append(f"{name} is pickle: OJS jobs travel as JSON (envelopes from other "
+                            "languages), and pickle lets whoever can publish run code")
+    if "pickle" in (conf.get("accept_content") or ()):
+        warnings.append("accept_content includes pickle: a worker would unpickle what anyone "
+                        "who can publish sends")
+    problem = check_sweep_queue(app, settings.sweep_queue)
+    if problem:
+        warnings.append(problem)
+    mapped = {task: ojs_type for ojs_type, task in settings.type_map.items()}
+    tasks = []
+    for name in sorted(app.tasks):
+        if name.startswith("celery.") or name == SWEEP_TASK:
+            continue
+        tasks.append(_task_report(app, app.tasks[name], name, mapped.get(name), driver))
+    return Report(tasks, warnings)
+
+
+def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
+                 driver: str) -> TaskReport:
+    conf = app.conf
+    is_ojs = bool(getattr(task, "__ojs_task__", False))
+    ojs_type = (getattr(task, "ojs_type", None) or name) if is_ojs else mapped_type
+    queue = _routed_queue(app, name)
+    report = TaskReport(name=name, ojs=is_ojs or mapped_type is not None, ojs_type=ojs_type,
+                        queue=queue, ojs_queue=ojs_queue_of(app, queue) if is_ojs else None)
+    envelope = report.envelope
+    soft = _limit(task, "soft_time_limit", conf.get("task_soft_time_limit"))
+    hard = _limit(task, "time_limit", conf.get("task_time_limit"))
+    if soft is not None or hard is not None:
+        timeout = soft if soft is not None else hard
+        assert timeout is not None
+        envelope["timeout"] = timeout
+        envelope["grace_period"] = max((hard or timeout) - timeout, 0)
+    else:
+        envelope["timeout"] = DEFAULT_TIMEOUT
+        if is_ojs:
+            report.warnings.append(
+                f"no time limit under plain Celery: OJS gives it the default timeout of "
+                f"{DEFAULT_TIMEOUT}s (set time_limit/soft_time_limit to choose)")
+    max_retries = getattr(task, "max_retries", 3)
+    retry: dict[str, Any] = {"max_attempts": None if max_retries is None else max_retries + 1}
+    delay = getattr(task, "default_retry_delay", 180)
+    backoff = getattr(task, "retry_backoff", False)
+    if backoff:
+        retry["initial_interval"] = f"PT{int(backoff) if backoff is not True else 1}S"
+        retry["backoff_coefficient"] = 2.0
+        retry["max_interval"] = f"PT{int(getattr(task, 'retry_backoff_max', 600))}S"
+        retry["jitter"] = bool(getattr(task, "retry_jitter", True))
+    else:
+        retry["initial_interval"] = f"PT{int(delay)}S"
+        retry["backoff_coefficient"] = 1.0
+    autoretry = getattr(task, "autoretry_for", ()) or ()
+    if autoretry:
+        retry["x_celery_autoretry_for"] = [getattr(e, "__name__", str(e)) for e in autoretry]
+    envelope["retry"] = retry
+    expires = getattr(task, "expires", None)
+    if expires is not None:
+        envelope["expires_at"] = f"enqueue time + {expires}s" if not hasattr(
+            expires, "isoformat") else expires.isoformat()
+    priority = getattr(task, "priority", None)
+    if priority is not None:
+        envelope["priority"] = priority
+    for option, what in NO_EQUIVALENT.items():
+        if getattr(task, option, _CELERY_DEFAULTS[option]) != _CELERY_DEFAULTS[option]:
+            report.warnings.append(f"{option}={getattr(task, option)!r}: {what}")
+    if getattr(task, "serializer", None) == "pickle" and conf.get("task_serializer") != "pickle":
+        report.warnings.append("serializer='pickle': OJS jobs travel as JSON")
+    if is_ojs and report.ojs_queue is not None and not _valid_ojs_queue(report.ojs_queue):
+        report.warnings.append(f"queue {queue!r} is not a valid OJS queue name: envelopes "
+                               "cannot name it")
+    held = envelope["timeout"] + envelope.get("grace_period", 0)
+    if driver == "redis":
+        visibility = float((conf.get("broker_transport_options") or {}).get(
+            "visibility_timeout", REDIS_VISIBILITY_DEFAULT))
+        if visibility < held:
+            report.warnings.append(
+                f"Redis visibility_timeout {visibility:g}s is shorter than the task's "
+                f"timeout and grace period ({held:g}s): Redis redelivers it while it runs "
+                "(the copy is dropped by fencing, but raise broker_transport_options"
+                "['visibility_timeout'])")
+    if driver == "amqp":
+        limit = _consumer_timeout(app, queue)
+        if limit < held:
+            report.warnings.append(
+                f"RabbitMQ consumer_timeout {limit:g}s is shorter than the task's timeout "
+                f"and grace period ({held:g}s): RabbitMQ closes the channel of a worker "
+                "still running it (raise consumer_timeout, or x-consumer-timeout on the queue)")
+    return report
+
+
+def _limit(task: Any, name: str, default: Any) -> int | None:
+    value = getattr(task, name, None)
+    value = default if value is None else value
+    return None if value is None else max(int(value), 1)
+
+
+def _routed_queue(app: Celery, name: str) -> str:
+    try:
+        options = app.amqp.router.route({}, name, (), {})
+    except Exception:  # a router function that needs real arguments
+        return str(app.conf.task_default_queue)
+    queue = options.get("queue")
+    return str(getattr(queue, "name", queue) or app.conf.task_default_queue)
+
+
+def _consumer_timeout(app: Celery, queue_name: str) -> float:
+    try:
+        queue = app.amqp.queues[queue_name]
+    except KeyError:
+        return RABBITMQ_CONSUMER_TIMEOUT_DEFAULT
+    arguments = getattr(queue, "queue_arguments", None) or {}
+    value = arguments.get("x-consumer-timeout")
+    return float(value) / 1000 if value else RABBITMQ_CONSUMER_TIMEOUT_DEFAULT
+
+
+def _valid_ojs_queue(name: str) -> bool:
+    import re
+
+    from .envelope import QUEUE_PATTERN
+
+    return re.match(QUEUE_PATTERN, name) is not None and len(name) <= 128

@@ -1,0 +1,81 @@
+"""``ojs-celery -A APP inspect``: the migration report, run as users run it (the CLI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+from tests.workers import ROOT
+
+
+def inspect(app: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [str(pathlib.Path(sys.executable).with_name("ojs-celery")), "-A",
+         f"tests.inspect_app:{app}", "inspect", *args],
+        cwd=ROOT, env=env, text=True, capture_output=True, timeout=60)
+
+
+def report(app: str) -> dict[str, Any]:
+    result = inspect(app, "--json")
+    assert result.returncode == 0, result.stderr
+    data: dict[str, Any] = json.loads(result.stdout)
+    return data
+
+
+def by_name(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {task["name"]: task for task in data["tasks"]}
+
+
+def test_every_registered_task_with_its_type_queue_and_envelope() -> None:
+    tasks = by_name(report("redis_app"))
+    assert set(tasks) == {"billing.charge", "email.send", "maintenance.cleanup", "plain.report"}
+    charge = tasks["billing.charge"]
+    assert (charge["ojs"], charge["ojs_type"], charge["queue"]) == (True, "billing.charge",
+                                                                    "billing")
+    assert charge["envelope"]["timeout"] == 900 and charge["envelope"]["grace_period"] == 60
+    assert charge["envelope"]["retry"]["max_attempts"] == 6
+    assert charge["envelope"]["retry"]["initial_interval"] == "PT2S"
+    assert charge["envelope"]["retry"]["max_interval"] == "PT60S"
+    assert charge["envelope"]["retry"]["x_celery_autoretry_for"] == ["GatewayError"]
+    assert "expires_at" in charge["envelope"]
+    assert tasks["maintenance.cleanup"]["ojs"] and \
+        tasks["maintenance.cleanup"]["ojs_type"] == "legacy.cleanup"  # type_map
+    assert not tasks["plain.report"]["ojs"] and tasks["plain.report"]["ojs_type"] is None
+    assert tasks["email.send"]["queue"] == "celery"
+    assert tasks["email.send"]["ojs_queue"] == "default"
+
+
+def test_warnings_name_what_works_against_ojs() -> None:
+    data = report("redis_app")
+    tasks = by_name(data)
+    charge = " ".join(tasks["billing.charge"]["warnings"])
+    assert "rate_limit" in charge
+    assert "visibility_timeout 600s" in charge  # 600 < 900 + 60
+    assert any("no time limit" in w for w in tasks["email.send"]["warnings"])
+    assert any("'threads'" in w for w in data["warnings"])
+    assert any("task_serializer is pickle" in w for w in data["warnings"])
+    assert any("accept_content" in w for w in data["warnings"])
+
+
+def test_rabbitmq_consumer_timeout_from_the_queue_or_the_default() -> None:
+    data = report("amqp_app")
+    tasks = by_name(data)
+    assert tasks["video.encode"]["queue"] == "video"
+    assert any("consumer_timeout 600s" in w for w in tasks["video.encode"]["warnings"])
+    assert any("consumer_timeout 1800s" in w for w in tasks["video.thumbnail"]["warnings"])
+    assert not any("sweep queue" in w for w in data["warnings"])  # install declared it
+    assert any("serializer='pickle'" in w for w in tasks["video.legacy"]["warnings"])
+    assert not tasks["video.legacy"]["ojs"]
+
+
+def test_text_output_lists_each_task_and_its_warnings() -> None:
+    result = inspect("redis_app")
+    assert result.returncode == 0, result.stderr
+    assert "billing.charge  [OJS type billing.charge]  queue billing" in result.stdout
+    assert "plain.report  [not an OJS task]" in result.stdout
+    assert "warning:" in result.stdout
