@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -12,8 +13,9 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from ojs_celery import Job, get_job
+from ojs_celery import Job, get_job, signals
 from ojs_celery.events import listen
+from ojs_celery.runtime import get_runtime
 from tests import services
 from tests.e2eapp import make_app
 from tests.workers import (
@@ -144,3 +146,43 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     tmp = tmp_path_factory.mktemp(f"e2e-{request.param}")
     with start_env(request.param, tmp, concurrency=3) as started:
         yield started
+
+
+# The sweeper's and the store's in-process tests: an app on the embedded broker folder with a
+# SQLite or Redis job store, the events it emits, and the messages it published.
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def app(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Celery]:
+    config = filesystem_config(tmp_path)
+    if request.param == "redis":
+        config["ojs"] = {"store_url": services.redis_url(), "store_prefix": unique("t")}
+    config["ojs"]["events"] = False
+    celery_app = make_app(config)
+    yield celery_app
+    store = get_runtime(celery_app).store
+    store.clear()
+    drop = getattr(store, "drop_tables", None)
+    if drop is not None:
+        drop()
+
+
+@pytest.fixture
+def seen() -> Iterator[Counter[str]]:
+    """OJS events emitted in this process, by type and job."""
+    counts: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def receiver(sender: Any = None, event: dict[str, Any] | None = None, **_: Any) -> None:
+        assert event is not None
+        with lock:
+            counts[event["type"]] += 1
+
+    signals.ojs_event.connect(receiver)
+    yield counts
+    signals.ojs_event.disconnect(receiver)
+
+
+def messages(app: Celery) -> list[str]:
+    folder = pathlib.Path(app.conf.broker_transport_options["data_folder_in"])
+    return sorted(p.name for p in folder.glob("*.msg"))

@@ -4,59 +4,18 @@ folder)."""
 
 from __future__ import annotations
 
-import pathlib
-import threading
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import Celery
 
-from ojs_celery import InvalidJob, enqueue, enqueue_batch, signals
+from ojs_celery import InvalidJob, enqueue, enqueue_batch
 from ojs_celery.envelope import Job
 from ojs_celery.lifecycle import Policy
 from ojs_celery.runtime import get_runtime
 from ojs_celery.store import DuplicateJob, open_store
-from tests import services
-from tests.e2eapp import make_app
-from tests.workers import filesystem_config, unique
-
-
-@pytest.fixture(params=["sqlite", "redis"])
-def app(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Celery]:
-    config = filesystem_config(tmp_path)
-    if request.param == "redis":
-        config["ojs"] = {"store_url": services.redis_url(), "store_prefix": unique("t")}
-    config["ojs"]["events"] = False
-    celery_app = make_app(config)
-    yield celery_app
-    store = get_runtime(celery_app).store
-    store.clear()
-    drop = getattr(store, "drop_tables", None)
-    if drop is not None:
-        drop()
-
-
-@pytest.fixture
-def seen() -> Iterator[Counter[str]]:
-    """OJS events emitted in this process, by type."""
-    counts: Counter[str] = Counter()
-    lock = threading.Lock()
-
-    def receiver(sender: Any = None, event: dict[str, Any] | None = None, **_: Any) -> None:
-        assert event is not None
-        with lock:
-            counts[event["type"]] += 1
-
-    signals.ojs_event.connect(receiver)
-    yield counts
-    signals.ojs_event.disconnect(receiver)
-
-
-def messages(app: Celery) -> list[str]:
-    folder = pathlib.Path(app.conf.broker_transport_options["data_folder_in"])
-    return sorted(p.name for p in folder.glob("*.msg"))
+from tests.conftest import messages
 
 
 def envelope(index: int, **fields: Any) -> dict[str, Any]:

@@ -8,56 +8,18 @@ import pathlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import Celery
 
-from ojs_celery import enqueue, signals
+from ojs_celery import enqueue
 from ojs_celery.envelope import parse_envelope
 from ojs_celery.runtime import Runtime, get_runtime
 from ojs_celery.store import StoreError
 from ojs_celery.sweeper import last_sweep, run_loop, sweep
-from tests import services
+from tests.conftest import messages
 from tests.e2eapp import make_app
-from tests.workers import filesystem_config, unique
-
-
-@pytest.fixture(params=["sqlite", "redis"])
-def app(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Celery]:
-    config = filesystem_config(tmp_path)
-    if request.param == "redis":
-        config["ojs"] = {"store_url": services.redis_url(), "store_prefix": unique("t")}
-    config["ojs"]["events"] = False
-    celery_app = make_app(config)
-    yield celery_app
-    store = get_runtime(celery_app).store
-    store.clear()
-    drop = getattr(store, "drop_tables", None)
-    if drop is not None:
-        drop()
-
-
-@pytest.fixture
-def seen() -> Iterator[Counter[str]]:
-    """OJS events emitted in this process, by type and job."""
-    counts: Counter[str] = Counter()
-    lock = threading.Lock()
-
-    def receiver(sender: Any = None, event: dict[str, Any] | None = None, **_: Any) -> None:
-        assert event is not None
-        with lock:
-            counts[event["type"]] += 1
-
-    signals.ojs_event.connect(receiver)
-    yield counts
-    signals.ojs_event.disconnect(receiver)
-
-
-def messages(app: Celery) -> list[str]:
-    folder = pathlib.Path(app.conf.broker_transport_options["data_folder_in"])
-    return sorted(p.name for p in folder.glob("*.msg"))
 
 
 def runtime_of(app: Celery) -> Runtime:
