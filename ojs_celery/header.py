@@ -59,9 +59,15 @@ def of_request(request: Any) -> dict[str, Any] | None:
 def token_of(request: Any) -> int | None:
     """The dispatch token of a worker ``Request`` (None for a message that is no OJS job)."""
     header = of_request(request)
-    if header is not None and "token" in header:
-        return int(header["token"])
-    return None
+    return None if header is None else parse_token(header.get("token"))
+
+
+def parse_token(value: Any) -> int | None:
+    """A dispatch token as the producer writes it (an integer), or None: a malformed header
+    must neither start an attempt nor break a worker loop that lists its messages."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value
 
 
 def snapshot(header: dict[str, Any], job_id: str) -> Record | None:

@@ -21,8 +21,7 @@ from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 
-from . import header as ojs_header
-from . import lifecycle
+from . import arrival, lifecycle
 from .api import enqueue_job
 from .context import JobContext, _current, maybe_current_job
 from .effects import carry_out
@@ -127,26 +126,10 @@ class OJSTask(Task):  # type: ignore[misc]
     # ------------------------------------------------------------------ running
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        header = ojs_header.of_task_request(self.request)
-        if header is None or self.request.called_directly:
+        if self.request.called_directly or not arrival.has_header(self.request):
             return self.run(*args, **kwargs)
         runtime = get_runtime(self.app)
-        worker_id = current_worker_id()
-        job_id = str(self.request.id)
-        try:
-            started = runtime.store.start(job_id, int(header["token"]), worker_id,
-                                          hint=ojs_header.snapshot(header, job_id))
-        except StoreError as exc:
-            logger.error("ojs_celery: store unreachable, job %s goes back to the broker: %s",
-                         job_id, exc)
-            time.sleep(STORE_DOWN_PAUSE)
-            raise Reject(f"store unreachable: {exc}", requeue=True) from exc
-        carry_out(runtime, started)
-        if started.record is None or started.record.job.state != "active":
-            logger.info("ojs_celery: job %s not started (%s): message dropped", job_id,
-                        started.reason)
-            raise Ignore()
-        ctx = JobContext(runtime, started.record, worker_id)
+        ctx = self._start(runtime, str(self.request.id), current_worker_id())
         _watch_soft_limit()
         reset = _current.set(ctx)
         try:
@@ -156,6 +139,38 @@ class OJSTask(Task):  # type: ignore[misc]
         if isinstance(outcome, TimedOut):
             ctx.cancelled = True
         return self._record_outcome(runtime, ctx, outcome)
+
+    def _start(self, runtime: Runtime, job_id: str, worker_id: str) -> JobContext:
+        """Start the attempt this message asks for, or raise ``Ignore`` (the message is
+        dropped: nothing to start) or ``Reject`` with requeue (it goes back to the broker:
+        whether it may start could not be decided)."""
+        arrived = arrival.read(self.request, job_id)
+        if arrived.token is None:
+            logger.error("ojs_celery: job %s: message dropped, its ojs header is unusable (%s); "
+                         "the sweeper publishes the job again after redispatch_after",
+                         job_id, arrived.problem)
+            raise Ignore()
+        try:
+            started = arrival.start(runtime.store, job_id, arrived, worker_id)
+        except StoreError as exc:
+            logger.error("ojs_celery: store unreachable, job %s goes back to the broker: %s",
+                         job_id, exc)
+            time.sleep(STORE_DOWN_PAUSE)
+            raise Reject(f"store unreachable: {exc}", requeue=True) from exc
+        except Exception as exc:  # any other error: undecided, the broker keeps the message
+            logger.error("ojs_celery: cannot start job %s, its message goes back to the broker: "
+                         "%r", job_id, exc, exc_info=True)
+            time.sleep(STORE_DOWN_PAUSE)
+            raise Reject(f"start undecided: {exc}", requeue=True) from exc
+        try:
+            carry_out(runtime, started)
+        except Exception as exc:  # the store decided; its events must not undo that
+            logger.error("ojs_celery: job %s: effects of its start failed: %r", job_id, exc)
+        if started.record is None or started.record.job.state != "active":
+            logger.info("ojs_celery: job %s not started (%s): message dropped", job_id,
+                        started.reason)
+            raise Ignore()
+        return JobContext(runtime, started.record, worker_id)
 
     def _record_outcome(self, runtime: Runtime, ctx: JobContext, outcome: Outcome) -> Any:
         """Write the attempt's outcome to the store (fenced on attempt and worker), then tell
