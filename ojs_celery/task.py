@@ -143,7 +143,7 @@ class OJSTask(Task):  # type: ignore[misc]
     def _start(self, runtime: Runtime, job_id: str, worker_id: str) -> JobContext:
         """Start the attempt this message asks for, or raise ``Ignore`` (the message is
         dropped: nothing to start) or ``Reject`` with requeue (it goes back to the broker:
-        whether it may start could not be decided)."""
+        whether it may start could not be decided, or its job's record may still come)."""
         arrived = arrival.read(self.request, job_id)
         if arrived.token is None:
             logger.error("ojs_celery: job %s: message dropped, its ojs header is unusable (%s); "
@@ -162,6 +162,15 @@ class OJSTask(Task):  # type: ignore[misc]
                          "%r", job_id, exc, exc_info=True)
             time.sleep(STORE_DOWN_PAUSE)
             raise Reject(f"start undecided: {exc}", requeue=True) from exc
+        if started.reason == "unknown_job":
+            if arrived.record_may_come():
+                logger.warning("ojs_celery: job %s has no record yet (its insert may be in "
+                               "flight): its message goes back to the broker", job_id)
+                time.sleep(STORE_DOWN_PAUSE)
+                raise Reject("job record not written yet", requeue=True)
+            logger.error("ojs_celery: job %s has no record and its message is older than %ss: "
+                         "dropped as an orphan", job_id, arrival.ORPHAN_AFTER)
+            raise Ignore()
         try:
             carry_out(runtime, started)
         except Exception as exc:  # the store decided; its events must not undo that
