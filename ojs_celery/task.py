@@ -11,17 +11,15 @@ RETRY, FAILURE) when the store accepted it. Celery's own retry paths (``self.ret
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
 
-import billiard.pool
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 
-from . import arrival, lifecycle
+from . import arrival, lifecycle, softlimit
 from .api import enqueue_job
 from .context import JobContext, _current, maybe_current_job
 from .effects import carry_out
@@ -129,16 +127,29 @@ class OJSTask(Task):  # type: ignore[misc]
         if self.request.called_directly or not arrival.has_header(self.request):
             return self.run(*args, **kwargs)
         runtime = get_runtime(self.app)
-        ctx = self._start(runtime, str(self.request.id), current_worker_id())
-        _watch_soft_limit()
-        reset = _current.set(ctx)
+        softlimit.watch()
+        softlimit.hold()  # until the handler's first line, and again after its last
         try:
-            outcome = run_handler(lambda: self.run(*args, **kwargs))
+            ctx = self._start(runtime, str(self.request.id), current_worker_id())
+            reset = _current.set(ctx)
+            try:
+                outcome = run_handler(lambda: self._run_released(args, kwargs))
+            finally:
+                _current.reset(reset)
+            if isinstance(outcome, TimedOut):
+                ctx.cancelled = True
+            return self._record_outcome(runtime, ctx, outcome)
         finally:
-            _current.reset(reset)
-        if isinstance(outcome, TimedOut):
-            ctx.cancelled = True
-        return self._record_outcome(runtime, ctx, outcome)
+            softlimit.forget()
+
+    def _run_released(self, args: Any, kwargs: Any) -> Any:
+        """The handler, with the soft limit no longer held: one that fired during the start
+        times the attempt out before the handler's first line."""
+        softlimit.release()
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            softlimit.hold()
 
     def _start(self, runtime: Runtime, job_id: str, worker_id: str) -> JobContext:
         """Start the attempt this message asks for, or raise ``Ignore`` (the message is
@@ -291,45 +302,3 @@ def _write(operation: Callable[[], Transition]) -> Transition | None:
             logger.warning("ojs_celery: store write failed, retrying: %s", exc)
             time.sleep(pause)
             pause = min(pause * 2, 5.0)
-
-
-_soft_watch_installed = False
-
-
-def _watch_soft_limit() -> None:
-    """Mark the current job cancelled when the soft time limit fires, before billiard's
-    handler raises ``SoftTimeLimitExceeded`` in the handler.
-
-    billiard gives no hook for this: a prefork child installs its own handler,
-    ``billiard.pool.soft_timeout_sighandler``, for ``billiard.pool.SIG_SOFT_TIMEOUT`` (SIGUSR1)
-    in ``Worker.after_fork``; we chain in front of it when, and only when,
-    that exact function is installed (any other pool, or a handler of the project's own, is
-    left alone). Checked on Celery 5.7.0 with billiard 4.3.2.
-    """
-    global _soft_watch_installed
-    if _soft_watch_installed:
-        return
-    _soft_watch_installed = True
-    signum = getattr(billiard.pool, "SIG_SOFT_TIMEOUT", None)
-    billiard_handler: Callable[[int, Any], None] | None = getattr(
-        billiard.pool, "soft_timeout_sighandler", None)
-    if signum is None or billiard_handler is None:
-        return
-    chained = billiard_handler
-    try:
-        previous = signal.getsignal(signum)
-    except ValueError:
-        return
-    if previous is not billiard_handler:
-        return  # not a prefork child: no soft limit to watch
-
-    def on_soft_limit(signum: int, frame: Any) -> None:
-        ctx = maybe_current_job()
-        if ctx is not None:
-            ctx.cancelled = True
-        chained(signum, frame)
-
-    try:
-        signal.signal(signum, on_soft_limit)
-    except ValueError:  # not the main thread (threads pool): nothing to watch
-        pass
