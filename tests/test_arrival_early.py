@@ -18,9 +18,9 @@ from tests.conftest import Env, start_env
 from tests.workers import wait_for
 
 
-@pytest.fixture
-def env(tmp_path: pathlib.Path) -> Iterator[Env]:
-    with start_env("filesystem", tmp_path, concurrency=1) as started:
+@pytest.fixture(params=["filesystem", "redis"])
+def env(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Env]:
+    with start_env(request.param, tmp_path, concurrency=1) as started:
         yield started
 
 
