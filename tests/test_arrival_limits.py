@@ -24,7 +24,7 @@ from tests.workers import wait_for
 
 @pytest.fixture
 def env(tmp_path: pathlib.Path) -> Iterator[Env]:
-    with start_env("filesystem", tmp_path, concurrency=4,
+    with start_env("filesystem", tmp_path, concurrency=5,
                    config={"slow_bookkeeping": True}) as started:
         yield started
 
@@ -50,6 +50,8 @@ def test_time_limits_in_the_bookkeeping_end_in_an_outcome(env: Env) -> None:
     # The hard limit (2 s) kills the child inside the start write: the attempt never started,
     # so the message goes back to the broker and the job runs once.
     killed = slowed(env, "start", 8, grace=1)
+    # ... inside the outcome's write: the main process fails the attempt by its token.
+    killed_late = slowed(env, "complete", 8, grace=1)
 
     for job_id in (before, after):
         done = env.wait_state(job_id, "completed", timeout=60)
@@ -65,3 +67,7 @@ def test_time_limits_in_the_bookkeeping_end_in_an_outcome(env: Env) -> None:
     done = env.wait_state(killed, "completed", timeout=60)
     assert (done.attempt, done.errors) == (1, [])
     assert runs(env, killed) == [f"{SLOW_TYPE} {killed} attempt=1"]
+
+    done = env.wait_state(killed_late, "completed", timeout=60)
+    assert done.attempt == 2
+    assert [(e["attempt"], e["type"]) for e in done.errors] == [(1, "timeout")]
