@@ -42,12 +42,18 @@ def build(job: Job, token: int, record: Record | None = None) -> dict[str, Any]:
     return header
 
 
-def of_task_request(request: Any) -> dict[str, Any] | None:
-    """The header as a pool process sees it (``task.request``), or None: not an OJS message."""
-    headers = getattr(request, "headers", None) or {}
-    header = headers.get(NAME) if isinstance(headers, dict) else None
-    header = header or getattr(request, NAME, None)
-    return header if isinstance(header, dict) else None
+#: What :func:`of_task_request` returns for a message without an ``ojs`` header.
+ABSENT: Any = object()
+
+
+def of_task_request(request: Any) -> Any:
+    """The header as a pool process sees it (``task.request``), as it was sent (any shape:
+    :mod:`ojs_celery.arrival` decides what an unusable one means), or :data:`ABSENT` when the
+    message has none (a plain Celery message)."""
+    headers = getattr(request, "headers", None)
+    if isinstance(headers, dict) and NAME in headers:
+        return headers[NAME]
+    return getattr(request, NAME, ABSENT)
 
 
 def of_request(request: Any) -> dict[str, Any] | None:
@@ -59,9 +65,15 @@ def of_request(request: Any) -> dict[str, Any] | None:
 def token_of(request: Any) -> int | None:
     """The dispatch token of a worker ``Request`` (None for a message that is no OJS job)."""
     header = of_request(request)
-    if header is not None and "token" in header:
-        return int(header["token"])
-    return None
+    return None if header is None else parse_token(header.get("token"))
+
+
+def parse_token(value: Any) -> int | None:
+    """A dispatch token as the producer writes it (an integer), or None: a malformed header
+    must neither start an attempt nor break a worker loop that lists its messages."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value
 
 
 def snapshot(header: dict[str, Any], job_id: str) -> Record | None:

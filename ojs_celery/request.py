@@ -5,6 +5,11 @@ The main process fails the attempt in the store instead, once per attempt althou
 reports a hard timeout up to three times (the compare-and-set on the attempt rejects the
 repeats), and tells Celery's result backend only what the store accepted: RETRY when the job
 will run again (no errbacks), FAILURE when it was discarded, nothing for a stale attempt.
+
+A message whose child died, or hit a time limit, before its attempt started (the store still
+shows the job waiting for this very token; or the store cannot say) goes back to the broker
+instead of being acked: it is dispatched again, where an ack would leave the job waiting for the
+sweeper's redispatch backstop.
 """
 
 from __future__ import annotations
@@ -14,17 +19,16 @@ import time
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
-from billiard.exceptions import TimeLimitExceeded, WorkerLostError
+from billiard.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
-from . import lifecycle
+from . import arrival, lifecycle
 from .effects import carry_out
-from .header import token_of
+from .header import of_request, token_of
 from .identity import current_worker_id
 from .lifecycle import Transition
 from .runtime import get_runtime
-from .store import StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +37,16 @@ class OJSRequest(Request):  # type: ignore[misc]
     """Celery ``Request`` for OJS tasks (``OJSTask.Request``)."""
 
     #: What the main process wrote for this message's attempt ("retried", "discarded",
-    #: "stale", "plain"), so that Celery's repeated reports of one hard timeout write once.
+    #: "stale", "plain", "unstarted": the message goes back to the broker), so that Celery's
+    #: repeated reports of one hard timeout write once.
     _ojs_failure_recorded: str | None = None
 
     def _ojs_token(self) -> int | None:
         return token_of(self)
 
     def _ojs_fail(self, error: dict[str, Any]) -> str:
-        """Fail this message's attempt in the store; returns 'retried', 'discarded' or 'stale'."""
+        """Fail this message's attempt in the store; returns 'retried', 'discarded', 'stale',
+        or 'unstarted' (the attempt never started, or the store cannot say: requeue)."""
         if self._ojs_failure_recorded is not None:
             return "stale"
         token = self._ojs_token()
@@ -50,11 +56,17 @@ class OJSRequest(Request):  # type: ignore[misc]
         runtime = get_runtime(self.task.app)
         try:
             done: Transition = runtime.store.fail_token(self.id, token, current_worker_id(), error)
-        except StoreError as exc:
-            logger.error("ojs_celery: cannot record the failure of job %s: %s", self.id, exc)
-            self._ojs_failure_recorded = "stale"
-            return "stale"
+        except Exception as exc:  # StoreError or any other: undecided, the broker keeps it
+            logger.error("ojs_celery: cannot record the failure of job %s, its message goes back "
+                         "to the broker: %s", self.id, exc)
+            self._ojs_failure_recorded = "unstarted"
+            return "unstarted"
         if done.record is None:
+            if self._ojs_unstarted(done, token):
+                logger.warning("ojs_celery: job %s ended before its attempt started (%s): its "
+                               "message goes back to the broker", self.id, error.get("type"))
+                self._ojs_failure_recorded = "unstarted"
+                return "unstarted"
             logger.info("ojs_celery: late failure of job %s ignored (%s)", self.id, done.reason)
             self._ojs_failure_recorded = "stale"
             return "stale"
@@ -62,6 +74,20 @@ class OJSRequest(Request):  # type: ignore[misc]
         retried = done.record.job.state == "retryable"
         self._ojs_failure_recorded = "retried" if retried else "discarded"
         return self._ojs_failure_recorded
+
+    def _ojs_unstarted(self, done: Transition, token: int) -> bool:
+        """Did this message never start its attempt (the job still waits for its token, or
+        has no record yet while one may still come)?"""
+        record = done.previous
+        if record is None:
+            header = of_request(self)
+            return header is not None and arrival.parse(header, self.id).record_may_come()
+        return record.token == token and record.job.state in lifecycle.STARTABLE
+
+    def _ojs_requeue(self) -> None:
+        """Send the message back to the broker: its job was not started by it."""
+        task_ready(self)
+        self.reject(requeue=True)
 
     def _elapsed(self) -> float:
         started = self.time_start or time.time()
@@ -83,7 +109,9 @@ class OJSRequest(Request):  # type: ignore[misc]
         )
         first = self._ojs_failure_recorded is None
         outcome = self._ojs_fail(error)
-        if outcome in ("discarded", "plain") and first:
+        if outcome == "unstarted" and first:
+            self._ojs_requeue()
+        elif outcome in ("discarded", "plain") and first:
             super().on_timeout(False, timeout)
         else:
             self._ack_without_failure(outcome, TimeLimitExceeded(timeout))
@@ -107,10 +135,35 @@ class OJSRequest(Request):  # type: ignore[misc]
             if isinstance(exc, TimeLimitExceeded):
                 self._hard_timeout(float(exc.args[0]) if exc.args else 0.0)
                 return
+            if isinstance(exc, SoftTimeLimitExceeded) and self._ojs_soft_limit_before_start():
+                return
             if isinstance(exc, WorkerLostError):
                 error = lifecycle.make_error("WorkerLostError", str(exc))
                 outcome = self._ojs_fail(error)
+                if outcome == "unstarted":
+                    self._ojs_requeue()
+                    return
                 if outcome != "discarded":
                     self._ack_without_failure(outcome, exc)
                     return
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def _ojs_soft_limit_before_start(self) -> bool:
+        """The soft limit escaped the task in Celery's own code before ``OJSTask`` could hold
+        it (the pool had started its clock): if the job still waits for this message's token,
+        the message goes back to the broker (True); else Celery reports it as usual."""
+        token = self._ojs_token()
+        if token is None:
+            return False
+        try:
+            record = get_runtime(self.task.app).store.get_record(self.id)
+        except Exception as exc:
+            logger.error("ojs_celery: cannot read job %s: %s", self.id, exc)
+            record = None
+        if record is None or record.token != token or record.job.state not in lifecycle.STARTABLE:
+            return False
+        logger.warning("ojs_celery: the soft time limit of job %s fired before its attempt "
+                       "started: its message goes back to the broker", self.id)
+        self._ojs_failure_recorded = "unstarted"
+        self._ojs_requeue()
+        return True

@@ -11,19 +11,16 @@ RETRY, FAILURE) when the store accepted it. Celery's own retry paths (``self.ret
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
 
-import billiard.pool
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 from celery.utils.time import maybe_make_aware
 
-from . import header as ojs_header
-from . import lifecycle
+from . import arrival, lifecycle, softlimit
 from .api import enqueue_job
 from .canvas import canvas_options
 from .context import JobContext, _current, maybe_current_job
@@ -183,39 +180,77 @@ class OJSTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.request.is_eager:
             return run_eagerly(self, lambda: self.run(*args, **kwargs))
-        header = ojs_header.of_task_request(self.request)
-        if header is None or self.request.called_directly:
+        if self.request.called_directly or not arrival.has_header(self.request):
             # A direct call, or a message without an ``ojs`` header (published before
             # ``install()``, or by a plain Celery producer): it runs as the plain Celery task
             # it was sent as, and its ``self.retry()`` publishes a plain message again
             # (:func:`_plain_republish`), bounded by Celery's ``max_retries``.
             return self.run(*args, **kwargs)
         runtime = get_runtime(self.app)
-        worker_id = current_worker_id()
-        job_id = str(self.request.id)
+        softlimit.watch()
+        softlimit.hold()  # until the handler's first line, and again after its last
         try:
-            started = runtime.store.start(job_id, int(header["token"]), worker_id,
-                                          hint=ojs_header.snapshot(header, job_id))
+            ctx = self._start(runtime, str(self.request.id), current_worker_id())
+            reset = _current.set(ctx)
+            try:
+                outcome = run_handler(lambda: self._run_released(args, kwargs))
+            finally:
+                _current.reset(reset)
+            if isinstance(outcome, TimedOut):
+                ctx.cancelled = True
+            return self._record_outcome(runtime, ctx, outcome)
+        finally:
+            softlimit.forget()
+
+    def _run_released(self, args: Any, kwargs: Any) -> Any:
+        """The handler, with the soft limit no longer held: one that fired during the start
+        times the attempt out before the handler's first line."""
+        softlimit.release()
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            softlimit.hold()
+
+    def _start(self, runtime: Runtime, job_id: str, worker_id: str) -> JobContext:
+        """Start the attempt this message asks for, or raise ``Ignore`` (the message is
+        dropped: nothing to start) or ``Reject`` with requeue (it goes back to the broker:
+        whether it may start could not be decided, or its job's record may still come)."""
+        arrived = arrival.read(self.request, job_id)
+        if arrived.token is None:
+            logger.error("ojs_celery: job %s: message dropped, its ojs header is unusable (%s); "
+                         "the sweeper publishes the job again after redispatch_after",
+                         job_id, arrived.problem)
+            raise Ignore()
+        try:
+            started = arrival.start(runtime.store, job_id, arrived, worker_id)
         except StoreError as exc:
             logger.error("ojs_celery: store unreachable, job %s goes back to the broker: %s",
                          job_id, exc)
             time.sleep(STORE_DOWN_PAUSE)
             raise Reject(f"store unreachable: {exc}", requeue=True) from exc
-        carry_out(runtime, started)
+        except Exception as exc:  # any other error: undecided, the broker keeps the message
+            logger.error("ojs_celery: cannot start job %s, its message goes back to the broker: "
+                         "%r", job_id, exc, exc_info=True)
+            time.sleep(STORE_DOWN_PAUSE)
+            raise Reject(f"start undecided: {exc}", requeue=True) from exc
+        if started.reason == "unknown_job":
+            if arrived.record_may_come():
+                logger.warning("ojs_celery: job %s has no record yet (its insert may be in "
+                               "flight): its message goes back to the broker", job_id)
+                time.sleep(STORE_DOWN_PAUSE)
+                raise Reject("job record not written yet", requeue=True)
+            logger.error("ojs_celery: job %s has no record and its message is older than %ss: "
+                         "dropped as an orphan", job_id, arrival.ORPHAN_AFTER)
+            raise Ignore()
+        try:
+            carry_out(runtime, started)
+        except Exception as exc:  # the store decided; its events must not undo that
+            logger.error("ojs_celery: job %s: effects of its start failed: %r", job_id, exc)
         if started.record is None or started.record.job.state != "active":
             logger.info("ojs_celery: job %s not started (%s): message dropped", job_id,
                         started.reason)
             raise Ignore()
-        ctx = JobContext(runtime, started.record, worker_id)
-        _watch_soft_limit()
-        reset = _current.set(ctx)
-        try:
-            outcome = run_handler(lambda: self.run(*args, **kwargs))
-        finally:
-            _current.reset(reset)
-        if isinstance(outcome, TimedOut):
-            ctx.cancelled = True
-        return self._record_outcome(runtime, ctx, outcome)
+        return JobContext(runtime, started.record, worker_id)
 
     def _record_outcome(self, runtime: Runtime, ctx: JobContext, outcome: Outcome) -> Any:
         """Write the attempt's outcome to the store (fenced on attempt and worker), then tell
@@ -306,7 +341,7 @@ def _plain_republish(task: OJSTask, options: dict[str, Any]) -> bool:
         return False
     if not request.id or options.get("task_id") != request.id:
         return False
-    return ojs_header.of_task_request(request) is None
+    return not arrival.has_header(request)
 
 
 def _worker_is_draining(runtime: Runtime, worker_id: str, job_id: str) -> bool:
@@ -355,45 +390,3 @@ def _write(operation: Callable[[], Transition]) -> Transition | None:
             logger.warning("ojs_celery: store write failed, retrying: %s", exc)
             time.sleep(pause)
             pause = min(pause * 2, 5.0)
-
-
-_soft_watch_installed = False
-
-
-def _watch_soft_limit() -> None:
-    """Mark the current job cancelled when the soft time limit fires, before billiard's
-    handler raises ``SoftTimeLimitExceeded`` in the handler.
-
-    billiard gives no hook for this: a prefork child installs its own handler,
-    ``billiard.pool.soft_timeout_sighandler``, for ``billiard.pool.SIG_SOFT_TIMEOUT`` (SIGUSR1)
-    in ``Worker.after_fork``; we chain in front of it when, and only when,
-    that exact function is installed (any other pool, or a handler of the project's own, is
-    left alone). Checked on Celery 5.7.0 with billiard 4.3.2.
-    """
-    global _soft_watch_installed
-    if _soft_watch_installed:
-        return
-    _soft_watch_installed = True
-    signum = getattr(billiard.pool, "SIG_SOFT_TIMEOUT", None)
-    billiard_handler: Callable[[int, Any], None] | None = getattr(
-        billiard.pool, "soft_timeout_sighandler", None)
-    if signum is None or billiard_handler is None:
-        return
-    chained = billiard_handler
-    try:
-        previous = signal.getsignal(signum)
-    except ValueError:
-        return
-    if previous is not billiard_handler:
-        return  # not a prefork child: no soft limit to watch
-
-    def on_soft_limit(signum: int, frame: Any) -> None:
-        ctx = maybe_current_job()
-        if ctx is not None:
-            ctx.cancelled = True
-        chained(signum, frame)
-
-    try:
-        signal.signal(signum, on_soft_limit)
-    except ValueError:  # not the main thread (threads pool): nothing to watch
-        pass

@@ -18,6 +18,10 @@ from celery import Celery, signals
 from celery.exceptions import Ignore, Reject
 
 from ojs_celery import JobError, OJSTask, current_job, install
+from ojs_celery.store import JobStore
+
+#: Jobs of this type are slowed in their own store writes (with ``slow_bookkeeping`` set).
+SLOW_TYPE = "e2e.slow_bookkeeping"
 
 
 def record(directory: str, name: str, line: str) -> None:
@@ -42,9 +46,11 @@ def make_app(config: dict[str, Any]) -> Celery:
         ojs=config["ojs"],
         **config.get("celery", {}),
     )
-    install(app)
+    runtime = install(app)
     app._ojs_e2e_config = config
     directory = config["dir"]
+    if config.get("slow_bookkeeping"):
+        slow_bookkeeping(runtime.store, directory)
 
     @app.task(shared=False, name="e2e.add", base=OJSTask)
     def add(a: int, b: int) -> int:
@@ -314,6 +320,13 @@ def make_app(config: dict[str, Any]) -> Celery:
     def fn_routed(self: OJSTask, route_to: str) -> dict[str, Any]:
         return where(self)
 
+    @app.task(shared=False, name=SLOW_TYPE, base=OJSTask)
+    def slow(where: str, seconds: float) -> str:
+        """Returns at once; its store writes are slowed (see :func:`slow_bookkeeping`)."""
+        ctx = current_job()
+        record(directory, "runs", f"{SLOW_TYPE} {ctx.job_id} attempt={ctx.attempt}")
+        return f"ok on {ctx.attempt}"
+
     def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
         if request is None or request.task.app is not app:
             return
@@ -339,6 +352,39 @@ def route_by_kwarg(name: str, args: Any, kwargs: Any, options: Any, task: Any = 
     if name == "e2e.fn_routed":
         return {"queue": str(kwargs["route_to"])}
     return None
+
+def slow_bookkeeping(store: JobStore, directory: str) -> None:
+    """Jobs of type SLOW_TYPE with args ``[where, seconds]`` sleep ``seconds`` in their first
+    start (``where`` "start": before the write; "started": after it) or their first completion
+    ("complete": before the write): a loaded machine on which a time limit fires there."""
+    for name, places in (("start", ("start", "started")), ("complete", ("complete",))):
+        original = getattr(store, name)
+
+        def slowed(*args: Any, _original: Any = original, _places: tuple[str, ...] = places,
+                   **kwargs: Any) -> Any:
+            hint = kwargs.get("hint")
+            job = hint.job if hint is not None else None
+            if (job is None or job.type != SLOW_TYPE or job.args[0] not in _places
+                    or not _first(directory, f"slowed-{job.id}")):
+                return _original(*args, **kwargs)
+            where, seconds = job.args[0], float(job.args[1])
+            if where == "started":
+                done = _original(*args, **kwargs)
+                time.sleep(seconds)
+                return done
+            time.sleep(seconds)
+            return _original(*args, **kwargs)
+
+        setattr(store, name, slowed)
+
+
+def _first(directory: str, marker: str) -> bool:
+    """True the first time ``marker`` is asked for, in any process."""
+    try:
+        os.close(os.open(pathlib.Path(directory) / marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
 
 
 app = make_app(json.loads(os.environ["OJS_E2E_CONFIG"])) if "OJS_E2E_CONFIG" in os.environ else None

@@ -1,0 +1,91 @@
+"""A message reaches a pool process: what its ``ojs`` header says, and what its start comes to.
+
+The job's record is the authority; the header only says which attempt the message may start
+(its dispatch token) and, for a job whose record cannot be found, how old the message is. So:
+
+* a header whose token is unusable (not an object, no integer ``token``) cannot be fenced: the
+  message is dropped with a log line naming the job, and the sweeper's redispatch backstop
+  (``redispatch_after``) publishes the job once more;
+* anything else wrong in it (a snapshot that does not decode, a missing ``created_at``) only
+  costs the shortcut it offered: the start reads the record;
+* a record that does not exist yet may still be on its way (the overlapped Redis enqueue
+  publishes while its insert is in flight): the start waits briefly for it, and the message then
+  goes back to the broker, until the header's ``created_at`` is older than
+  :data:`ORPHAN_AFTER` (the insert surely failed): then it is dropped as an orphan.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import header as ojs_header
+from .lifecycle import Record, Transition
+from .store import JobStore
+
+#: A message whose job has no record is an orphan once its ``created_at`` is this many seconds
+#: old: longer than any store write of the enqueue that published it can take (SQLite's busy
+#: timeout, redis-py's retries), so the insert it was published beside surely failed.
+ORPHAN_AFTER = 30.0
+#: How long a start waits in the pool process for a record that may still be being written,
+#: before the message goes back to the broker (the insert it follows normally lands in a few ms).
+RECORD_WAIT = 0.5
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What a message's ``ojs`` header says (``token`` None: unusable, ``problem`` says why)."""
+
+    token: int | None
+    created_at: float | None
+    snapshot: Record | None
+    problem: str | None = None
+
+    def record_may_come(self, now: float | None = None) -> bool:
+        """May the job's record still be written (a message younger than ORPHAN_AFTER)?"""
+        if self.created_at is None:
+            return False
+        at = time.time() if now is None else now
+        return at - self.created_at < ORPHAN_AFTER
+
+
+def has_header(request: Any) -> bool:
+    return ojs_header.of_task_request(request) is not ojs_header.ABSENT
+
+
+def read(request: Any, job_id: str) -> Arrival:
+    """The arrival of an OJS message (one with an ``ojs`` header, see :func:`has_header`)."""
+    return parse(ojs_header.of_task_request(request), job_id)
+
+
+def parse(raw: Any, job_id: str) -> Arrival:
+    if not isinstance(raw, dict):
+        return Arrival(None, None, None, f"the ojs header is a {type(raw).__name__}, not an object")
+    token = ojs_header.parse_token(raw.get("token"))
+    created_at = _seconds(raw.get("created_at"))
+    if token is None:
+        return Arrival(None, created_at, None, f"token {raw.get('token')!r} is not an integer")
+    return Arrival(token, created_at, ojs_header.snapshot(raw, job_id))
+
+
+def start(store: JobStore, job_id: str, arrival: Arrival, worker_id: str) -> Transition:
+    """Start the attempt the message asks for; a record that may still come is waited for
+    (at most :data:`RECORD_WAIT`). Store errors, and any other, reach the caller."""
+    assert arrival.token is not None
+    started = store.start(job_id, arrival.token, worker_id, hint=arrival.snapshot)
+    deadline = time.monotonic() + RECORD_WAIT
+    pause = 0.02
+    while started.reason == "unknown_job" and arrival.record_may_come():
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+        started = store.start(job_id, arrival.token, worker_id, hint=arrival.snapshot)
+    return started
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
