@@ -75,6 +75,20 @@ def broker_priority(app: Celery, priority: int, amqp_max: int) -> int | None:
     return None
 
 
+def ojs_priority_of(app: Celery, priority: int, amqp_max: int) -> int | None:
+    """A Celery caller's broker priority (``priority`` per call, task option, route) as the
+    OJS priority that :func:`broker_priority` maps back to it: the message gets the priority
+    it had under plain Celery. None: the broker has no priorities (the job keeps 0)."""
+    driver = broker_driver(app)
+    if driver == "amqp":
+        fraction = min(max(priority, 0), amqp_max) / amqp_max
+    elif driver == "redis":
+        fraction = 1 - min(max(priority, 0), 9) / 9
+    else:
+        return None
+    return round(fraction * 200 - 100)
+
+
 def broker_driver(app: Celery) -> str:
     """The broker's kind (``amqp``, ``redis``, ``filesystem``...), asked of kombu without
     connecting; cached per app."""

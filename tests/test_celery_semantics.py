@@ -18,9 +18,11 @@ from ojs_celery.envelope import CELERY_SEMANTICS_FIELD, Job, parse_envelope
 from ojs_celery.lifecycle import decide
 from ojs_celery.lifecycle.rules import celery_retries
 from ojs_celery.producer import (
+    broker_priority,
     celery_expires_at,
     celery_semantics_of,
     celery_time_fields,
+    ojs_priority_of,
     tasks_without_limit,
 )
 from tests.conftest import Env
@@ -81,6 +83,15 @@ def test_semantics_marker_from_the_task_and_the_settings(app: Celery) -> None:
         "max_retries": 3, "default_retry_delay": 180.0}
     assert celery_semantics_of(app.tasks["m.ojs"], Settings()) is None
     assert celery_semantics_of(app.tasks["m.plain"], Settings(celery_callers="ojs")) is None
+
+
+@pytest.mark.parametrize("url,top", [("redis://localhost:1/0", 9), ("amqp://localhost:1//", 10)])
+def test_a_celery_priority_round_trips_through_the_ojs_priority(url: str, top: int) -> None:
+    app = Celery("priorities", broker=url, set_as_current=False)
+    for priority in range(top + 1):
+        ojs = ojs_priority_of(app, priority, 10)
+        assert ojs is not None and -100 <= ojs <= 100
+        assert broker_priority(app, ojs, 10) == priority
 
 
 def test_an_envelope_cannot_set_the_marker() -> None:
