@@ -185,6 +185,17 @@ def test_time_limits_end_the_job_as_in_celery(env: Env) -> None:
     assert _runs(env, tag) == ["attempt=1"]
 
 
+def test_a_hard_time_limit_ends_the_job_as_in_celery(env: Env) -> None:
+    tag = unique("hard")
+    result = env.app.tasks["e2e.celery_hard_limit"].delay(tag)
+    job = env.wait_state(result.id, "discarded", timeout=40)
+    assert (job.timeout, job.grace_period) == (1, 0)
+    assert job.attempt == 1
+    assert job.error is not None and job.error["type"] == "timeout"
+    assert type(_failure(env, result.id).result).__name__ == "TimeLimitExceeded"
+    assert _runs(env, tag) == ["attempt=1"]
+
+
 def test_expires_is_checked_at_a_retry(env: Env) -> None:
     tag = unique("expires")
     result = env.app.tasks["e2e.celery_retry_later"].apply_async(args=[tag, 6], expires=4)
