@@ -24,6 +24,7 @@ from .conf import Settings
 from .envelope import (
     CELERY_KWARGS_FIELD,
     CELERY_OPTIONS_FIELD,
+    InvalidJob,
     Job,
     format_timestamp,
     from_epoch,
@@ -55,8 +56,16 @@ def celery_queue(app: Celery, ojs_queue: str) -> str:
 
 
 def ojs_queue_of(app: Celery, celery_queue_name: str | None) -> str:
+    """The record's name of a Celery queue: ``default`` for the app's default queue, any other
+    name as it is. A Celery queue named ``default`` that is not the app's default queue has no
+    name in the record (``default`` means the app's default): refused, not misrouted."""
     if not celery_queue_name or celery_queue_name == app.conf.task_default_queue:
         return DEFAULT_QUEUE
+    if celery_queue_name == DEFAULT_QUEUE:
+        raise InvalidJob([("queue", (
+            f'is the Celery queue "default", but the app\'s default queue is '
+            f'{app.conf.task_default_queue!r} and "default" in an OJS record means that queue: '
+            'rename the queue or set task_default_queue = "default"'))])
     return celery_queue_name
 
 

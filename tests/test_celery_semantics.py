@@ -12,7 +12,7 @@ import pytest
 from celery import Celery
 from celery.result import AsyncResult
 
-from ojs_celery import OJSTask, enqueue
+from ojs_celery import InvalidJob, OJSTask, enqueue
 from ojs_celery.conf import Settings
 from ojs_celery.envelope import CELERY_SEMANTICS_FIELD, Job, parse_envelope
 from ojs_celery.lifecycle import decide
@@ -23,6 +23,7 @@ from ojs_celery.producer import (
     celery_semantics_of,
     celery_time_fields,
     ojs_priority_of,
+    ojs_queue_of,
     tasks_without_limit,
 )
 from tests.conftest import Env
@@ -92,6 +93,15 @@ def test_a_celery_priority_round_trips_through_the_ojs_priority(url: str, top: i
         ojs = ojs_priority_of(app, priority, 10)
         assert ojs is not None and -100 <= ojs <= 100
         assert broker_priority(app, ojs, 10) == priority
+
+
+def test_queue_names_in_the_record(app: Celery) -> None:
+    assert ojs_queue_of(app, "celery") == "default"  # the app's default queue
+    assert ojs_queue_of(app, "proj:high_Priority") == "proj:high_Priority"
+    with pytest.raises(InvalidJob, match="task_default_queue"):
+        ojs_queue_of(app, "default")  # would be read back as the app's default queue
+    app.conf.task_default_queue = "default"
+    assert ojs_queue_of(app, "default") == "default"
 
 
 def test_an_envelope_cannot_set_the_marker() -> None:
