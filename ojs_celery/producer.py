@@ -289,15 +289,17 @@ _warned: set[str] = set()
 
 
 def warn_default_timeouts(sender: Any = None, **_: Any) -> None:
-    """At worker start, say loudly which OJS tasks run their Celery callers' jobs under the
-    OJS default timeout because they have no Celery time limit (once per task name)."""
-    from .runtime import get_runtime  # at worker start only
+    """When a worker is ready, say loudly which OJS tasks run their Celery callers' jobs under
+    the OJS default timeout because they have no Celery time limit (once per task name).
 
+    ``worker_ready``, not ``worker_init``: before the pool has forked, nothing may touch the
+    app's tasks or its OJS runtime (the prefork children would inherit what that opens); the
+    setting is read from the configuration as it is."""
     app = getattr(sender, "app", None)
-    try:
-        timeout = get_runtime(app).settings.default_timeout
-    except Exception:  # not an OJS app, or settings the worker reports itself
+    if app is None or not hasattr(app, "_ojs_runtime"):
         return
+    raw = app.conf.get("ojs") or {}
+    timeout = raw.get("default_timeout", Settings.model_fields["default_timeout"].default)
     for name in tasks_without_limit(app):
         if name in _warned:
             continue
@@ -308,4 +310,4 @@ def warn_default_timeouts(sender: Any = None, **_: Any) -> None:
             "%ss (setting default_timeout); set a time limit to choose another", name, timeout)
 
 
-signals.worker_init.connect(warn_default_timeouts, weak=False)
+signals.worker_ready.connect(warn_default_timeouts, weak=False)
