@@ -24,6 +24,7 @@ from .conf import Settings
 from .envelope import (
     CELERY_KWARGS_FIELD,
     CELERY_OPTIONS_FIELD,
+    InvalidJob,
     Job,
     format_timestamp,
     from_epoch,
@@ -57,8 +58,16 @@ def celery_queue(app: Celery, ojs_queue: str) -> str:
 
 
 def ojs_queue_of(app: Celery, celery_queue_name: str | None) -> str:
+    """The record's name of a Celery queue: ``default`` for the app's default queue, any other
+    name as it is. A Celery queue named ``default`` that is not the app's default queue has no
+    name in the record (``default`` means the app's default): refused, not misrouted."""
     if not celery_queue_name or celery_queue_name == app.conf.task_default_queue:
         return DEFAULT_QUEUE
+    if celery_queue_name == DEFAULT_QUEUE:
+        raise InvalidJob([("queue", (
+            f'is the Celery queue "default", but the app\'s default queue is '
+            f'{app.conf.task_default_queue!r} and "default" in an OJS record means that queue: '
+            'rename the queue or set task_default_queue = "default"'))])
     return celery_queue_name
 
 
@@ -75,6 +84,20 @@ def broker_priority(app: Celery, priority: int, amqp_max: int) -> int | None:
     if driver == "redis":
         return round((1 - fraction) * 9)
     return None
+
+
+def ojs_priority_of(app: Celery, priority: int, amqp_max: int) -> int | None:
+    """A Celery caller's broker priority (``priority`` per call, task option, route) as the
+    OJS priority that :func:`broker_priority` maps back to it: the message gets the priority
+    it had under plain Celery. None: the broker has no priorities (the job keeps 0)."""
+    driver = broker_driver(app)
+    if driver == "amqp":
+        fraction = min(max(priority, 0), amqp_max) / amqp_max
+    elif driver == "redis":
+        fraction = 1 - min(max(priority, 0), 9) / 9
+    else:
+        return None
+    return round(fraction * 200 - 100)
 
 
 def broker_driver(app: Celery) -> str:
@@ -268,15 +291,17 @@ _warned: set[str] = set()
 
 
 def warn_default_timeouts(sender: Any = None, **_: Any) -> None:
-    """At worker start, say loudly which OJS tasks run their Celery callers' jobs under the
-    OJS default timeout because they have no Celery time limit (once per task name)."""
-    from .runtime import get_runtime  # at worker start only
+    """When a worker is ready, say loudly which OJS tasks run their Celery callers' jobs under
+    the OJS default timeout because they have no Celery time limit (once per task name).
 
+    ``worker_ready``, not ``worker_init``: before the pool has forked, nothing may touch the
+    app's tasks or its OJS runtime (the prefork children would inherit what that opens); the
+    setting is read from the configuration as it is."""
     app = getattr(sender, "app", None)
-    try:
-        timeout = get_runtime(app).settings.default_timeout
-    except Exception:  # not an OJS app, or settings the worker reports itself
+    if app is None or not hasattr(app, "_ojs_runtime"):
         return
+    raw = app.conf.get("ojs") or {}
+    timeout = raw.get("default_timeout", Settings.model_fields["default_timeout"].default)
     for name in tasks_without_limit(app):
         if name in _warned:
             continue
@@ -287,4 +312,4 @@ def warn_default_timeouts(sender: Any = None, **_: Any) -> None:
             "%ss (setting default_timeout); set a time limit to choose another", name, timeout)
 
 
-signals.worker_init.connect(warn_default_timeouts, weak=False)
+signals.worker_ready.connect(warn_default_timeouts, weak=False)

@@ -50,6 +50,7 @@ from .producer import (
     celery_route,
     celery_semantics_of,
     celery_time_fields,
+    ojs_priority_of,
     ojs_queue_of,
     scheduled_at_from,
 )
@@ -115,6 +116,11 @@ class OJSTask(Task):  # type: ignore[misc]
         if when is not None:
             envelope["scheduled_at"] = when.isoformat()
         envelope.update(celery_time_fields(self.app, self, options, runtime.settings))
+        priority = options.get("priority", self.priority)
+        if isinstance(priority, int) and not isinstance(priority, bool):
+            mapped = ojs_priority_of(self.app, priority, runtime.settings.amqp_max_priority)
+            if mapped is not None:
+                envelope["priority"] = mapped
         expires_at = celery_expires_at(self, options, time.time())
         if expires_at is not None:
             envelope["expires_at"] = expires_at

@@ -271,6 +271,11 @@ def make_app(config: dict[str, Any]) -> Celery:
         record(directory, "celery", f"{tag} attempt={current_job().attempt}")
         time.sleep(30)
 
+    @app.task(shared=False, name="e2e.celery_hard_limit", base=OJSTask, time_limit=1)
+    def celery_hard_limit(tag: str) -> None:
+        record(directory, "celery", f"{tag} attempt={current_job().attempt}")
+        time.sleep(30)
+
     @app.task(shared=False, name="e2e.celery_retry_later", base=OJSTask, bind=True)
     def celery_retry_later(self: OJSTask, tag: str, countdown: float) -> None:
         record(directory, "celery", f"{tag} retries={self.request.retries}")

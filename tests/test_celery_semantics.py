@@ -12,15 +12,18 @@ import pytest
 from celery import Celery
 from celery.result import AsyncResult
 
-from ojs_celery import OJSTask, enqueue
+from ojs_celery import InvalidJob, OJSTask, enqueue
 from ojs_celery.conf import Settings
 from ojs_celery.envelope import CELERY_SEMANTICS_FIELD, Job, parse_envelope
 from ojs_celery.lifecycle import decide
 from ojs_celery.lifecycle.rules import celery_retries
 from ojs_celery.producer import (
+    broker_priority,
     celery_expires_at,
     celery_semantics_of,
     celery_time_fields,
+    ojs_priority_of,
+    ojs_queue_of,
     tasks_without_limit,
 )
 from tests.conftest import Env
@@ -81,6 +84,24 @@ def test_semantics_marker_from_the_task_and_the_settings(app: Celery) -> None:
         "max_retries": 3, "default_retry_delay": 180.0}
     assert celery_semantics_of(app.tasks["m.ojs"], Settings()) is None
     assert celery_semantics_of(app.tasks["m.plain"], Settings(celery_callers="ojs")) is None
+
+
+@pytest.mark.parametrize("url,top", [("redis://localhost:1/0", 9), ("amqp://localhost:1//", 10)])
+def test_a_celery_priority_round_trips_through_the_ojs_priority(url: str, top: int) -> None:
+    app = Celery("priorities", broker=url, set_as_current=False)
+    for priority in range(top + 1):
+        ojs = ojs_priority_of(app, priority, 10)
+        assert ojs is not None and -100 <= ojs <= 100
+        assert broker_priority(app, ojs, 10) == priority
+
+
+def test_queue_names_in_the_record(app: Celery) -> None:
+    assert ojs_queue_of(app, "celery") == "default"  # the app's default queue
+    assert ojs_queue_of(app, "proj:high_Priority") == "proj:high_Priority"
+    with pytest.raises(InvalidJob, match="task_default_queue"):
+        ojs_queue_of(app, "default")  # would be read back as the app's default queue
+    app.conf.task_default_queue = "default"
+    assert ojs_queue_of(app, "default") == "default"
 
 
 def test_an_envelope_cannot_set_the_marker() -> None:
@@ -171,6 +192,17 @@ def test_time_limits_end_the_job_as_in_celery(env: Env) -> None:
     assert job.attempt == 1
     assert job.error is not None and job.error["type"] == "timeout"
     assert "TimeLimitExceeded" in type(_failure(env, result.id).result).__name__
+    assert _runs(env, tag) == ["attempt=1"]
+
+
+def test_a_hard_time_limit_ends_the_job_as_in_celery(env: Env) -> None:
+    tag = unique("hard")
+    result = env.app.tasks["e2e.celery_hard_limit"].delay(tag)
+    job = env.wait_state(result.id, "discarded", timeout=40)
+    assert (job.timeout, job.grace_period) == (1, 0)
+    assert job.attempt == 1
+    assert job.error is not None and job.error["type"] == "timeout"
+    assert type(_failure(env, result.id).result).__name__ == "TimeLimitExceeded"
     assert _runs(env, tag) == ["attempt=1"]
 
 
