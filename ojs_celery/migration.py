@@ -121,12 +121,13 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
     delay = getattr(task, "default_retry_delay", 180)
     backoff = getattr(task, "retry_backoff", False)
     if backoff:
-        retry["initial_interval"] = f"PT{int(backoff) if backoff is not True else 1}S"
+        # Celery's autoretry: countdown = int(max(1, retry_backoff)) * 2 ** retries, capped
+        retry["initial_interval"] = _duration(int(max(1.0, float(backoff))))
         retry["backoff_coefficient"] = 2.0
-        retry["max_interval"] = f"PT{int(getattr(task, 'retry_backoff_max', 600))}S"
+        retry["max_interval"] = _duration(getattr(task, "retry_backoff_max", 600))
         retry["jitter"] = bool(getattr(task, "retry_jitter", True))
     else:
-        retry["initial_interval"] = f"PT{int(delay)}S"
+        retry["initial_interval"] = _duration(delay)
         retry["backoff_coefficient"] = 1.0
     autoretry = getattr(task, "autoretry_for", ()) or ()
     if autoretry:
@@ -165,6 +166,11 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
                 f"and grace period ({held:g}s): RabbitMQ closes the channel of a worker "
                 "still running it (raise consumer_timeout, or x-consumer-timeout on the queue)")
     return report
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as an ISO 8601 duration (fractions kept: ``PT0.2S``)."""
+    return f"PT{float(seconds):g}S"
 
 
 def _limit(task: Any, name: str, default: Any) -> int | None:
