@@ -97,3 +97,12 @@ def test_manage_py_ojs_inspect_reports_the_shop() -> None:
     assert receipt["envelope"]["retry"]["max_attempts"] == 6
     report = tasks["orders.tasks.build_sales_report"]
     assert (report["envelope"]["timeout"], report["envelope"]["grace_period"]) == (2, 2)
+
+
+def test_bad_celery_ojs_stops_the_worker_at_start() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "shop", "worker", "--pool", "solo"],
+        cwd=HERE, text=True, capture_output=True, timeout=60,
+        env={**os.environ, "SHOP_OJS_EXTRA": json.dumps({"sweep_intervall": 1})})
+    assert result.returncode != 0
+    assert "CELERY_OJS: ojs.sweep_intervall" in result.stderr + result.stdout
