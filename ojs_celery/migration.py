@@ -9,12 +9,13 @@ RabbitMQ's default (30 minutes).
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from celery import Celery
 
-from .envelope import Job
+from .envelope import QUEUE_PATTERN, TYPE_PATTERN, Job
 from .install import _WEAK_POOLS, check_sweep_queue, pool_name
 from .producer import broker_driver, ojs_queue_of
 from .runtime import get_runtime
@@ -145,6 +146,9 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
             report.warnings.append(f"{option}={getattr(task, option)!r}: {what}")
     if getattr(task, "serializer", None) == "pickle" and conf.get("task_serializer") != "pickle":
         report.warnings.append("serializer='pickle': OJS jobs travel as JSON")
+    if report.ojs_type is not None and not re.match(TYPE_PATTERN, report.ojs_type):
+        report.warnings.append(f"{report.ojs_type!r} is not a valid OJS type: envelopes cannot "
+                               "name it (give the task an ojs_type, or map one in type_map)")
     if is_ojs and report.ojs_queue is not None and not _valid_ojs_queue(report.ojs_queue):
         report.warnings.append(f"queue {queue!r} is not a valid OJS queue name: envelopes "
                                "cannot name it")
@@ -199,8 +203,4 @@ def _consumer_timeout(app: Celery, queue_name: str) -> float:
 
 
 def _valid_ojs_queue(name: str) -> bool:
-    import re
-
-    from .envelope import QUEUE_PATTERN
-
     return re.match(QUEUE_PATTERN, name) is not None and len(name) <= 128
