@@ -9,12 +9,13 @@ RabbitMQ's default (30 minutes).
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from celery import Celery
 
-from .envelope import Job
+from .envelope import QUEUE_PATTERN, TYPE_PATTERN, Job
 from .install import _WEAK_POOLS, check_sweep_queue, pool_name
 from .producer import broker_driver, ojs_queue_of
 from .runtime import get_runtime
@@ -121,12 +122,13 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
     delay = getattr(task, "default_retry_delay", 180)
     backoff = getattr(task, "retry_backoff", False)
     if backoff:
-        retry["initial_interval"] = f"PT{int(backoff) if backoff is not True else 1}S"
+        # Celery's autoretry: countdown = int(max(1, retry_backoff)) * 2 ** retries, capped
+        retry["initial_interval"] = _duration(int(max(1.0, float(backoff))))
         retry["backoff_coefficient"] = 2.0
-        retry["max_interval"] = f"PT{int(getattr(task, 'retry_backoff_max', 600))}S"
+        retry["max_interval"] = _duration(getattr(task, "retry_backoff_max", 600))
         retry["jitter"] = bool(getattr(task, "retry_jitter", True))
     else:
-        retry["initial_interval"] = f"PT{int(delay)}S"
+        retry["initial_interval"] = _duration(delay)
         retry["backoff_coefficient"] = 1.0
     autoretry = getattr(task, "autoretry_for", ()) or ()
     if autoretry:
@@ -144,6 +146,9 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
             report.warnings.append(f"{option}={getattr(task, option)!r}: {what}")
     if getattr(task, "serializer", None) == "pickle" and conf.get("task_serializer") != "pickle":
         report.warnings.append("serializer='pickle': OJS jobs travel as JSON")
+    if report.ojs_type is not None and not re.match(TYPE_PATTERN, report.ojs_type):
+        report.warnings.append(f"{report.ojs_type!r} is not a valid OJS type: envelopes cannot "
+                               "name it (give the task an ojs_type, or map one in type_map)")
     if is_ojs and report.ojs_queue is not None and not _valid_ojs_queue(report.ojs_queue):
         report.warnings.append(f"queue {queue!r} is not a valid OJS queue name: envelopes "
                                "cannot name it")
@@ -165,6 +170,11 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
                 f"and grace period ({held:g}s): RabbitMQ closes the channel of a worker "
                 "still running it (raise consumer_timeout, or x-consumer-timeout on the queue)")
     return report
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as an ISO 8601 duration (fractions kept: ``PT0.2S``)."""
+    return f"PT{float(seconds):g}S"
 
 
 def _limit(task: Any, name: str, default: Any) -> int | None:
@@ -193,8 +203,4 @@ def _consumer_timeout(app: Celery, queue_name: str) -> float:
 
 
 def _valid_ojs_queue(name: str) -> bool:
-    import re
-
-    from .envelope import QUEUE_PATTERN
-
     return re.match(QUEUE_PATTERN, name) is not None and len(name) <= 128

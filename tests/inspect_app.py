@@ -73,3 +73,8 @@ def thumbnail(path: str) -> None:
 @amqp_app.task(name="video.legacy", serializer="pickle", time_limit=60, shared=False)
 def legacy(path: str) -> None:
     return None
+
+
+@amqp_app.task(name="Video:Upload", base=OJSTask, time_limit=60, shared=False)
+def upload(path: str) -> None:
+    return None

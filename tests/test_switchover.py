@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from kombu import Connection
 
 import ojs_celery
 from ojs_celery.install import check_sweep_queue, is_stale_sweep
@@ -28,6 +29,7 @@ from tests import services
 from tests.switchover_app import make_app
 from tests.workers import (
     ROOT,
+    amqp_config,
     filesystem_config,
     forget_redis_names,
     lines,
@@ -39,21 +41,40 @@ from tests.workers import (
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(params=["filesystem", "redis"])
+@pytest.fixture(params=["filesystem", "redis", "amqp"])
 def config(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[dict[str, Any]]:
-    if request.param == "redis":
-        reason = services.unreachable(services.redis_url(), 6379)
+    kind = request.param
+    if kind == "filesystem":
+        yield filesystem_config(tmp_path)
+        return
+    urls = ([services.redis_url()] if kind == "redis"
+            else [services.amqp_url(), services.postgres_url()])
+    for url, port in zip(urls, (6379,) if kind == "redis" else (5672, 5432), strict=True):
+        reason = services.unreachable(url, port)
         if reason:
             if services.services_required():
                 pytest.fail(reason)
             pytest.skip(reason)
-        cfg = redis_config(tmp_path, services.redis_url())
-        cfg["ojs"]["sweep_queue"] = unique("sweep")  # the shared Redis: no other run's sweeps
-        yield cfg
-        forget_redis_names(services.redis_url(), [cfg["queue"], cfg["ojs"]["store_prefix"],
-                                                 cfg["event_exchange"], cfg["ojs"]["sweep_queue"]])
+    cfg = (redis_config(tmp_path, urls[0]) if kind == "redis"
+           else amqp_config(tmp_path, urls[0], urls[1]))
+    cfg["ojs"]["sweep_queue"] = unique("sweep")  # shared servers: no other run's sweeps
+    yield cfg
+    store = get_runtime(make_app(cfg)).store
+    store.clear()
+    drop = getattr(store, "drop_tables", None)
+    if drop is not None:
+        drop()
+    names = [cfg["queue"], cfg["event_exchange"], cfg["ojs"]["sweep_queue"]]
+    if kind == "redis":
+        forget_redis_names(urls[0], [*names, cfg["ojs"]["store_prefix"]])
     else:
-        yield filesystem_config(tmp_path)
+        with Connection(urls[0]) as connection:
+            channel = connection.default_channel
+            for name in names[::2]:
+                try:
+                    channel.queue_delete(name)
+                except Exception:
+                    channel = connection.channel()
 
 
 @contextmanager

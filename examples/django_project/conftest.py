@@ -74,6 +74,11 @@ def worker() -> Iterator[subprocess.Popen[bytes]]:
 @pytest.fixture
 def beat(worker: subprocess.Popen[bytes]) -> Iterator[subprocess.Popen[bytes]]:
     """``celery beat`` with django-celery-beat's DatabaseScheduler (CELERY_BEAT_SCHEDULER)."""
+    yield from start_beat()
+
+
+def start_beat() -> Iterator[subprocess.Popen[bytes]]:
+    """Start ``celery beat`` (a generator: use it with ``contextlib.contextmanager``)."""
     yield from _celery("beat", "--pidfile", "", ready="beat: Starting")
 
 

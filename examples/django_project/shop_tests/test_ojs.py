@@ -86,3 +86,23 @@ def test_database_scheduler_runs_the_sweep(beat: subprocess.Popen[bytes]) -> Non
     started = time.time()
     wait_for(lambda: (last_sweep(get_runtime(app)) or 0) > started, TIMEOUT,
              "a sweep scheduled by the DatabaseScheduler")
+
+
+def test_manage_py_ojs_inspect_reports_the_shop() -> None:
+    result = manage("ojs", "inspect", "--json")
+    assert result.returncode == 0, result.stderr
+    tasks = {task["name"]: task for task in json.loads(result.stdout)["tasks"]}
+    receipt = tasks["orders.tasks.send_receipt"]
+    assert receipt["ojs"] and receipt["queue"] == "emails_high"
+    assert receipt["envelope"]["retry"]["max_attempts"] == 6
+    report = tasks["orders.tasks.build_sales_report"]
+    assert (report["envelope"]["timeout"], report["envelope"]["grace_period"]) == (2, 2)
+
+
+def test_bad_celery_ojs_stops_the_worker_at_start() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "shop", "worker", "--pool", "solo"],
+        cwd=HERE, text=True, capture_output=True, timeout=60,
+        env={**os.environ, "SHOP_OJS_EXTRA": json.dumps({"sweep_intervall": 1})})
+    assert result.returncode != 0
+    assert "CELERY_OJS: ojs.sweep_intervall" in result.stderr + result.stdout

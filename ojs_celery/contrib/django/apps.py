@@ -31,8 +31,8 @@ class OJSConfig(AppConfig):  # type: ignore[misc]
 
     def ready(self) -> None:
         app = celery_app()
-        install(app)
         try:
+            install(app)  # on an app configured already, this validates CELERY_OJS
             get_runtime(app).settings  # noqa: B018 - reads and validates CELERY_OJS
         except CeleryImproperlyConfigured as exc:
             lines = "\n".join(f"CELERY_OJS: {line.strip()}" for line in str(exc).splitlines()

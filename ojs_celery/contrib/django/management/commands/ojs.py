@@ -17,11 +17,18 @@ class Command(BaseCommand):  # type: ignore[misc]
     def run_from_argv(self, argv: list[str]) -> None:
         """Hand everything after ``manage.py ojs`` to the click commands unparsed (Django's
         argparse would reject their options); click exits with their statuses."""
-        app = celery_app()
-        install(app)
+        app = _loaded_app()
         commands.main(args=argv[2:], prog_name=f"{argv[0]} {argv[1]}", obj=app)
 
     def handle(self, *args: Any, **options: Any) -> None:  # call_command("ojs", ...)
-        app = celery_app()
-        install(app)
+        app = _loaded_app()
         commands.main(args=list(args), prog_name="ojs", obj=app, standalone_mode=False)
+
+
+def _loaded_app() -> Any:
+    """The project's Celery app with its tasks imported (``autodiscover_tasks`` imports them
+    when the loader imports the default modules, as ``celery -A`` does)."""
+    app = celery_app()
+    app.loader.import_default_modules()
+    install(app)
+    return app
