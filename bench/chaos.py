@@ -10,9 +10,9 @@ acknowledged write), used as broker, result backend and job store, and stops it 
 What runs: ``--workers`` (3) ``celery worker`` subprocesses (prefork, concurrency 2) of
 ``bench/chaosapp.py`` and two ``ojs-celery sweep --loop`` processes. A producer thread in this
 process enqueues ``--jobs`` jobs over the first 70 % of the chaos period (a producer that gets
-an exception retries with a new call, as a caller would). Jobs sleep 20 ms to 4 s; some fail
-on their first attempt, some on every attempt (discarded after their retries), some refuse for
-good at once.
+an exception retries with a new call, as a caller would). Jobs sleep 10 to 100 ms (one in 40
+for 1 to 3 s); one in 20 fails on its first attempt, one in 20 on every attempt (discarded after
+its 6 attempts), one in 20 refuses for good at once.
 
 The chaos, one action every 1 to 3 s for ``--duration`` seconds: kill -9 of a worker (its whole
 process group, or only its main process so that orphaned pool children go on), SIGSTOP of a
@@ -20,8 +20,9 @@ worker for 1 to 12 s (longer than the worker heartbeat timeout of 6 s: it is dec
 it sleeps, and finds its late outcomes rejected), a SIGTERM deploy (the worker drains, a new one
 starts when it has left), a Redis restart (SIGTERM, down 0 to 3 s, started again on the same
 port and dir), and ``CLIENT KILL TYPE normal`` (every client connection cut). A killed worker is
-replaced at once. Then every worker is resumed and the system gets ``--drain`` seconds (with the
-sweepers running) to finish.
+replaced at once. Then every worker is resumed and the system drains, with the sweepers
+running, until every job has ended or none has ended for ``--drain`` (60) seconds; then every
+process is killed and the checks run on what the store and the journals hold.
 
 What is checked, from the store and from the per-process journals the handlers and the OJS
 event signals write (see ``chaosapp.py``):
@@ -72,6 +73,7 @@ import ojs_celery  # noqa: E402
 TERMINAL = ("completed", "discarded", "cancelled")
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 HEARTBEAT_TIMEOUT = 6.0
+MAX_DRAIN = 900.0
 
 
 def free_port() -> int:
@@ -246,17 +248,17 @@ class Cluster:
 
 def job_plan(index: int, rng: random.Random) -> dict[str, Any]:
     """The envelope of job ``index``: mostly short, some long, some failing."""
-    kind = index % 20
-    seconds = rng.uniform(0.02, 0.2)
+    kind = index % 40
+    seconds = rng.uniform(0.01, 0.1)
     fail_before, fail = 0, "no"
-    if kind == 0:
+    if kind in (0, 20):
         fail = "retry"  # every attempt fails: discarded after its retries
-    elif kind == 1:
+    elif kind in (1, 21):
         fail_before = 2  # the first attempt fails, the second completes
-    elif kind == 2:
+    elif kind in (2, 22):
         fail = "final"
-    elif kind in (3, 4):
-        seconds = rng.uniform(1.0, 4.0)
+    elif kind == 3:
+        seconds = rng.uniform(1.0, 3.0)
     return {
         "type": "chaos.work",
         "args": [index, round(seconds, 3), fail_before, fail],
@@ -492,8 +494,9 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of chaos")
     parser.add_argument("--jobs", type=int, default=3000)
     parser.add_argument("--workers", type=int, default=3, help="celery workers (at most 3)")
-    parser.add_argument("--drain", type=float, default=120.0,
-                        help="seconds after the chaos for the jobs to end")
+    parser.add_argument("--drain", type=float, default=60.0,
+                        help="after the chaos, stop waiting for jobs to end once none has "
+                             "ended for this many seconds")
     parser.add_argument("--redispatch-after", type=float, default=None,
                         help="ojs.redispatch_after (default: the library's, an hour)")
     parser.add_argument("--seed", type=int, default=None)
@@ -536,6 +539,7 @@ def main() -> int:
                 if draining_count(cluster) == 0 or rng.random() < 0.5:
                     chaos_step(cluster, server, rng, tally, actions)
                     say(actions[-1])
+                    actions[-1] = f"{time.strftime('%H:%M:%S')} {actions[-1]}"
                 next_action = time.monotonic() + rng.uniform(1.0, 3.0)
             time.sleep(0.1)
         chaos_seconds = time.monotonic() - began
@@ -543,19 +547,25 @@ def main() -> int:
         cluster.resume_all()
         producer.join(timeout=options.drain)
         left = list(producer.accepted)
-        deadline = time.monotonic() + options.drain
-        while left and time.monotonic() < deadline:
+        drain_began = progress_at = time.monotonic()
+        while left and time.monotonic() - progress_at < options.drain \
+                and time.monotonic() - drain_began < MAX_DRAIN:
             cluster.tend()
+            before = len(left)
             left = pending(app, left)
+            if len(left) < before:
+                progress_at = time.monotonic()
             time.sleep(2.0)
-        say(f"drained in {time.monotonic() - began - chaos_seconds:.0f}s, {len(left)} not ended")
+        say(f"drained for {time.monotonic() - drain_began:.0f}s, {len(left)} not ended")
+        cluster.kill_everything()  # nothing may change while the journals and store are read
         client = redis.Redis.from_url(server.url)
         counts, problems = check(app, producer.accepted, directory, client, prefix)
         client.close()
+        (directory / "problems.txt").write_text("\n".join(problems) + "\n")
         for problem in problems[:30]:
             print(problem, file=sys.stderr)
         if len(problems) > 30:
-            print(f"... and {len(problems) - 30} more", file=sys.stderr)
+            print(f"... and {len(problems) - 30} more (all in problems.txt)", file=sys.stderr)
         if not producer.done.is_set():
             problems.append("the producer did not finish")
         errors = ", ".join(f"{n} {name}" for name, n in tally.enqueue_errors.items())
