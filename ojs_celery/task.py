@@ -248,8 +248,8 @@ class OJSTask(Task):  # type: ignore[misc]
             logger.error("ojs_celery: job %s has no record and its message is older than %ss: "
                          "dropped as an orphan", job_id, arrival.ORPHAN_AFTER)
             raise Ignore()
-        try:
-            carry_out(runtime, started)
+        try:  # a start that ended the job (expired) reports it: the handler never runs
+            carry_out(runtime, started, report_result=True)
         except Exception as exc:  # the store decided; its events must not undo that
             logger.error("ojs_celery: job %s: effects of its start failed: %r", job_id, exc)
         if started.record is None or started.record.job.state != "active":

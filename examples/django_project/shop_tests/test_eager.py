@@ -12,8 +12,6 @@ from orders.models import Order
 from orders.tasks import charge_card, line_total, send_receipt, tally
 from shop.celery import app
 
-from shop_tests.features import CANVAS, EAGER, MAX_RETRIES
-
 
 @pytest.fixture(autouse=True)
 def eager() -> Iterator[None]:
@@ -26,7 +24,6 @@ def order(total: int = 1000) -> Order:
     return Order.objects.create(email="ann@example.com", total_cents=total)
 
 
-@EAGER
 def test_receipt_retries_until_the_relay_accepts() -> None:
     """Celery's eager retry runs the retry at once, inside the first call (whose own result
     stays RETRY): the test looks at what the task did."""
@@ -36,7 +33,6 @@ def test_receipt_retries_until_the_relay_accepts() -> None:
     assert placed.receipt_sent
 
 
-@EAGER
 def test_charge_retries_transient_gateway_errors() -> None:
     placed = order()
     charge_card.delay(placed.id, failures=2)
@@ -44,8 +40,6 @@ def test_charge_retries_transient_gateway_errors() -> None:
     assert placed.charge_attempts == 3
 
 
-@EAGER
-@MAX_RETRIES
 def test_charge_gives_up_after_max_retries() -> None:
     placed = order()
     charge_card.delay(placed.id, failures=10)
@@ -53,7 +47,6 @@ def test_charge_gives_up_after_max_retries() -> None:
     assert placed.charge_attempts == 4  # the first call and max_retries=3
 
 
-@EAGER
 def test_placing_an_order_sends_its_receipt_after_commit() -> None:
     response = Client().post("/orders/", json.dumps({"email": "bo@example.com",
                                                      "total_cents": 250}),
@@ -62,8 +55,6 @@ def test_placing_an_order_sends_its_receipt_after_commit() -> None:
     assert Order.objects.get(pk=response.json()["id"]).receipt_sent
 
 
-@EAGER
-@CANVAS
 def test_chord_adds_up_the_order_totals() -> None:
     orders = [order(100), order(250), order(650)]
     assert chord(line_total.s(o.id) for o in orders)(tally.s()).get() == 1000

@@ -23,16 +23,6 @@ from orders.tasks import (
     tally,
 )
 
-from shop_tests.features import (
-    CANVAS,
-    EXPIRES,
-    MAX_RETRIES,
-    RETRIES_COUNT,
-    ROUTES,
-    TIME_LIMITS,
-    UNDERSCORE_QUEUES,
-)
-
 pytestmark = [pytest.mark.worker, pytest.mark.usefixtures("worker")]
 TIMEOUT = 30
 
@@ -41,7 +31,6 @@ def order(total: int = 1000) -> Order:
     return Order.objects.create(email="ann@example.com", total_cents=total)
 
 
-@RETRIES_COUNT
 def test_receipt_retries_until_the_relay_accepts() -> None:
     placed = order()
     result = send_receipt.delay(placed.id, busy_times=2)
@@ -50,8 +39,6 @@ def test_receipt_retries_until_the_relay_accepts() -> None:
     assert placed.receipt_sent
 
 
-@ROUTES
-@UNDERSCORE_QUEUES
 def test_receipts_run_from_the_routed_queue() -> None:
     result = send_receipt.delay(order().id)
     result.get(timeout=TIMEOUT)
@@ -63,7 +50,6 @@ def test_charge_retries_transient_gateway_errors_with_backoff() -> None:
     assert charge_card.delay(placed.id, failures=2).get(timeout=TIMEOUT) == 3
 
 
-@MAX_RETRIES
 def test_charge_gives_up_after_max_retries() -> None:
     placed = order()
     result = charge_card.delay(placed.id, failures=10)
@@ -73,19 +59,16 @@ def test_charge_gives_up_after_max_retries() -> None:
     assert placed.charge_attempts == 4
 
 
-@TIME_LIMITS
 def test_report_past_its_soft_limit_returns_what_it_has() -> None:
     result = build_sales_report.delay(seconds=6)
     assert result.get(timeout=TIMEOUT) == {"orders": None, "complete": False}
 
 
-@EXPIRES
 def test_a_receipt_due_after_it_expires_is_revoked() -> None:
     result = send_receipt.apply_async((order().id,), countdown=2, expires=0.5)
     wait_for(lambda: result.state == "REVOKED", TIMEOUT, "the expired receipt revoked")
 
 
-@CANVAS
 def test_chord_adds_up_the_order_totals() -> None:
     orders = [order(100), order(250), order(650)]
     assert chord(line_total.s(o.id) for o in orders)(tally.s()).get(timeout=TIMEOUT) == 1000
