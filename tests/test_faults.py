@@ -41,8 +41,8 @@ def test_store_down_when_a_message_arrives_sends_it_back_to_the_broker(
         blind = Worker(cut_off, tmp_path / "blind.log")
         try:
             blind.wait_ready()
-            wait_for(lambda: blind.log().count("store unreachable, job") >= 2, 20,
-                     "the message to come back and fail again")
+            wait_for(lambda: env.lines("postrun").count(f"{job.id} REJECTED") >= 2, 20,
+                     "the message to go back to the broker (REJECTED), come back and fail again")
         finally:
             blind.stop()
         assert env.job(job.id).state == "available"  # nothing happened to it
