@@ -473,6 +473,16 @@ def check(app: Any, accepted: dict[str, int], directory: pathlib.Path, client: r
     return dict(counts), problems
 
 
+def sweeps_applied(directory: pathlib.Path) -> Counter[str]:
+    """What the sweep loops did, by clock (from their ``sweep {...}`` log lines)."""
+    applied: Counter[str] = Counter()
+    for path in directory.glob("sweeper*.log"):
+        for match in re.finditer(r"'applied': \{([^}]*)\}", path.read_text(errors="replace")):
+            for clock, n in re.findall(r"'(\w+)': (\d+)", match.group(1)):
+                applied[clock] += int(n)
+    return applied
+
+
 def pending(app: Any, ids: list[str]) -> list[str]:
     left = []
     for job_id in ids:
@@ -569,13 +579,15 @@ def main() -> int:
         if not producer.done.is_set():
             problems.append("the producer did not finish")
         errors = ", ".join(f"{n} {name}" for name, n in tally.enqueue_errors.items())
+        applied = ", ".join(f"{clock} {n}" for clock, n in sweeps_applied(directory).most_common())
         print(f"chaos: {len(producer.accepted)} jobs, {counts.get('completed', 0)} completed, "
               f"{counts.get('discarded', 0)} discarded, {counts.get('lost', 0)} lost, "
               f"{counts.get('double', 0)} double runs, {counts.get('bad', 0)} bad ends, "
               f"{counts.get('phantom', 0)} phantoms, {tally.kills} kills, "
               f"{tally.stops} stops, {tally.deploys} deploys, {tally.restarts} redis restarts, "
               f"{tally.cuts} connection cuts in {chaos_seconds:.0f}s "
-              f"(enqueue retries: {errors or 'none'}; seed {seed})", flush=True)
+              f"(enqueue retries: {errors or 'none'}; sweeps applied: {applied or 'none'}; "
+              f"seed {seed})", flush=True)
         (directory / "actions.txt").write_text("\n".join(actions) + "\n")
         failed = bool(problems)
         return 1 if failed else 0
