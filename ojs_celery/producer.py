@@ -31,7 +31,7 @@ from .envelope import (
 )
 from .lifecycle import Publish, Record
 from .lifecycle.rules import celery_retries, celery_semantics
-from .runtime import Runtime
+from .runtime import Runtime, get_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -102,16 +102,8 @@ def ojs_priority_of(app: Celery, priority: int, amqp_max: int) -> int | None:
 
 def broker_driver(app: Celery) -> str:
     """The broker's kind (``amqp``, ``redis``, ``filesystem``...), asked of kombu without
-    connecting; cached per app."""
-    cached = getattr(app, "_ojs_broker_driver", None)
-    if cached is None:
-        try:
-            with app.connection_for_write() as connection:
-                cached = str(connection.transport.driver_type)
-        except ImportError:  # a transport whose client library is missing: no priorities
-            cached = "unknown"
-        app._ojs_broker_driver = cached
-    return str(cached)
+    connecting; kept by the app's OJS runtime."""
+    return get_runtime(app).broker_driver
 
 
 def time_limits(job: Job, start_at: float) -> tuple[float | None, float]:

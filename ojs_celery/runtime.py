@@ -54,6 +54,7 @@ class Runtime:
         self.bus = EventBus(app)
         self.acks = DispatchAcker(lambda: self.store)
         self._task_names: dict[str, str] = {}  # OJS type -> task name, found by task_name_for
+        self._broker_driver: str | None = None
 
     @property
     def settings(self) -> Settings:
@@ -82,6 +83,7 @@ class Runtime:
                 self._store.close()  # opened on an earlier configuration: reopen on next use
                 self._store = None
         self.bus.enabled = settings.events
+        self._broker_driver = None  # the configuration may name another broker
         for warning in settings.warnings():
             logger.warning("ojs_celery: %s", warning)
         return settings
@@ -122,6 +124,18 @@ class Runtime:
             f"type: {ojs_type!r} is not an OJS task (register it with "
             f"@app.task(name={ojs_type!r}, base=OJSTask) or map it in ojs.type_map)"
         )
+
+    @property
+    def broker_driver(self) -> str:
+        """The broker's kind (``amqp``, ``redis``, ``filesystem``...), asked of kombu once
+        without connecting (``unknown`` when the transport's client library is missing)."""
+        if self._broker_driver is None:
+            try:
+                with self.app.connection_for_write() as connection:
+                    self._broker_driver = str(connection.transport.driver_type)
+            except ImportError:
+                self._broker_driver = "unknown"
+        return self._broker_driver
 
     def flush(self) -> None:
         """Wait for this process's pending outbox acknowledgements and bus events."""

@@ -75,6 +75,6 @@ def legacy(path: str) -> None:
     return None
 
 
-@amqp_app.task(name="Video:Upload", base=OJSTask, time_limit=60, shared=False)
+@amqp_app.task(name="video upload", base=OJSTask, time_limit=60, shared=False)
 def upload(path: str) -> None:
     return None

@@ -71,7 +71,7 @@ def test_rabbitmq_consumer_timeout_from_the_queue_or_the_default() -> None:
     assert not any("sweep queue" in w for w in data["warnings"])  # install declared it
     assert any("serializer='pickle'" in w for w in tasks["video.legacy"]["warnings"])
     assert not tasks["video.legacy"]["ojs"]
-    assert any("not a valid OJS type" in w for w in tasks["Video:Upload"]["warnings"])
+    assert any("not a valid OJS type" in w for w in tasks["video upload"]["warnings"])
     assert not any("OJS type" in w for w in tasks["video.encode"]["warnings"])
 
 

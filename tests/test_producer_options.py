@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
+from ojs_celery import install
 from ojs_celery.envelope import Job, from_epoch, parse_envelope
 from ojs_celery.header import build as ojs_header
 from ojs_celery.header import snapshot as record_from_header
@@ -22,7 +23,9 @@ def _no_broker_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def app_for(broker: str | None) -> Celery:
-    return Celery("t", broker=broker, set_as_current=False)
+    app = Celery("t", broker=broker, set_as_current=False)
+    install(app)
+    return app
 
 
 def job(created_at: float | None = T0, **fields: Any) -> Job:
