@@ -135,7 +135,8 @@ class OJSTask(Task):  # type: ignore[misc]
         job_id = str(self.request.id)
         try:
             started = runtime.store.start(job_id, int(header["token"]), worker_id,
-                                          hint=ojs_header.snapshot(header, job_id))
+                                          hint=ojs_header.snapshot(header, job_id),
+                                          origin=ojs_header.origin(header))
         except StoreError as exc:
             logger.error("ojs_celery: store unreachable, job %s goes back to the broker: %s",
                          job_id, exc)

@@ -62,6 +62,13 @@ class Record:
     visibility timeout; ``dispatch_due`` is the outbox entry (a message is owed; the sweeper
     republishes it once this time has passed); ``promote_at`` is when a job held in the store
     (scheduled, or retrying after a long backoff) must be published.
+
+    Fencing (set by the store, never by a rule): ``nonce`` is the random nonce of the write
+    that made this version; a compare-and-set replaces the record only if it still carries the
+    version *and* nonce it was computed from, and a write whose reply was lost recognises its
+    own success by its nonce. ``origin`` is the nonce of the insert, kept for the job's life:
+    a message proves with it that it was published for this record, not for another job that
+    tried to take the same id.
     """
 
     job: Job
@@ -73,6 +80,8 @@ class Record:
     dispatch_due: float | None = None
     promote_at: float | None = None
     dead_letter: bool = False
+    nonce: str = ""
+    origin: str = ""
 
     def copy(self) -> Record:
         """A record to build the next version in: the job is copied shallowly, because the

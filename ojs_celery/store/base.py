@@ -4,13 +4,23 @@ A backend implements a handful of atomic primitives (insert, load, compare-and-s
 outbox acknowledgement, due-by-clock queries) and, on the same connection, the worker registry
 (:mod:`.workers`) and the meta area (:mod:`.meta`). Every state change goes through
 :meth:`JobStore.apply`: load the record, apply a pure rule from :mod:`ojs_celery.lifecycle`,
-write it back only if nobody wrote in between (the record's ``version``), else start over. So the
-rules live in one place and the backends only guarantee atomicity and indexing.
+write it back only if nobody wrote in between, else start over. So the rules live in one place
+and the backends only guarantee atomicity and indexing.
+
+Fencing: every write stores a fresh random ``nonce`` in the record, and a compare-and-set
+replaces the record only if it still carries the version *and* the nonce of the record the new
+one was computed from. A version number can be matched by another record (a job that tried to
+take an existing id was published with a snapshot of version 1, as the victim's first version
+is); a nonce is this record's alone. The insert's nonce stays in the record as ``origin``, the
+proof a message carries that it was published for this record. And a write whose reply was
+lost (the connection cut after the write was sent) recognises its own success by its nonce when
+it reads the record again, instead of mistaking itself for a lost race.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -28,8 +38,14 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 Rule = Callable[[Record], Transition]
-#: One compare-and-set write: the new record, the version it replaces, its deadlines.
-Write = tuple[Record, int, dict[str, float | None]]
+#: One compare-and-set write: the new record, the record it replaces (whose version and nonce
+#: the store must still hold), the new record's deadlines.
+Write = tuple[Record, Record, dict[str, float | None]]
+
+
+def new_nonce() -> str:
+    """A write nonce: 8 random bytes, unguessable and unique in practice (no round trip)."""
+    return os.urandom(8).hex()
 
 
 class StoreError(RuntimeError):
@@ -101,9 +117,9 @@ class JobStore(ABC):
         """The record with its current version, or None."""
 
     @abstractmethod
-    def _cas(self, record: Record, expected: int, deadlines: dict[str, float | None]) -> bool:
-        """Replace the record (and its deadline index entries) if its version is ``expected``;
-        the stored version becomes ``expected + 1``."""
+    def _cas(self, record: Record, previous: Record, deadlines: dict[str, float | None]) -> bool:
+        """Replace the record (and its deadline index entries) if it still has the version and
+        the nonce of ``previous``; the stored version becomes ``previous.version + 1``."""
 
     @abstractmethod
     def _ack_dispatch(self, job_id: str, token: int) -> bool:
@@ -140,7 +156,7 @@ class JobStore(ABC):
     def _cas_many(self, writes: Sequence[Write]) -> list[bool]:
         """Independent compare-and-set writes (see :meth:`_cas`): each applies or not on its
         own, whatever the others do; the result says which did."""
-        return [self._cas(record, expected, deadlines) for record, expected, deadlines in writes]
+        return [self._cas(record, previous, deadlines) for record, previous, deadlines in writes]
 
     def _ack_dispatch_many(self, acks: Sequence[tuple[str, int]]) -> list[bool]:
         """:meth:`_ack_dispatch` for each ``(job id, token)``."""
@@ -170,6 +186,7 @@ class JobStore(ABC):
         transition = lifecycle.create(job, time.time() if now is None else now, self.policy)
         record = transition.record
         assert record is not None
+        record.nonce = record.origin = new_nonce()
         written = self._insert_begin(record, self._deadlines(record))
         record.version = 1  # what it is once written (a message may carry it before confirm)
 
@@ -216,8 +233,10 @@ class JobStore(ABC):
                     hint = None
                     continue
                 return transition
-            if self._cas(transition.record, record.version, self._deadlines(transition.record)):
-                transition.record.version = record.version + 1
+            new = transition.record
+            new.nonce = new_nonce()
+            if self._cas(new, record, self._deadlines(new)):
+                new.version = record.version + 1
                 return transition
             record = None
             hint = None
@@ -242,16 +261,15 @@ class JobStore(ABC):
             transition.previous = record
             results.append(transition)
             if transition.record is not None:
-                writes.append(
-                    (transition.record, record.version, self._deadlines(transition.record))
-                )
+                transition.record.nonce = new_nonce()
+                writes.append((transition.record, record, self._deadlines(transition.record)))
                 written.append(index)
         if writes:
-            for index, won, (new, expected, _) in zip(
+            for index, won, (new, previous, _) in zip(
                 written, self._cas_many(writes), writes, strict=True
             ):
                 if won:
-                    new.version = expected + 1
+                    new.version = previous.version + 1
                 else:
                     results[index] = None
         return results
@@ -270,13 +288,24 @@ class JobStore(ABC):
         worker_id: str,
         now: float | None = None,
         hint: Record | None = None,
+        origin: str | None = None,
     ) -> Transition:
         """Start the attempt a message with ``token`` asks for. ``hint``: the record as the
-        message was published with it (one write instead of read + write when current)."""
+        message was published with it (one write instead of read + write when current).
+
+        ``origin`` (else the hint's): the origin of the record the message was published for.
+        A record with another origin is another job that has the same id (a producer tried to
+        take an existing id): the message is rejected as ``foreign`` and the record untouched.
+        """
         at = time.time() if now is None else now
-        return self.apply(
-            job_id, lambda r: lifecycle.start(r, token, worker_id, at, self.policy), hint
-        )
+        proof = origin if origin is not None else None if hint is None else hint.origin
+
+        def rule(record: Record) -> Transition:
+            if proof is not None and record.origin != proof:
+                return lifecycle.rejected("foreign")
+            return lifecycle.start(record, token, worker_id, at, self.policy)
+
+        return self.apply(job_id, rule, hint)
 
     def heartbeat(
         self,
@@ -399,6 +428,8 @@ RECORD_FIELDS = (
     "dispatch_due",
     "promote_at",
     "dead_letter",
+    "nonce",
+    "origin",
 )
 
 
