@@ -52,6 +52,24 @@ class StoreError(RuntimeError):
     """The store could not be reached or refused an operation."""
 
 
+class StoreUncertain(StoreError):
+    """The store was lost after an insert was sent: the job may or may not be stored.
+
+    Look the job up by ``job_id`` later, or repeat the call with that id (an insert sent again
+    recognises its own earlier success).
+    """
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        super().__init__(
+            f"job {job_id}: the job store was lost after the write was sent; the job may or "
+            "may not be stored (look it up, or enqueue again with this id)"
+        )
+
+    def __reduce__(self) -> tuple[type[StoreUncertain], tuple[str]]:
+        return (type(self), (self.job_id,))
+
+
 class DuplicateJob(ValueError):
     """A job with this id exists already."""
 
@@ -187,14 +205,42 @@ class JobStore(ABC):
         record = transition.record
         assert record is not None
         record.nonce = record.origin = new_nonce()
-        written = self._insert_begin(record, self._deadlines(record))
+        deadlines = self._deadlines(record)
+        try:
+            written = self._insert_begin(record, deadlines)
+        except StoreUncertain:
+            raise
+        except StoreError:
+            inserted = self._settle_insert(record, deadlines)
+            written = lambda: inserted  # noqa: E731
         record.version = 1  # what it is once written (a message may carry it before confirm)
 
         def confirm() -> None:
-            if not written():
+            try:
+                inserted = written()
+            except StoreUncertain:
+                raise
+            except StoreError:
+                inserted = self._settle_insert(record, deadlines)
+            if not inserted:
                 raise DuplicateJob(job.id)
 
         return transition, confirm
+
+    def _settle_insert(self, record: Record, deadlines: dict[str, float | None]) -> bool:
+        """Whether an insert whose reply was lost was written: a stored record with its origin
+        is this insert's (perhaps changed since by a worker); none: send it again (a second
+        arrival finds its own origin). :class:`StoreUncertain` when the store cannot tell."""
+        job_id = record.job.id
+        try:
+            current = self._load(job_id)
+            if current is None:
+                if self._insert(record, deadlines):
+                    return True
+                current = self._load(job_id)
+        except StoreError as exc:
+            raise StoreUncertain(job_id) from exc
+        return current is not None and current.origin == record.origin
 
     def _insert_begin(
         self, record: Record, deadlines: dict[str, float | None]
@@ -218,13 +264,21 @@ class JobStore(ABC):
         """Apply ``rule`` with compare-and-set, re-reading on conflict.
 
         ``hint`` is a record the caller already holds (saves a read when nobody wrote since).
+
+        A write that fails with :class:`StoreError` may have committed with its reply lost:
+        the record is read again, and if it carries that write's nonce the write is done and
+        its transition returned; a second failure is raised.
         """
         record = hint
+        lost: dict[str, Transition] = {}  # writes whose reply was lost, by nonce
         for _ in range(self.max_conflicts):
             if record is None:
                 record = self._load(job_id)
                 if record is None:
                     return lifecycle.rejected("unknown_job")
+                mine = lost.get(record.nonce)
+                if mine is not None:
+                    return mine
             transition = rule(record)
             transition.previous = record
             if transition.record is None:
@@ -235,7 +289,15 @@ class JobStore(ABC):
                 return transition
             new = transition.record
             new.nonce = new_nonce()
-            if self._cas(new, record, self._deadlines(new)):
+            try:
+                won = self._cas(new, record, self._deadlines(new))
+            except StoreError:
+                if lost:
+                    raise
+                won = False
+                new.version = record.version + 1
+                lost[new.nonce] = transition
+            if won:
                 new.version = record.version + 1
                 return transition
             record = None

@@ -31,7 +31,6 @@ from ..lifecycle import CLOCKS, Policy, Record
 from .base import (
     RECORD_FIELDS,
     JobStore,
-    StoreError,
     Write,
     decode_job,
     encode_job,
@@ -196,8 +195,8 @@ class RedisStore(JobStore):
         def confirm() -> bool:
             try:
                 done = answer()
-            except LOST as exc:  # not sent again: a second insert would find the first
-                raise StoreError(f"job store unreachable: {exc}") from exc
+            except LOST:  # sent again: the script recognises its own earlier insert
+                return self._insert(record, deadlines)
             if done is MISSED:
                 return self._insert(record, deadlines)  # script flushed: load and retry
             return bool(done)
