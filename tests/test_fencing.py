@@ -167,3 +167,26 @@ def test_a_disguised_id_cannot_hijack_a_stored_job(tmp_path: pathlib.Path) -> No
         assert isinstance(found, Job) and found.args == victim.args == [1, 2]
         runs = lines(env.config["dir"], "runs")
         assert f"add {job_id}" not in runs
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_jobs_table_of_an_older_version_gets_the_fencing_columns(
+    backend: str, tmp_path: pathlib.Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'old.sqlite3'}" if backend == "sqlite" else postgres_url()
+    prefix = f"m{uuid.uuid4().hex[:10]}"
+    old = open_store(url, prefix=prefix)
+    old.ping()
+    with old.engine.connect() as conn:  # type: ignore[attr-defined]
+        for column in ("nonce", "origin"):
+            conn.exec_driver_sql(f"ALTER TABLE {prefix}_jobs DROP COLUMN {column}")
+    old.close()
+    store = open_store(url, prefix=prefix)
+    try:
+        job = parse_envelope({"type": "good.job", "args": []})
+        store.create(job)
+        assert store.start(job.id, 1, "w1").applied
+    finally:
+        store.clear()
+        store.drop_tables()  # type: ignore[attr-defined]
+        store.close()
