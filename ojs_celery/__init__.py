@@ -12,7 +12,7 @@ from .envelope import DuplicateJob, InvalidJob, Job, RetryPolicy, parse_envelope
 from .install import install
 from .producer import BrokerUnavailable
 from .runtime import NotInstalled
-from .store import StoreError
+from .store import StoreError, StoreUncertain
 from .task import JobError, OJSTask
 
 __version__ = "0.1.0"
@@ -30,6 +30,7 @@ __all__ = [
     "OJSTask",
     "RetryPolicy",
     "StoreError",
+    "StoreUncertain",
     "cancel",
     "current_job",
     "enqueue",

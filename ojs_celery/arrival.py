@@ -41,6 +41,8 @@ class Arrival:
     created_at: float | None
     snapshot: Record | None
     problem: str | None = None
+    #: The origin of the record the message was published for (fencing), if it says.
+    origin: str | None = None
 
     def record_may_come(self, now: float | None = None) -> bool:
         """May the job's record still be written (a message younger than ORPHAN_AFTER)?"""
@@ -66,14 +68,16 @@ def parse(raw: Any, job_id: str) -> Arrival:
     created_at = _seconds(raw.get("created_at"))
     if token is None:
         return Arrival(None, created_at, None, f"token {raw.get('token')!r} is not an integer")
-    return Arrival(token, created_at, ojs_header.snapshot(raw, job_id))
+    return Arrival(token, created_at, ojs_header.snapshot(raw, job_id),
+                   origin=ojs_header.origin(raw))
 
 
 def start(store: JobStore, job_id: str, arrival: Arrival, worker_id: str) -> Transition:
     """Start the attempt the message asks for; a record that may still come is waited for
     (at most :data:`RECORD_WAIT`). Store errors, and any other, reach the caller."""
     assert arrival.token is not None
-    started = store.start(job_id, arrival.token, worker_id, hint=arrival.snapshot)
+    started = store.start(job_id, arrival.token, worker_id, hint=arrival.snapshot,
+                          origin=arrival.origin)
     deadline = time.monotonic() + RECORD_WAIT
     pause = 0.02
     while started.reason == "unknown_job" and arrival.record_may_come():
@@ -81,7 +85,8 @@ def start(store: JobStore, job_id: str, arrival: Arrival, worker_id: str) -> Tra
             break
         time.sleep(pause)
         pause = min(pause * 2, 0.2)
-        started = store.start(job_id, arrival.token, worker_id, hint=arrival.snapshot)
+        started = store.start(job_id, arrival.token, worker_id, hint=arrival.snapshot,
+                              origin=arrival.origin)
     return started
 
 

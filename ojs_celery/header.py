@@ -7,6 +7,11 @@ read and a write (a stale snapshot only costs the read it tried to save). It is 
 message is published and read in the worker's main process (a ``Request``: Celery keeps the
 message's headers in its private ``_request_dict``, the one place they are reachable there) and
 in the pool process (the task's ``request``).
+
+The header also carries the record's ``origin`` (the nonce of the job's insert), and so does the
+snapshot with the nonce of its write: a snapshot matches only the very record it was taken from,
+and a message for a job that never got stored (its id was taken) cannot start the job that has
+that id. See :mod:`ojs_celery.store.base` for the fencing scheme.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ def build(job: Job, token: int, record: Record | None = None) -> dict[str, Any]:
         "total_deadline": created + job.total_timeout if job.total_timeout else None,
     }
     if record is not None:
+        header["origin"] = record.origin
         data = encode_job(record.job)
         if len(data) <= SNAPSHOT_MAX_CHARS:
             header["record"] = {name: getattr(record, name) for name in RECORD_FIELDS}
@@ -93,6 +99,8 @@ def snapshot(header: dict[str, Any], job_id: str) -> Record | None:
             dispatch_due=_optional_float(data["dispatch_due"]),
             promote_at=_optional_float(data["promote_at"]),
             dead_letter=bool(data["dead_letter"]),
+            nonce=str(data["nonce"]),
+            origin=str(data["origin"]),
         )
         token = int(header["token"])
     except Exception:  # whatever is wrong with it, reading the store instead is always right
@@ -100,6 +108,12 @@ def snapshot(header: dict[str, Any], job_id: str) -> Record | None:
     if record.job.id != job_id or record.token != token or record.version < 1:
         return None
     return record
+
+
+def origin(header: dict[str, Any]) -> str | None:
+    """The origin of the record the message was published for (None: not known)."""
+    value = header.get("origin")
+    return value if isinstance(value, str) else None
 
 
 def _optional_float(value: Any) -> float | None:

@@ -208,7 +208,9 @@ def test_ojs_header_carries_a_record_snapshot_the_worker_can_start_from() -> Non
     assert record is not None
     record.version = 1
     header = ojs_header(record.job, 1, record)
-    assert {k: v for k, v in header.items() if k != "record"} == ojs_header(record.job, 1)
+    assert {k: v for k, v in header.items() if k not in ("record", "origin")} == ojs_header(
+        record.job, 1)
+    assert header["origin"] == record.origin
     assert record_from_header(header, record.job.id) == record
     assert record_from_header(header, "01890a5d-ac96-774b-bcce-b302099a8057") is None
     assert record_from_header({**header, "token": 2}, record.job.id) is None

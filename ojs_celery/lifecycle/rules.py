@@ -81,6 +81,13 @@ class Record:
     redispatch backstop); ``dispatch_due`` is the outbox entry (a message is owed; the sweeper
     republishes it once this time has passed); ``promote_at`` is when a job held in the store
     (scheduled, or retrying after a long backoff) must be published.
+
+    Fencing (set by the store, never by a rule): ``nonce`` is the random nonce of the write
+    that made this version; a compare-and-set replaces the record only if it still carries the
+    version *and* nonce it was computed from, and a write whose reply was lost recognises its
+    own success by its nonce. ``origin`` is the nonce of the insert, kept for the job's life:
+    a message proves with it that it was published for this record, not for another job that
+    tried to take the same id.
     """
 
     job: Job
@@ -92,6 +99,8 @@ class Record:
     dispatch_due: float | None = None
     promote_at: float | None = None
     dead_letter: bool = False
+    nonce: str = ""
+    origin: str = ""
 
     def copy(self) -> Record:
         """A record to build the next version in: the job is copied shallowly, because the
@@ -360,8 +369,18 @@ def ack_dispatch(record: Record, token: int) -> Transition:
     return Transition(new)
 
 
-def start(record: Record, token: int, worker_id: str, now: float, policy: Policy) -> Transition:
-    """A message with ``token`` arrived at ``worker_id``: may it start an attempt?"""
+def start(
+    record: Record, token: int, worker_id: str, now: float, policy: Policy,
+    origin: str | None = None,
+) -> Transition:
+    """A message with ``token`` arrived at ``worker_id``: may it start an attempt?
+
+    ``origin`` (when the message names one) is the origin of the record it was published for:
+    a record with another origin is another job with the same id (a producer tried to take an
+    existing id), and the message is ``foreign``: it changes nothing.
+    """
+    if origin is not None and record.origin != origin:
+        return rejected("foreign")
     job = record.job
     if job.state in TERMINAL:
         return rejected("cancelled" if job.state == "cancelled" else "terminal")

@@ -8,7 +8,7 @@ A store has three parts on one backend: the jobs (:class:`JobStore`), the worker
 from __future__ import annotations
 
 from ..lifecycle import Policy
-from .base import DuplicateJob, JobStore, StoreError
+from .base import DuplicateJob, JobStore, StoreError, StoreUncertain
 from .meta import MetaArea
 from .workers import WorkerInfo, WorkerRegistry
 
@@ -17,6 +17,7 @@ __all__ = [
     "JobStore",
     "MetaArea",
     "StoreError",
+    "StoreUncertain",
     "WorkerInfo",
     "WorkerRegistry",
     "open_store",

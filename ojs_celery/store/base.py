@@ -4,13 +4,23 @@ A backend implements a handful of atomic primitives (insert, load, compare-and-s
 outbox acknowledgement, due-by-clock queries) and, on the same connection, the worker registry
 (:mod:`.workers`) and the meta area (:mod:`.meta`). Every state change goes through
 :meth:`JobStore.apply`: load the record, apply a pure rule from :mod:`ojs_celery.lifecycle`,
-write it back only if nobody wrote in between (the record's ``version``), else start over. So the
-rules live in one place and the backends only guarantee atomicity and indexing.
+write it back only if nobody wrote in between, else start over. So the rules live in one place
+and the backends only guarantee atomicity and indexing.
+
+Fencing: every write stores a fresh random ``nonce`` in the record, and a compare-and-set
+replaces the record only if it still carries the version *and* the nonce of the record the new
+one was computed from. A version number can be matched by another record (a job that tried to
+take an existing id was published with a snapshot of version 1, as the victim's first version
+is); a nonce is this record's alone. The insert's nonce stays in the record as ``origin``, the
+proof a message carries that it was published for this record. And a write whose reply was
+lost (the connection cut after the write was sent) recognises its own success by its nonce when
+it reads the record again, instead of mistaking itself for a lost race.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import re
 import time
 from abc import ABC, abstractmethod
@@ -29,14 +39,38 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 Rule = Callable[[Record], Transition]
-#: One compare-and-set write: the new record, the version it replaces, its deadlines.
-Write = tuple[Record, int, dict[str, float | None]]
+#: One compare-and-set write: the new record, the record it replaces (whose version and nonce
+#: the store must still hold), the new record's deadlines.
+Write = tuple[Record, Record, dict[str, float | None]]
 #: One new record and its deadlines.
 NewRow = tuple[Record, dict[str, float | None]]
 
 
+def new_nonce() -> str:
+    """A write nonce: 8 random bytes, unguessable and unique in practice (no round trip)."""
+    return os.urandom(8).hex()
+
+
 class StoreError(RuntimeError):
     """The store could not be reached or refused an operation."""
+
+
+class StoreUncertain(StoreError):
+    """The store was lost after an insert was sent: the job may or may not be stored.
+
+    Look the job up by ``job_id`` later, or repeat the call with that id (an insert sent again
+    recognises its own earlier success).
+    """
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        super().__init__(
+            f"job {job_id}: the job store was lost after the write was sent; the job may or "
+            "may not be stored (look it up, or enqueue again with this id)"
+        )
+
+    def __reduce__(self) -> tuple[type[StoreUncertain], tuple[str]]:
+        return (type(self), (self.job_id,))
 
 
 class DuplicateJob(ValueError):
@@ -132,9 +166,9 @@ class JobStore(ABC):
         """The record with its current version, or None."""
 
     @abstractmethod
-    def _cas(self, record: Record, expected: int, deadlines: dict[str, float | None]) -> bool:
-        """Replace the record (and its deadline index entries) if its version is ``expected``;
-        the stored version becomes ``expected + 1``."""
+    def _cas(self, record: Record, previous: Record, deadlines: dict[str, float | None]) -> bool:
+        """Replace the record (and its deadline index entries) if it still has the version and
+        the nonce of ``previous``; the stored version becomes ``previous.version + 1``."""
 
     @abstractmethod
     def _ack_dispatch(self, job_id: str, token: int) -> bool:
@@ -171,7 +205,7 @@ class JobStore(ABC):
     def _cas_many(self, writes: Sequence[Write]) -> list[bool]:
         """Independent compare-and-set writes (see :meth:`_cas`): each applies or not on its
         own, whatever the others do; the result says which did."""
-        return [self._cas(record, expected, deadlines) for record, expected, deadlines in writes]
+        return [self._cas(record, previous, deadlines) for record, previous, deadlines in writes]
 
     def _ack_dispatch_many(self, acks: Sequence[tuple[str, int]]) -> list[bool]:
         """:meth:`_ack_dispatch` for each ``(job id, token)``."""
@@ -201,11 +235,25 @@ class JobStore(ABC):
         transition = lifecycle.create(job, time.time() if now is None else now, self.policy)
         record = transition.record
         assert record is not None
-        written = self._insert_begin(record, self._deadlines(record))
+        record.nonce = record.origin = new_nonce()
+        deadlines = self._deadlines(record)
+        try:
+            written = self._insert_begin(record, deadlines)
+        except StoreUncertain:
+            raise
+        except StoreError:
+            inserted = self._settle_insert(record, deadlines)
+            written = lambda: inserted  # noqa: E731
         record.version = 1  # what it is once written (a message may carry it before confirm)
 
         def confirm() -> None:
-            if not written():
+            try:
+                inserted = written()
+            except StoreUncertain:
+                raise
+            except StoreError:
+                inserted = self._settle_insert(record, deadlines)
+            if not inserted:
                 raise DuplicateJob(job.id)
 
         return transition, confirm
@@ -225,6 +273,8 @@ class JobStore(ABC):
         transitions = [lifecycle.create(job, at, self.policy) for job in jobs]
         records = [transition.record for transition in transitions]
         rows = [(record, self._deadlines(record)) for record in records if record is not None]
+        for record, _ in rows:
+            record.nonce = record.origin = new_nonce()
         if rows:
             taken = self._insert_many(rows)
             if taken is not None:
@@ -232,6 +282,21 @@ class JobStore(ABC):
         for record, _ in rows:
             record.version = 1
         return transitions
+
+    def _settle_insert(self, record: Record, deadlines: dict[str, float | None]) -> bool:
+        """Whether an insert whose reply was lost was written: a stored record with its origin
+        is this insert's (perhaps changed since by a worker); none: send it again (a second
+        arrival finds its own origin). :class:`StoreUncertain` when the store cannot tell."""
+        job_id = record.job.id
+        try:
+            current = self._load(job_id)
+            if current is None:
+                if self._insert(record, deadlines):
+                    return True
+                current = self._load(job_id)
+        except StoreError as exc:
+            raise StoreUncertain(job_id) from exc
+        return current is not None and current.origin == record.origin
 
     def _insert_begin(
         self, record: Record, deadlines: dict[str, float | None]
@@ -255,13 +320,21 @@ class JobStore(ABC):
         """Apply ``rule`` with compare-and-set, re-reading on conflict.
 
         ``hint`` is a record the caller already holds (saves a read when nobody wrote since).
+
+        A write that fails with :class:`StoreError` may have committed with its reply lost:
+        the record is read again, and if it carries that write's nonce the write is done and
+        its transition returned; a second failure is raised.
         """
         record = hint
+        lost: dict[str, Transition] = {}  # writes whose reply was lost, by nonce
         for _ in range(self.max_conflicts):
             if record is None:
                 record = self._load(job_id)
                 if record is None:
                     return lifecycle.rejected("unknown_job")
+                mine = lost.get(record.nonce)
+                if mine is not None:
+                    return mine
             transition = rule(record)
             transition.previous = record
             if transition.record is None:
@@ -270,8 +343,18 @@ class JobStore(ABC):
                     hint = None
                     continue
                 return transition
-            if self._cas(transition.record, record.version, self._deadlines(transition.record)):
-                transition.record.version = record.version + 1
+            new = transition.record
+            new.nonce = new_nonce()
+            try:
+                won = self._cas(new, record, self._deadlines(new))
+            except StoreError:
+                if lost:
+                    raise
+                won = False
+                new.version = record.version + 1
+                lost[new.nonce] = transition
+            if won:
+                new.version = record.version + 1
                 return transition
             record = None
             hint = None
@@ -296,16 +379,15 @@ class JobStore(ABC):
             transition.previous = record
             results.append(transition)
             if transition.record is not None:
-                writes.append(
-                    (transition.record, record.version, self._deadlines(transition.record))
-                )
+                transition.record.nonce = new_nonce()
+                writes.append((transition.record, record, self._deadlines(transition.record)))
                 written.append(index)
         if writes:
-            for index, won, (new, expected, _) in zip(
+            for index, won, (new, previous, _) in zip(
                 written, self._cas_many(writes), writes, strict=True
             ):
                 if won:
-                    new.version = expected + 1
+                    new.version = previous.version + 1
                 else:
                     results[index] = None
         return results
@@ -324,12 +406,20 @@ class JobStore(ABC):
         worker_id: str,
         now: float | None = None,
         hint: Record | None = None,
+        origin: str | None = None,
     ) -> Transition:
         """Start the attempt a message with ``token`` asks for. ``hint``: the record as the
-        message was published with it (one write instead of read + write when current)."""
+        message was published with it (one write instead of read + write when current).
+
+        ``origin`` (else the hint's): the origin of the record the message was published for.
+        A record with another origin is another job that has the same id (a producer tried to
+        take an existing id): the message is rejected as ``foreign`` and the record untouched.
+        """
         at = time.time() if now is None else now
+        proof = origin if origin is not None else None if hint is None else hint.origin
+
         return self.apply(
-            job_id, lambda r: lifecycle.start(r, token, worker_id, at, self.policy), hint
+            job_id, lambda r: lifecycle.start(r, token, worker_id, at, self.policy, proof), hint
         )
 
     def heartbeat(
@@ -453,6 +543,8 @@ RECORD_FIELDS = (
     "dispatch_due",
     "promote_at",
     "dead_letter",
+    "nonce",
+    "origin",
 )
 
 

@@ -3,8 +3,15 @@
 -- A record's arguments, from ARGV[at]: id, version, data, state, then the record fields
 -- below (the Redis store checks that they are its own when it loads this file), then one
 -- deadline per clock ('' for none), in the order of the clocks' sorted sets.
-local RECORD_FIELDS = {'token', 'worker_id', 'heartbeat_at', 'extended_at', 'dispatch_due', 'promote_at', 'dead_letter'}
+local RECORD_FIELDS = {'token', 'worker_id', 'heartbeat_at', 'extended_at', 'dispatch_due', 'promote_at', 'dead_letter', 'nonce', 'origin'}
 local FIRST_DEADLINE = 4 + #RECORD_FIELDS
+
+-- The value of record field `name` in the record's arguments from ARGV[at].
+local function record_arg(name, at)
+  for i, field in ipairs(RECORD_FIELDS) do
+    if field == name then return ARGV[at + 3 + i] end
+  end
+end
 
 -- HSET the record's data, state and fields (with 'version' when given) into `key`.
 local function write_record(key, at, version)

@@ -30,7 +30,6 @@ from .base import (
     RECORD_FIELDS,
     JobStore,
     NewRow,
-    StoreError,
     Write,
     decode_job,
     encode_job,
@@ -107,6 +106,8 @@ def _record(fields: dict[str, str]) -> Record | None:
         dispatch_due=_float(fields.get("dispatch_due")),
         promote_at=_float(fields.get("promote_at")),
         dead_letter=fields.get("dead_letter") == "1",
+        nonce=fields.get("nonce") or "",
+        origin=fields.get("origin") or "",
     )
 
 
@@ -164,7 +165,17 @@ class RedisStore(JobStore):
         args.append(_num(record.dispatch_due))
         args.append(_num(record.promote_at))
         args.append("1" if record.dead_letter else "0")
+        args.append(record.nonce)
+        args.append(record.origin)
         args.extend(_num(deadlines.get(clock)) for clock in CLOCKS)
+        return args
+
+    def _cas_args(
+        self, record: Record, previous: Record, deadlines: dict[str, float | None]
+    ) -> list[str]:
+        """The compare-and-set script's ARGV: the new record, then the nonce it replaces."""
+        args = self._args(record, previous.version, deadlines)
+        args.append(previous.nonce)
         return args
 
     # ------------------------------------------------------------------ job primitives
@@ -190,8 +201,8 @@ class RedisStore(JobStore):
         def confirm() -> bool:
             try:
                 done = answer()
-            except LOST as exc:  # not sent again: a second insert would find the first
-                raise StoreError(f"job store unreachable: {exc}") from exc
+            except LOST:  # sent again: the script recognises its own earlier insert
+                return self._insert(record, deadlines)
             if done is MISSED:
                 return self._insert(record, deadlines)  # script flushed: load and retry
             return bool(done)
@@ -214,9 +225,9 @@ class RedisStore(JobStore):
         return _record(fields)
 
     @_wrap_errors
-    def _cas(self, record: Record, expected: int, deadlines: dict[str, float | None]) -> bool:
+    def _cas(self, record: Record, previous: Record, deadlines: dict[str, float | None]) -> bool:
         keys = self._job_keys(record.job.id)
-        args = self._args(record, expected, deadlines)
+        args = self._cas_args(record, previous, deadlines)
         done = self._lane.call("EVALSHA", self._cas_script.sha, len(keys), *keys, *args)
         if done is MISSED:
             done = self._cas_script(keys, args)
@@ -235,8 +246,8 @@ class RedisStore(JobStore):
     @_wrap_errors
     def _cas_many(self, writes: Sequence[Write]) -> list[bool]:
         calls = [
-            (self._job_keys(record.job.id), self._args(record, expected, deadlines))
-            for record, expected, deadlines in writes
+            (self._job_keys(record.job.id), self._cas_args(record, previous, deadlines))
+            for record, previous, deadlines in writes
         ]
         return [bool(done) for done in self._evalsha_many(self._cas_script, calls)]
 

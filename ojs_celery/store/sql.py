@@ -126,6 +126,8 @@ def build_metadata(prefix: str) -> sa.MetaData:
         sa.Column("dispatch_due", sa.Double, nullable=True),
         sa.Column("promote_at", sa.Double, nullable=True),
         sa.Column("dead_letter", sa.Boolean, nullable=False, default=False),
+        sa.Column("nonce", sa.Text, nullable=False, server_default=""),
+        sa.Column("origin", sa.Text, nullable=False, server_default=""),
         *(sa.Column(_deadline_column(clock), sa.Double, nullable=True) for clock in CLOCKS),
     )
     missing = set(RECORD_FIELDS) - set(jobs.c.keys())
@@ -209,7 +211,9 @@ class SQLStore(JobStore):
         self._insert_new_job = sa.insert(jobs)
         self._select_ids = sa.select(c.id).where(c.id.in_(sa.bindparam("k_ids", expanding=True)))
         self._update_job = sa.update(jobs).where(
-            c.id == sa.bindparam("k_id"), c.version == sa.bindparam("k_expected")
+            c.id == sa.bindparam("k_id"),
+            c.version == sa.bindparam("k_expected"),
+            c.nonce == sa.bindparam("k_nonce"),
         )
         self._ack = (
             sa.update(jobs)
@@ -277,6 +281,22 @@ class SQLStore(JobStore):
                 key = zlib.crc32(f"ojs_celery:{self.prefix}".encode())
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
             self.metadata.create_all(conn, checkfirst=True)
+            self._add_missing_columns(conn)
+
+    def _add_missing_columns(self, conn: sa.Connection) -> None:
+        """Give a jobs table made by an older version the columns added since (each has a
+        server default, so existing rows stay valid): ``nonce`` and ``origin`` of fencing."""
+        jobs = self.job_table
+        existing = {column["name"] for column in sa.inspect(conn).get_columns(jobs.name)}
+        preparer = conn.dialect.identifier_preparer
+        for column in jobs.columns:
+            if column.name in existing or column.server_default is None:
+                continue
+            kind = column.type.compile(dialect=conn.dialect)
+            conn.exec_driver_sql(
+                f"ALTER TABLE {preparer.format_table(jobs)} ADD COLUMN "
+                f"{preparer.format_column(column)} {kind} NOT NULL DEFAULT ''"
+            )
 
     @_wrap_errors
     def drop_tables(self) -> None:
@@ -307,9 +327,22 @@ class SQLStore(JobStore):
             "dispatch_due": record.dispatch_due,
             "promote_at": record.promote_at,
             "dead_letter": bool(record.dead_letter),
+            "nonce": record.nonce,
+            "origin": record.origin,
         }
         for clock in CLOCKS:
             values[_deadline_column(clock)] = deadlines.get(clock)
+        return values
+
+    def _cas_values(
+        self, record: Record, previous: Record, deadlines: dict[str, float | None]
+    ) -> dict[str, Any]:
+        """The compare-and-set statement's parameters: replace ``previous`` by ``record``."""
+        values = self._values(record, deadlines)
+        values["version"] = previous.version + 1
+        values["k_id"] = record.job.id
+        values["k_expected"] = previous.version
+        values["k_nonce"] = previous.nonce
         return values
 
     # ------------------------------------------------------------------ job primitives
@@ -372,14 +405,13 @@ class SQLStore(JobStore):
             dispatch_due=fields["dispatch_due"],
             promote_at=fields["promote_at"],
             dead_letter=bool(fields["dead_letter"]),
+            nonce=fields["nonce"] or "",
+            origin=fields["origin"] or "",
         )
 
     @_wrap_errors
-    def _cas(self, record: Record, expected: int, deadlines: dict[str, float | None]) -> bool:
-        values = self._values(record, deadlines)
-        values["version"] = expected + 1
-        values["k_id"] = record.job.id
-        values["k_expected"] = expected
+    def _cas(self, record: Record, previous: Record, deadlines: dict[str, float | None]) -> bool:
+        values = self._cas_values(record, previous, deadlines)
         with self.engine.connect() as conn:
             return conn.execute(self._update_job, values).rowcount == 1
 
@@ -401,11 +433,7 @@ class SQLStore(JobStore):
         order = sorted(range(len(writes)), key=lambda i: writes[i][0].job.id)
         with self._transaction() as conn:
             for index in order:
-                record, expected, deadlines = writes[index]
-                values = self._values(record, deadlines)
-                values["version"] = expected + 1
-                values["k_id"] = record.job.id
-                values["k_expected"] = expected
+                values = self._cas_values(*writes[index])
                 results[index] = conn.execute(self._update_job, values).rowcount == 1
         return results
 
