@@ -12,7 +12,7 @@ import pytest
 from celery import Celery
 from celery.result import AsyncResult
 
-from ojs_celery import InvalidJob, OJSTask, enqueue
+from ojs_celery import InvalidJob, OJSTask, enqueue, install
 from ojs_celery.conf import Settings
 from ojs_celery.envelope import CELERY_SEMANTICS_FIELD, Job, parse_envelope
 from ojs_celery.lifecycle import decide
@@ -89,6 +89,7 @@ def test_semantics_marker_from_the_task_and_the_settings(app: Celery) -> None:
 @pytest.mark.parametrize("url,top", [("redis://localhost:1/0", 9), ("amqp://localhost:1//", 10)])
 def test_a_celery_priority_round_trips_through_the_ojs_priority(url: str, top: int) -> None:
     app = Celery("priorities", broker=url, set_as_current=False)
+    install(app)
     for priority in range(top + 1):
         ojs = ojs_priority_of(app, priority, 10)
         assert ojs is not None and -100 <= ojs <= 100
