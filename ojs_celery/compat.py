@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import random
+import re
 import socket
 import threading
 import uuid
@@ -26,6 +27,7 @@ __all__ = [
     "MissingExtra",
     "call_soon",
     "filesystem_message_names",
+    "hide_setting",
     "jitter_backoff",
     "pool_connection",
     "require_backend_extra",
@@ -268,3 +270,20 @@ def _shown(url: str) -> str:
         return repr(scheme)
     host = rest.rsplit("@", 1)[-1].split("/", 1)[0]
     return f"{scheme}://{host}"
+
+
+# --- Celery's settings report -------------------------------------------------------------------
+
+
+def hide_setting(name: str) -> None:
+    """Make ``celery report`` (and everything that prints ``conf.humanize(censored=True)``)
+    mask a setting whose key is ``name``, nested ones included, as Celery masks its own
+    passwords: Celery censors keys that match ``celery.app.utils.HIDDEN_SETTINGS`` (a regex it
+    reads at each call; checked on Celery 5.4.0 to 5.7.0) and broker or backend URLs, not
+    ``ojs.store_url``. Idempotent."""
+    from celery.app import utils
+
+    pattern = utils.HIDDEN_SETTINGS.pattern
+    alternatives = pattern.split("|")
+    if name.upper() not in alternatives:
+        utils.HIDDEN_SETTINGS = re.compile(f"{pattern}|{name.upper()}", re.IGNORECASE)

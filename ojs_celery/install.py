@@ -11,7 +11,7 @@ from celery import Celery, signals
 from celery.exceptions import ImproperlyConfigured
 from kombu import entity
 
-from . import control
+from . import compat, control
 from .conf import Settings
 from .embedded import register_transport
 from .identity import assign_worker_id
@@ -51,6 +51,7 @@ def install(app: Celery) -> Runtime:
         return existing  # type: ignore[no-any-return]
     runtime = attach(app)
     register_transport()
+    compat.hide_setting("store_url")  # `celery report` masks ojs.store_url's password
 
     def on_worker_init(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is not app:

@@ -76,3 +76,17 @@ def test_a_driver_message_that_quotes_the_url_is_masked() -> None:
 )
 def test_mask_secrets(text: str, masked: str) -> None:
     assert mask_secrets(text) == masked
+
+
+def test_celery_report_masks_the_store_url() -> None:
+    """``celery report`` prints the app's settings censored: ``ojs.store_url`` is masked as
+    Celery masks its own passwords."""
+    from celery import Celery
+
+    from ojs_celery import install
+
+    app = Celery("report_secrets", set_as_current=False)
+    app.conf.ojs = {"store_url": f"redis://:{SECRET}@127.0.0.1:6379/0"}
+    install(app)
+    report = app.bugreport()
+    assert SECRET not in report and "store_url" in report
