@@ -35,6 +35,9 @@ class EagerJobContext(JobContext):
     def __init__(self, record: Record) -> None:
         super().__init__(cast("Runtime", None), record, EAGER_WORKER_ID)
 
+    def _progress_event(self) -> None:
+        """Eager runs publish nothing: no ``job.progress`` event either."""
+
     def _beat(
         self,
         progress: float | None = None,

@@ -286,17 +286,25 @@ class JobStore(ABC):
     def _settle_insert(self, record: Record, deadlines: dict[str, float | None]) -> bool:
         """Whether an insert whose reply was lost was written: a stored record with its origin
         is this insert's (perhaps changed since by a worker); none: send it again (a second
-        arrival finds its own origin). :class:`StoreUncertain` when the store cannot tell."""
-        job_id = record.job.id
-        try:
-            current = self._load(job_id)
-            if current is None:
+        arrival finds its own origin). A store that answers the second send with an error
+        (read-only, out of memory, no permission) refused it: that :class:`StoreError` is
+        raised, nothing was stored. :class:`StoreUncertain` when the store cannot tell."""
+        current = self._load_or_uncertain(record.job.id)
+        if current is None:
+            try:
                 if self._insert(record, deadlines):
                     return True
-                current = self._load(job_id)
+            except StoreError as refused:
+                if self._load_or_uncertain(record.job.id) is None:
+                    raise refused  # keeps the driver error as its cause
+            current = self._load_or_uncertain(record.job.id)
+        return current is not None and current.origin == record.origin
+
+    def _load_or_uncertain(self, job_id: str) -> Record | None:
+        try:
+            return self._load(job_id)
         except StoreError as exc:
             raise StoreUncertain(job_id) from exc
-        return current is not None and current.origin == record.origin
 
     def _insert_begin(
         self, record: Record, deadlines: dict[str, float | None]
