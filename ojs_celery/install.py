@@ -17,7 +17,7 @@ from .embedded import register_transport
 from .identity import assign_worker_id
 from .logs import quiet_worker_logs
 from .runtime import Runtime, attach, get_runtime
-from .sweeper import SWEEP_TASK, FaultLog, last_sweep, sweep
+from .sweeper import SWEEP_TASK, last_sweep, sweep, sweep_faults
 from .worker import children
 from .worker.steps import STEPS
 
@@ -156,7 +156,7 @@ def is_stale_sweep(runtime: Runtime, sent_at: float | None, now: float) -> bool:
 def _add_sweep_task(app: Celery) -> None:
     """The ``ojs_celery.sweep`` task (see :func:`_add_beat_entry` for its schedule)."""
 
-    faults = FaultLog()
+    faults = sweep_faults()
     signals.before_task_publish.connect(_stamp_sweep, weak=False, dispatch_uid="ojs-sweep-stamp")
 
     @app.task(name=SWEEP_TASK, ignore_result=True, shared=False,  # type: ignore[untyped-decorator]

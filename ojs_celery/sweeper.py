@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from . import lifecycle
 from .effects import carry_out
 from .envelope import JsonValue
+from .faults import OncePerKind
 from .lifecycle import Rule, WorkerClock
 from .producer import BrokerUnavailable
 from .runtime import Runtime
@@ -57,22 +58,11 @@ class SweepReport:
                 "skipped": self.skipped, "error": self.error}
 
 
-class FaultLog:
-    """Logs an unexpected error in full (with its traceback) the first time its kind is seen
-    and in one line after: a loop failing every pass does not flood the log, and a new kind of
-    failure is still shown whole."""
-
-    def __init__(self) -> None:
-        self._seen: set[str] = set()
-
-    def log(self, what: str, exc: BaseException) -> None:
-        kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
-        if kind in self._seen:
-            logger.error("ojs_celery: %s failed again: %s: %s", what, type(exc).__name__, exc)
-            return
-        self._seen.add(kind)
-        logger.error("ojs_celery: %s failed, will retry: %s: %s", what, type(exc).__name__, exc,
-                     exc_info=exc)
+def sweep_faults() -> OncePerKind:
+    """How a sweeping loop logs an unexpected error: at ERROR, with its traceback the first time
+    its kind is seen, in one line after (a loop failing every pass does not flood the log, and a
+    new kind of failure is still shown whole)."""
+    return OncePerKind(logger, "sweep", level=logging.ERROR, again_level=logging.ERROR)
 
 
 def sweep(
@@ -80,7 +70,7 @@ def sweep(
     now: float | None = None,
     batch: int | None = None,
     *,
-    faults: FaultLog | None = None,
+    faults: OncePerKind | None = None,
 ) -> SweepReport:
     """One enforcement pass; it never raises. Store or broker trouble is logged and ends the
     pass early; so does any other error (logged through ``faults``, with its traceback the
@@ -96,6 +86,8 @@ def sweep(
         try:
             _sweep(runtime, at, limit, report)
             runtime.store.meta.record_sweep(at)
+            if faults is not None:
+                faults.succeeded()
         finally:
             runtime.acks.flush()
     except (StoreError, BrokerUnavailable) as exc:
@@ -103,7 +95,7 @@ def sweep(
         logger.warning("ojs_celery: sweep skipped, will retry next interval: %s", exc)
     except Exception as exc:  # a bug or an unexpected reply must not end the caller's loop
         report.error = f"{type(exc).__name__}: {exc}"
-        (faults or FaultLog()).log("sweep", exc)
+        (faults or sweep_faults()).failed(exc)
     return report
 
 
@@ -259,7 +251,7 @@ def run_loop(runtime: Runtime, interval: float | None = None,
     (from ``interval`` up to :data:`MAX_BACKOFF`), and back to ``interval`` after a pass that
     worked."""
     every = interval or runtime.settings.sweep_interval
-    faults = FaultLog()
+    faults = sweep_faults()
     failures = 0
     while not stop():
         began = time.monotonic()

@@ -17,10 +17,10 @@ import pytest
 import redis
 
 from ojs_celery import enqueue
+from ojs_celery.faults import OncePerKind
 from ojs_celery.runtime import get_runtime
 from ojs_celery.store import StoreError, WorkerInfo
 from ojs_celery.sweeper import sweep
-from ojs_celery.worker.faults import OncePerKind
 from tests import services
 from tests.e2eapp import make_app
 from tests.workers import Worker, lines, redis_config, unique, wait_for

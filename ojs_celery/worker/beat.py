@@ -11,9 +11,9 @@ from typing import Any
 
 from celery import bootsteps
 
+from ..faults import OncePerKind
 from ..header import token_of
 from .directives import DirectivesStep
-from .faults import OncePerKind
 from .node import WorkerNode, node_of, ojs_requests
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any
 from celery import bootsteps
 
 from .. import compat
-from .faults import OncePerKind
+from ..faults import OncePerKind
 from .node import WorkerNode, node_of, ojs_requests
 from .registration import RegistrationStep
 

@@ -30,11 +30,11 @@ from celery import bootsteps
 
 from .. import lifecycle
 from ..effects import carry_out
+from ..faults import OncePerKind
 from ..header import token_of
 from ..store import StoreError
 from .beat import BeatStep
 from .children import PoolChildrenStep
-from .faults import OncePerKind
 from .node import WorkerNode, anything_running, node_of, ojs_requests
 from .registration import deregister
 

@@ -1,10 +1,11 @@
-"""Failures of the worker's long-lived loops (beat, directives, drain), logged once per kind.
+"""Failures of long-lived loops (the worker's beat, directives and drain; the sweep loop and
+the sweep task), logged once per kind.
 
 A loop that meets an error keeps going (a Redis error reply, a PostgreSQL read-only
 transaction, a bug in one request's data must not end the BEAT thread, or the sweeper declares a
 live worker dead). Logging every occurrence would flood the log at every interval during an
 outage, so each kind of failure is logged once, with its traceback, until the loop succeeds
-again; then a line says so.
+again; then a line says so. Repeats are logged in one line at ``again_level``.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ def kind_of(exc: BaseException) -> str:
 class OncePerKind:
     """Logs a loop's failures, once per kind until the loop succeeds again."""
 
-    def __init__(self, logger: logging.Logger, what: str) -> None:
+    def __init__(self, logger: logging.Logger, what: str, *, level: int = logging.WARNING,
+                 again_level: int = logging.DEBUG) -> None:
         self.logger = logger
         self.what = what
+        self.level = level
+        self.again_level = again_level
         self._seen: set[str] = set()
         self._lock = threading.Lock()
 
@@ -35,10 +39,11 @@ class OncePerKind:
             first = kind not in self._seen
             self._seen.add(kind)
         if first:
-            self.logger.warning("ojs_celery: %s failed (%s), retrying: %s", self.what, kind, exc,
-                                exc_info=exc)
+            self.logger.log(self.level, "ojs_celery: %s failed (%s), retrying: %s", self.what,
+                            kind, exc, exc_info=exc)
         else:
-            self.logger.debug("ojs_celery: %s failed again (%s): %s", self.what, kind, exc)
+            self.logger.log(self.again_level, "ojs_celery: %s failed again (%s): %s", self.what,
+                            kind, exc)
 
     def succeeded(self) -> None:
         with self._lock:
