@@ -10,7 +10,8 @@ acknowledged write), used as broker, result backend and job store, and stops it 
 What runs: ``--workers`` (3) ``celery worker`` subprocesses (prefork, concurrency 2) of
 ``bench/chaosapp.py`` and two ``ojs-celery sweep --loop`` processes. A producer thread in this
 process enqueues ``--jobs`` jobs over the first 70 % of the chaos period (a producer that gets
-an exception retries with a new call, as a caller would). Jobs sleep 10 to 100 ms (one in 40
+an exception retries as the ``enqueue`` contract says: with the job's id after
+``StoreUncertain``, with a new call after anything else). Jobs sleep 10 to 100 ms (one in 40
 for 1 to 3 s); one in 20 fails on its first attempt, one in 20 on every attempt (discarded after
 its 6 attempts), one in 20 refuses for good at once.
 
@@ -69,6 +70,7 @@ sys.path.insert(0, str(BENCH_DIR))
 from chaosapp import make_app  # noqa: E402
 
 import ojs_celery  # noqa: E402
+from ojs_celery.store import StoreUncertain  # noqa: E402
 
 TERMINAL = ("completed", "discarded", "cancelled")
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -270,7 +272,9 @@ def job_plan(index: int, rng: random.Random) -> dict[str, Any]:
 
 
 class Producer(threading.Thread):
-    """Enqueues ``n`` jobs spread over ``seconds``; retries a call that raised."""
+    """Enqueues ``n`` jobs spread over ``seconds``; retries a call that raised, as the
+    ``enqueue`` contract tells a caller to: after ``StoreUncertain`` with the job id it names
+    (the same envelope again is idempotent), after any other error with a new call."""
 
     def __init__(self, app: Any, n: int, seconds: float, tally: Tally, seed: int,
                  directory: pathlib.Path) -> None:
@@ -294,7 +298,12 @@ class Producer(threading.Thread):
             while True:
                 try:
                     job = ojs_celery.enqueue(envelope, app=self.app)
-                except Exception as exc:  # a producer retries, with a new call
+                except StoreUncertain as exc:  # maybe stored: repeat the call with its id
+                    self.tally.enqueue_errors[type(exc).__name__] += 1
+                    envelope = {**envelope, "id": exc.job_id}
+                    time.sleep(0.2)
+                    continue
+                except Exception as exc:  # nothing stored: a producer retries, with a new call
                     self.tally.enqueue_errors[type(exc).__name__] += 1
                     time.sleep(0.2)
                     continue
