@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 import time
 from collections.abc import Callable
@@ -33,6 +32,8 @@ from pydantic import (
 )
 from pydantic import JsonValue as JsonValue  # explicit re-export: the package's JSON type
 from pydantic_core import PydanticSerializationError, to_jsonable_python
+
+from .entropy import random_bytes
 
 SPEC_VERSION: Final = "1.0"
 MAX_ENVELOPE_BYTES = 1024 * 1024
@@ -144,7 +145,7 @@ def new_job_id() -> str:
     """A fresh lowercase UUIDv7 (time-ordered, as OJS recommends): RFC 9562's 48-bit Unix
     milliseconds, then random bits. Made here because it is on every job's and every event's
     path and the ``uuid`` module has no version 7 before Python 3.14."""
-    value = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(os.urandom(10), "big")
+    value = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(random_bytes(10), "big")
     text = f"{value & _UUID7_KEEP | _UUID7_MARK:032x}"
     return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 

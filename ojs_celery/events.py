@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,7 +20,7 @@ from celery import Celery
 
 from . import signals
 from .batching import Batcher
-from .envelope import format_timestamp, new_job_id, utcnow
+from .envelope import format_timestamp, from_epoch, new_job_id, utcnow
 
 logger = logging.getLogger(__name__)
 
@@ -27,19 +28,22 @@ logger = logging.getLogger(__name__)
 BUS_EVENT_TYPE = "ojs-event"
 
 Event = dict[str, Any]
+#: An event the bus thread has yet to build: type, data, subject, when it happened.
+Pending = tuple[str, dict[str, Any], "str | None", float]
 MAX_BATCH = 200
 #: Seconds the bus thread waits after an event for more to batch with it.
 LINGER = 0.05
 
 
-def make_event(type_: str, data: dict[str, Any], subject: str | None, source: str) -> Event:
-    """An OJS event envelope (``evt_`` + UUIDv7 id, RFC 3339 time, JSON data)."""
+def make_event(type_: str, data: dict[str, Any], subject: str | None, source: str,
+               at: float | None = None) -> Event:
+    """An OJS event envelope (``evt_`` + UUIDv7 id, RFC 3339 time ``at``, JSON data)."""
     event: Event = {
         "specversion": "1.0",
         "id": "evt_" + new_job_id(),
         "type": type_,
         "source": source,
-        "time": format_timestamp(utcnow()),
+        "time": format_timestamp(utcnow() if at is None else from_epoch(at)),
         "datacontenttype": "application/json",
         "data": data,
     }
@@ -48,7 +52,7 @@ def make_event(type_: str, data: dict[str, Any], subject: str | None, source: st
     return event
 
 
-class EventBus(Batcher[Event]):
+class EventBus(Batcher["Event | Pending"]):
     """Per-process buffered publisher to Celery's event exchange (restarted after a fork).
 
     A process's events go out in batches of up to :data:`MAX_BATCH`, one bus message each,
@@ -64,16 +68,20 @@ class EventBus(Batcher[Event]):
         self.enabled = enabled
         self.source = f"ojs://{app.main or 'celery'}/{socket.gethostname()}/{os.getpid()}"
 
-    def emit(self, type_: str, data: dict[str, Any], subject: str | None = None) -> Event:
-        """Send the event's signals now and queue its bus copy."""
-        event = make_event(type_, data, subject, self.source)
-        signals.ojs_event.send(sender=type_, event=event)
+    def emit(self, type_: str, data: dict[str, Any], subject: str | None = None) -> None:
+        """Send the event's signals now and queue its bus copy. With no signal receivers
+        (a worker, usually) only the queueing happens here: the bus thread builds the
+        envelope (id, formatted time), so a task pays for an event no more than an append."""
         specific = signals.BY_TYPE.get(type_)
-        if specific is not None:
-            specific.send(sender=type_, event=event)
-        if self.enabled:
-            self.put(event)
-        return event
+        if signals.ojs_event.receivers or (specific is not None and specific.receivers):
+            event = make_event(type_, data, subject, self.source)
+            signals.ojs_event.send(sender=type_, event=event)
+            if specific is not None:
+                specific.send(sender=type_, event=event)
+            if self.enabled:
+                self.put(event)
+        elif self.enabled:
+            self.put((type_, data, subject, time.time()))
 
     def emit_all(self, events: Iterable[tuple[str, dict[str, Any]]]) -> None:
         for type_, data in events:
@@ -82,29 +90,38 @@ class EventBus(Batcher[Event]):
     def _started(self) -> None:
         self.source = f"ojs://{self.app.main or 'celery'}/{socket.gethostname()}/{os.getpid()}"
 
-    def _open(self) -> Callable[[list[Event]], None]:
+    def _open(self) -> Callable[[list[Event | Pending]], None]:
         """The publisher of this thread: its own connection, opened on the first batch and
         reopened after a failure."""
         dispatcher: Any = None
         connection: Any = None
 
-        def publish(batch: list[Event]) -> None:
+        def publish(batch: list[Event | Pending]) -> None:
             nonlocal dispatcher, connection
+            events = [_built(item, self.source) for item in batch]
             try:
                 if dispatcher is None:
                     connection = self.app.connection_for_write()
                     dispatcher = self.app.events.Dispatcher(
                         connection, enabled=True, buffer_while_offline=False
                     )
-                dispatcher.send(BUS_EVENT_TYPE, ojs_events=batch, retry=True,
+                dispatcher.send(BUS_EVENT_TYPE, ojs_events=events, retry=True,
                                 retry_policy={"max_retries": 3})
             except Exception as exc:
-                logger.warning("ojs_celery: could not publish %d event(s): %r", len(batch), exc)
+                logger.warning("ojs_celery: could not publish %d event(s): %r", len(events), exc)
                 if connection is not None:
                     connection.release()
                 dispatcher = connection = None
 
         return publish
+
+
+def _built(item: Event | Pending, source: str) -> Event:
+    """A queued event as the bus carries it (built now if it was queued as :data:`Pending`)."""
+    if isinstance(item, dict):
+        return item
+    type_, data, subject, at = item
+    return make_event(type_, data, subject, source, at)
 
 
 def listen(

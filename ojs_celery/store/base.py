@@ -20,7 +20,6 @@ it reads the record again, instead of mistaking itself for a lost race.
 from __future__ import annotations
 
 import functools
-import os
 import re
 import time
 from abc import ABC, abstractmethod
@@ -30,6 +29,7 @@ from typing import Any, ParamSpec, TypeVar
 from pydantic_core import PydanticSerializationError
 
 from .. import lifecycle
+from ..entropy import random_bytes
 from ..envelope import Job, JsonValue
 from ..lifecycle import Policy, Record, Transition
 from .meta import MetaArea
@@ -48,7 +48,7 @@ NewRow = tuple[Record, dict[str, float | None]]
 
 def new_nonce() -> str:
     """A write nonce: 8 random bytes, unguessable and unique in practice (no round trip)."""
-    return os.urandom(8).hex()
+    return random_bytes(8).hex()
 
 
 class StoreError(RuntimeError):

@@ -26,6 +26,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+_hiredis_pack: Any
+try:  # redis-py's own choice of packer when hiredis is installed (the ``redis`` extra)
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # pragma: no cover - without hiredis, redis-py's packer
+    _hiredis_pack = None
+
 __all__ = ["LOST", "MISSED", "Lane"]
 
 #: What a reply reads as when Redis ran nothing (``NOSCRIPT``): take the ordinary path.
@@ -80,7 +86,7 @@ class Lane:
                 connection = self._connection
                 if check:
                     _ready(connection)
-            connection.send_command(*command)
+            connection.send_packed_command(_pack(connection, command))
         except LOST:
             self._done(connection, own, broken=True)
             return None
@@ -113,6 +119,15 @@ class Lane:
             self._pool.release(connection)
         if own:
             self._lock.release()
+
+
+def _pack(connection: Any, command: tuple[str | int, ...]) -> Any:
+    """The command as the wire carries it. The lane's commands are all ``str`` and ``int``
+    with a one-word name, which hiredis packs as redis-py would (UTF-8), without redis-py's
+    per-argument pass over them (a compare-and-set has some forty arguments)."""
+    if _hiredis_pack is None:
+        return connection.pack_command(*command)
+    return [_hiredis_pack(command)]
 
 
 def _ready(connection: Any) -> None:

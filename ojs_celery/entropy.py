@@ -1,0 +1,41 @@
+"""Random bytes for write nonces and ids, read from the OS in blocks instead of per value.
+
+A job costs its worker two write nonces and two event ids; one ``os.urandom`` system call per
+value is a measurable part of that. The bytes are the same kernel randomness, handed out once
+each: a lock keeps two threads from taking the same slice, and a forked child drops what its
+parent had read (it would otherwise hand out the very nonces its parent and siblings use).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+#: Bytes read from the OS at a time (a few hundred values).
+BLOCK = 4096
+
+_lock = threading.Lock()
+_block = b""
+_at = 0
+
+
+def random_bytes(n: int) -> bytes:
+    """``n`` bytes from ``os.urandom``, never handed out twice in any process."""
+    global _block, _at
+    with _lock:
+        end = _at + n
+        if end > len(_block):
+            _block = os.urandom(max(BLOCK, n))
+            _at, end = 0, n
+        taken = _block[_at:end]
+        _at = end
+        return taken
+
+
+def _forget_after_fork() -> None:
+    global _lock, _block, _at
+    _lock = threading.Lock()
+    _block, _at = b"", 0
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
