@@ -28,10 +28,11 @@ SQLite store, results off); the plain task always runs on the same broker.
 
 Rates on a shared 2-core machine move with everyone else's load, so the CPU per job is printed
 beside them, per process, from /proc over the measured window: this process (the producer:
-publish loop plus the flush of OJS's event buffer), the worker's main process, its pool children
-(sum) and the store server where it is local: the whole ``redis-server`` (also the broker's and
-other users' work when the broker is the same Redis), or the PostgreSQL backends serving this
-bench's connections (found in ``pg_stat_activity`` by a per-run ``application_name``).
+publish loop plus the flush of OJS's background outbox acknowledgements and events), the
+worker's main process, its pool children (sum) and the store server where it is local: the
+whole ``redis-server`` (also the broker's and other users' work when the broker is the same
+Redis), or the PostgreSQL backends serving this bench's connections (found in
+``pg_stat_activity`` by a per-run ``application_name``).
 
 ``--batch``: ``ojs_celery.enqueue_batch`` of 1,000 jobs (one call) vs 1,000 ``app.send_task``
 calls on the plain app, per pairing, same broker and queue, nobody consuming (the queue is
@@ -250,8 +251,9 @@ def wait_until(done: Callable[[], bool], process: subprocess.Popen[bytes], log: 
 
 
 def flush(app: Any, kind: str) -> None:
+    """Wait for OJS's background work of this process (outbox acknowledgements, events)."""
     if kind == "ojs":
-        get_runtime(app).bus.flush()
+        get_runtime(app).flush()
 
 
 def run_trial(pairing: Pairing, kind: str, n: int) -> Trial:
@@ -357,7 +359,9 @@ def run_batches(pairing: Pairing, n: int, rounds: int) -> tuple[float, float, fl
 
 
 def profile_producer(pairing: Pairing, n: int) -> None:
-    """cProfile of this process's OJS ``.apply_async()`` loop (no worker: queue purged)."""
+    """cProfile of this process's OJS ``.apply_async()`` loop (no worker: queue purged), timed
+    by the main thread's CPU clock: on a loaded machine wall time is mostly waiting for a turn
+    on a core, which says nothing about what the code costs."""
     queue = pairing.new_queue()
     app = make_app(pairing.config("ojs", queue))
     task = app.tasks[TASK_NAME]
@@ -365,7 +369,7 @@ def profile_producer(pairing: Pairing, n: int) -> None:
         for _ in range(WARMUP):
             task.apply_async()
         flush(app, "ojs")
-        profile = cProfile.Profile()
+        profile = cProfile.Profile(time.thread_time)
         profile.enable()
         for _ in range(n):
             task.apply_async()
@@ -380,7 +384,7 @@ def profile_producer(pairing: Pairing, n: int) -> None:
     text = out.getvalue()
     start = text.find("   ncalls")
     print(f"\n--- cProfile, {pairing.name}: {n} x OJS .apply_async() in the producer, "
-          f"top 15 by cumulative time ---")
+          f"top 15 by cumulative main-thread CPU ---")
     print(text[start:] if start >= 0 else text)
 
 
