@@ -53,6 +53,7 @@ def test_send_task_by_name_is_an_ojs_job(sent: tuple[Env, str]) -> None:
     assert (job.model_extra or {})[CELERY_SEMANTICS_FIELD] == {
         "max_retries": 3, "default_retry_delay": 180.0}
     assert job.timeout == get_runtime(env.app).settings.default_timeout  # no Celery limit
+    assert "task e2e.add has no time limit" in env.worker.log()  # said at worker start
 
 
 def test_send_task_keeps_celery_semantics_limits_and_expires(sent: tuple[Env, str]) -> None:
