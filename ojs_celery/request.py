@@ -147,8 +147,9 @@ class OJSRequest(Request):  # type: ignore[misc]
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
         if self._ojs_token() is not None:
-            if isinstance(exc, Terminated) and not (self._already_revoked
-                                                    or self._already_cancelled):
+            if isinstance(exc, Terminated) and not (
+                    getattr(self, "_already_revoked", False)
+                    or getattr(self, "_already_cancelled", False)):  # not Celery's revoke
                 # Stopped by OJS (the drain, ``ojs_terminate``) after the store transition,
                 # whose maker reported it: Celery would mark the task REVOKED over it.
                 self._ack_without_failure(self._ojs_failure_recorded or "stale", exc)
