@@ -12,10 +12,12 @@ from celery.exceptions import ImproperlyConfigured
 from kombu import entity
 
 from . import compat, control
+from .callers import wrap_send_task
 from .conf import Settings
 from .embedded import register_transport
 from .identity import assign_worker_id
 from .logs import quiet_worker_logs
+from .producer import warn_default_timeouts
 from .runtime import Runtime, attach, get_runtime
 from .sweeper import SWEEP_TASK, last_sweep, sweep, sweep_faults
 from .worker import children
@@ -113,6 +115,9 @@ def install(app: Celery) -> Runtime:
     signals.worker_init.connect(on_worker_init, weak=False)
     signals.worker_process_init.connect(on_child_start, weak=False)
     signals.worker_process_shutdown.connect(on_child_shutdown, weak=False)
+    signals.worker_ready.connect(warn_default_timeouts, weak=False,
+                                 dispatch_uid="ojs-default-timeouts")
+    wrap_send_task(app)
     for step in STEPS:
         app.steps["consumer"].add(step)
     return runtime

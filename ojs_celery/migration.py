@@ -15,14 +15,12 @@ from typing import Any
 
 from celery import Celery
 
-from .envelope import QUEUE_PATTERN, TYPE_PATTERN, Job
+from .envelope import QUEUE_PATTERN, TYPE_PATTERN
 from .install import _WEAK_POOLS, check_sweep_queue, pool_name
-from .producer import broker_driver, ojs_queue_of
+from .producer import broker_driver, ojs_queue_of, tasks_without_limit
 from .runtime import get_runtime
 from .sweeper import SWEEP_TASK
 
-#: OJS's execution timeout when a task has no time limit (the envelope's default).
-DEFAULT_TIMEOUT = int(Job.model_fields["timeout"].default)
 #: Kombu's Redis transport redelivers an unacknowledged message after this (seconds).
 REDIS_VISIBILITY_DEFAULT = 3600.0
 #: RabbitMQ closes a channel whose delivery stays unacknowledged this long (since 3.8.15).
@@ -86,17 +84,26 @@ def build_report(app: Celery) -> Report:
     problem = check_sweep_queue(app, settings.sweep_queue)
     if problem:
         warnings.append(problem)
+    unlimited = tasks_without_limit(app)
+    if unlimited:
+        warnings.append(
+            f"{len(unlimited)} OJS task(s) have no time limit (time_limit/soft_time_limit or "
+            f"task_time_limit): jobs from their Celery callers get the OJS default timeout of "
+            f"{settings.default_timeout}s (setting default_timeout): {', '.join(unlimited)}")
     mapped = {task: ojs_type for ojs_type, task in settings.type_map.items()}
     tasks = []
     for name in sorted(app.tasks):
         if name.startswith("celery.") or name == SWEEP_TASK:
             continue
-        tasks.append(_task_report(app, app.tasks[name], name, mapped.get(name), driver))
+        tasks.append(_task_report(app, app.tasks[name], name, mapped.get(name), driver,
+                                  settings.default_timeout if name in unlimited else None))
     return Report(tasks, warnings)
 
 
 def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
-                 driver: str) -> TaskReport:
+                 driver: str, default_timeout: int | None) -> TaskReport:
+    """One task's report; ``default_timeout``: the timeout it gets for want of a Celery time
+    limit (see :func:`~ojs_celery.producer.tasks_without_limit`), None if it has one."""
     conf = app.conf
     is_ojs = bool(getattr(task, "__ojs_task__", False))
     ojs_type = (getattr(task, "ojs_type", None) or name) if is_ojs else mapped_type
@@ -112,11 +119,12 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
         envelope["timeout"] = timeout
         envelope["grace_period"] = max((hard or timeout) - timeout, 0)
     else:
-        envelope["timeout"] = DEFAULT_TIMEOUT
-        if is_ojs:
-            report.warnings.append(
-                f"no time limit under plain Celery: OJS gives it the default timeout of "
-                f"{DEFAULT_TIMEOUT}s (set time_limit/soft_time_limit to choose)")
+        envelope["timeout"] = default_timeout or get_runtime(app).settings.default_timeout
+    if default_timeout is not None:
+        report.warnings.append(
+            f"no time limit under plain Celery: OJS gives it the default timeout of "
+            f"{default_timeout}s (setting default_timeout; set time_limit/soft_time_limit "
+            "to choose)")
     max_retries = getattr(task, "max_retries", 3)
     retry: dict[str, Any] = {"max_attempts": None if max_retries is None else max_retries + 1}
     delay = getattr(task, "default_retry_delay", 180)

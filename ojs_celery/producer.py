@@ -15,7 +15,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-from celery import Celery, Task, signals
+from celery import Celery, Task
 from celery.utils.time import maybe_make_aware
 from kombu.exceptions import OperationalError
 
@@ -288,7 +288,7 @@ def warn_default_timeouts(sender: Any = None, **_: Any) -> None:
 
     ``worker_ready``, not ``worker_init``: before the pool has forked, nothing may touch the
     app's tasks or its OJS runtime (the prefork children would inherit what that opens); the
-    setting is read from the configuration as it is."""
+    setting is read from the configuration as it is. Connected by ``install``."""
     app = getattr(sender, "app", None)
     if app is None or not hasattr(app, "_ojs_runtime"):
         return
@@ -302,6 +302,3 @@ def warn_default_timeouts(sender: Any = None, **_: Any) -> None:
             "ojs_celery: task %s has no time limit (time_limit/soft_time_limit or "
             "task_time_limit): jobs from its Celery callers get the OJS default timeout of "
             "%ss (setting default_timeout); set a time limit to choose another", name, timeout)
-
-
-signals.worker_ready.connect(warn_default_timeouts, weak=False)

@@ -6,6 +6,10 @@ reports a hard timeout up to three times (the compare-and-set on the attempt rej
 repeats), and tells Celery's result backend only what the store accepted: RETRY when the job
 will run again (no errbacks), FAILURE when it was discarded, nothing for a stale attempt.
 
+A pool process that OJS stopped itself (the shutdown drain, ``ojs_terminate``) was stopped
+after the store transition that ended its attempt, whose maker reports it to the result
+backend: Celery's REVOKED for the stopped process is not written over it.
+
 A message whose child died, or hit a time limit, before its attempt started (the store still
 shows the job waiting for this very token; or the store cannot say) goes back to the broker
 instead of being acked: it is dispatched again, where an ack would leave the job waiting for the
@@ -19,7 +23,12 @@ import time
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
-from billiard.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
+from billiard.exceptions import (
+    SoftTimeLimitExceeded,
+    Terminated,
+    TimeLimitExceeded,
+    WorkerLostError,
+)
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
@@ -43,6 +52,12 @@ class OJSRequest(Request):  # type: ignore[misc]
 
     def _ojs_token(self) -> int | None:
         return token_of(self)
+
+    def ojs_settled(self, outcome: str) -> None:
+        """Another party of this worker (the shutdown drain) wrote this attempt's failure,
+        ``outcome`` ("retried" or "discarded"), and reported it, before stopping its pool
+        process: the stop must not be reported again."""
+        self._ojs_failure_recorded = outcome
 
     def _ojs_fail(self, error: dict[str, Any]) -> str:
         """Fail this message's attempt in the store; returns 'retried', 'discarded', 'stale',
@@ -132,6 +147,13 @@ class OJSRequest(Request):  # type: ignore[misc]
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
         if self._ojs_token() is not None:
+            if isinstance(exc, Terminated) and not (
+                    getattr(self, "_already_revoked", False)
+                    or getattr(self, "_already_cancelled", False)):  # not Celery's revoke
+                # Stopped by OJS (the drain, ``ojs_terminate``) after the store transition,
+                # whose maker reported it: Celery would mark the task REVOKED over it.
+                self._ack_without_failure(self._ojs_failure_recorded or "stale", exc)
+                return
             if isinstance(exc, TimeLimitExceeded):
                 self._hard_timeout(float(exc.args[0]) if exc.args else 0.0)
                 return

@@ -21,12 +21,11 @@ from celery.result import AsyncResult
 from celery.utils.time import maybe_make_aware
 
 from . import arrival, lifecycle, softlimit
-from .api import enqueue_job
-from .canvas import canvas_options
+from .callers import enqueue_call, json_native
 from .context import JobContext, _current, maybe_current_job
 from .eager import apply_eagerly, run_eagerly
 from .effects import carry_out
-from .envelope import CELERY_KWARGS_FIELD, CELERY_SEMANTICS_FIELD, parse_envelope
+from .envelope import CELERY_KWARGS_FIELD
 from .identity import current_worker_id
 from .lifecycle import Transition
 from .lifecycle.rules import celery_semantics
@@ -44,15 +43,6 @@ from .outcome import (
     error_from_exception,
     pending_retry,
     run_handler,
-)
-from .producer import (
-    celery_expires_at,
-    celery_route,
-    celery_semantics_of,
-    celery_time_fields,
-    ojs_priority_of,
-    ojs_queue_of,
-    scheduled_at_from,
 )
 from .runtime import Runtime, get_runtime
 from .store import StoreError
@@ -103,34 +93,7 @@ class OJSTask(Task):  # type: ignore[misc]
             return apply_eagerly(self, args, kwargs, options)
         if _plain_republish(self, options):  # a plain message's Celery retry stays plain
             return super().apply_async(args, kwargs, **options)
-        runtime = get_runtime(self.app)
-        envelope: dict[str, Any] = {"type": self.ojs_type or self.name,
-                                    "args": _json_native(list(args or ()))}
-        if kwargs:
-            envelope["x_celery_kwargs"] = _json_native(dict(kwargs))
-        if options.get("task_id"):
-            envelope["id"] = options["task_id"]
-        envelope["queue"] = ojs_queue_of(
-            self.app, celery_route(self.app, self, args, kwargs, options))
-        when = scheduled_at_from(options.get("eta"), options.get("countdown"))
-        if when is not None:
-            envelope["scheduled_at"] = when.isoformat()
-        envelope.update(celery_time_fields(self.app, self, options, runtime.settings))
-        priority = options.get("priority", self.priority)
-        if isinstance(priority, int) and not isinstance(priority, bool):
-            mapped = ojs_priority_of(self.app, priority, runtime.settings.amqp_max_priority)
-            if mapped is not None:
-                envelope["priority"] = mapped
-        expires_at = celery_expires_at(self, options, time.time())
-        if expires_at is not None:
-            envelope["expires_at"] = expires_at
-        job = parse_envelope(envelope, celery_id=True)
-        semantics = celery_semantics_of(self, runtime.settings)
-        if semantics is not None:
-            job = job.model_copy(update={CELERY_SEMANTICS_FIELD: semantics})
-        job = enqueue_job(runtime, job, id_chosen="id" in envelope,
-                          celery_options=canvas_options(options))
-        return self.AsyncResult(job.id)
+        return self.AsyncResult(enqueue_call(self, args, kwargs, options))
 
     # ------------------------------------------------------------------ Celery retry paths
 
@@ -173,8 +136,8 @@ class OJSTask(Task):  # type: ignore[misc]
             delay = max(maybe_make_aware(eta).timestamp() - time.time(), 0.0)
         requested = RetryRequested(
             exc, delay,
-            None if args is None else _json_native(list(args)),
-            None if kwargs is None else _json_native(dict(kwargs)),
+            None if args is None else json_native(list(args)),
+            None if kwargs is None else json_native(dict(kwargs)),
         )
         if throw:
             raise requested
@@ -370,16 +333,6 @@ def _with_arguments(done: Transition, outcome: Retried) -> Transition:
     if outcome.kwargs is not None:
         setattr(job, CELERY_KWARGS_FIELD, outcome.kwargs)  # an extension field
     return done
-
-
-def _json_native(value: Any) -> Any:
-    """Tuples become lists, as Celery's JSON serializer would send them; anything JSON cannot
-    carry is left for envelope validation to name."""
-    if isinstance(value, (list, tuple)):
-        return [_json_native(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _json_native(v) for k, v in value.items()}
-    return value
 
 
 def _write(operation: Callable[[], Transition]) -> Transition | None:

@@ -292,6 +292,18 @@ def make_app(config: dict[str, Any]) -> Celery:
             raise self.retry(countdown=0.1)
         return int(self.request.retries)
 
+    @app.task(shared=False, name="e2e.celery_rejects_once", base=OJSTask, bind=True)
+    def celery_rejects_once(self: OJSTask, tag: str) -> int:
+        """Attempt 1 rejects its message with requeue (a redelivery, no Celery retry); then
+        one Celery retry, allowed by ``max_retries=1`` only if the Reject did not count."""
+        attempt = current_job().attempt
+        record(directory, "celery", f"{tag} attempt={attempt} retries={self.request.retries}")
+        if attempt == 1:
+            raise Reject("not now", requeue=True)
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.1, max_retries=1)
+        return int(self.request.retries)
+
     @app.task(shared=False, name="e2e.ojs_semantics", base=OJSTask, ojs_semantics=True)
     def ojs_semantics(tag: str) -> None:
         record(directory, "celery", f"{tag} attempt={current_job().attempt}")

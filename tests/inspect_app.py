@@ -21,7 +21,8 @@ redis_app.conf.update(
     accept_content=["json", "pickle"],
     worker_pool="threads",
     task_routes={"billing.*": {"queue": "billing"}},
-    ojs={"store_url": "sqlite:///:memory:", "type_map": {"legacy.cleanup": "maintenance.cleanup"}},
+    ojs={"store_url": "sqlite:///:memory:", "type_map": {"legacy.cleanup": "maintenance.cleanup"},
+         "default_timeout": 900},
 )
 install(redis_app)
 

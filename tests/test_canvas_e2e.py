@@ -12,8 +12,8 @@ import pytest
 from celery import chain, chord, group
 from celery.result import AsyncResult
 
+from ojs_celery import callers as callers_module
 from ojs_celery import get_job
-from ojs_celery import task as task_module
 from tests.conftest import Env, start_env
 from tests.workers import Worker, unique, wait_for
 
@@ -78,7 +78,7 @@ def test_chord_fails_when_the_sweeper_times_out_a_header_task(
 ) -> None:
     """A worker pool that cannot enforce time limits (threads): the sweeper's overdue clock
     ends the header task; the chord's body fails and its ``link_error`` runs, no hang."""
-    real_parse = task_module.parse_envelope
+    real_parse = callers_module.parse_envelope
 
     def one_short_attempt(data: Any, **options: Any) -> Any:
         # The client side of a task with ``time_limit=1, max_retries=0`` (the option mapping
@@ -87,7 +87,7 @@ def test_chord_fails_when_the_sweeper_times_out_a_header_task(
             data = {**data, "timeout": 1, "grace_period": 0, "retry": {"max_attempts": 1}}
         return real_parse(data, **options)
 
-    monkeypatch.setattr(task_module, "parse_envelope", one_short_attempt)
+    monkeypatch.setattr(callers_module, "parse_envelope", one_short_attempt)
     queue = unique("stuck")
     worker = Worker({**env.config, "worker_queues": [queue]}, tmp_path / "threads.log",
                     pool="threads")

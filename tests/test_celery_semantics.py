@@ -130,6 +130,12 @@ def test_decide_for_a_celery_callers_job() -> None:
     # recoveries: the OJS policy, on their own budget (max_attempts 3: two recoveries retried)
     assert decide(job, "stalled", now).retry
     assert not decide(_celery_job(["worker_death", "stalled"], 3), "shutdown", now).retry
+    # Reject(requeue=True): a redelivery at once, no Celery retry, on the recoveries' budget
+    rejected = _celery_job(["Reject", "ValueError"], attempt=3)
+    assert celery_retries(rejected) == 1
+    assert decide(rejected, "Reject", now, delay=0.0) == decide(job, "Reject", now, delay=0.0)
+    assert decide(rejected, "Reject", now, delay=0.0).delay == 0.0
+    assert not decide(_celery_job(["Reject", "stalled"], 3), "Reject", now, delay=0.0).retry
 
 
 # --------------------------------------------------------------------------- end to end
@@ -242,3 +248,20 @@ def test_a_recovery_retries_on_its_own_budget_and_is_no_celery_retry(env: Env) -
     assert _runs(env, tag) == ["attempt=1 retries=0", "attempt=2 retries=0",
                                "attempt=3 retries=1"]
     assert job.result == 1
+
+
+def test_reject_with_requeue_is_a_redelivery_not_a_celery_retry(env: Env) -> None:
+    tag = unique("reject")
+    result = env.app.tasks["e2e.celery_rejects_once"].delay(tag)
+    job = env.wait_state(result.id, "completed", timeout=40)
+    assert [e["type"] for e in job.errors] == ["Reject", "Retry"]
+    assert _runs(env, tag) == ["attempt=1 retries=0", "attempt=2 retries=0",
+                               "attempt=3 retries=1"]  # max_retries=1 still allowed the retry
+    assert AsyncResult(result.id, app=env.app).get(timeout=10) == 1
+
+
+def test_a_handler_that_always_rejects_ends_on_the_recoveries_budget(env: Env) -> None:
+    result = env.app.tasks["e2e.reject"].delay(True)
+    job = env.wait_state(result.id, "discarded", timeout=40)
+    assert job.attempt == 3  # the OJS policy's max_attempts, where Celery redelivers for ever
+    assert [e["type"] for e in job.errors] == ["Reject", "Reject", "Reject"]

@@ -17,11 +17,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from celery.result import AsyncResult
 
 from ojs_celery import enqueue
 from ojs_celery.runtime import get_runtime
 from tests.conftest import Env, start_env
-from tests.workers import Worker, unique
+from tests.workers import Worker, forget_redis_names, unique
 
 SLACK = 6.0
 
@@ -170,3 +171,29 @@ def test_a_drain_of_zero_fails_running_jobs_at_once(env: Env, tmp_path: pathlib.
         assert [e["type"] for e in env.job(job.id).errors] == ["shutdown"]
     finally:
         worker.stop()
+
+
+def test_a_job_the_drain_discards_shows_failure_once(env: Env, tmp_path: pathlib.Path) -> None:
+    """Discarded by the drain → FAILURE in the result backend, written by the drain (Celery
+    would write REVOKED for the stopped pool process); a job the drain retries is no REVOKED."""
+    worker = own_worker(env, tmp_path, drain=0.0, concurrency=2)
+    queue = queue_of(worker)
+    try:
+        ended = enqueue({"type": "e2e.sleep", "args": [60.0], "queue": queue,
+                         "retry": {"max_attempts": 1}}, app=env.app)
+        retried = enqueue({"type": "e2e.sleep", "args": [60.0], "queue": queue,
+                           "retry": {"max_attempts": 3, "initial_interval": "PT60S"}},
+                          app=env.app)
+        env.wait_state(ended.id, "active")
+        env.wait_state(retried.id, "active")
+        sigterm(worker, group=False)
+        assert worker.process.wait(SLACK) == 0
+        assert env.job(ended.id).state == "discarded"
+        assert env.job(retried.id).state == "retryable"
+        result = AsyncResult(ended.id, app=env.app)
+        assert result.state == "FAILURE"
+        assert "shutdown" in str(result.result)
+        assert AsyncResult(retried.id, app=env.app).state in ("PENDING", "RETRY")
+    finally:
+        worker.stop()
+        forget_redis_names(env.config["broker_url"], [queue])

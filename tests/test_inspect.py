@@ -56,7 +56,10 @@ def test_warnings_name_what_works_against_ojs() -> None:
     charge = " ".join(tasks["billing.charge"]["warnings"])
     assert "rate_limit" in charge
     assert "visibility_timeout 600s" in charge  # 600 < 900 + 60
-    assert any("no time limit" in w for w in tasks["email.send"]["warnings"])
+    assert any("no time limit" in w and "900s" in w for w in tasks["email.send"]["warnings"])
+    assert tasks["email.send"]["envelope"]["timeout"] == 900  # ojs.default_timeout
+    [unlimited] = [w for w in data["warnings"] if "have no time limit" in w]
+    assert unlimited.endswith(": email.send") and "default timeout of 900s" in unlimited
     assert any("'threads'" in w for w in data["warnings"])
     assert any("task_serializer is pickle" in w for w in data["warnings"])
     assert any("accept_content" in w for w in data["warnings"])
@@ -81,3 +84,4 @@ def test_text_output_lists_each_task_and_its_warnings() -> None:
     assert "billing.charge  [OJS type billing.charge]  queue billing" in result.stdout
     assert "plain.report  [not an OJS task]" in result.stdout
     assert "warning:" in result.stdout
+    assert "warning: 1 OJS task(s) have no time limit" in result.stdout

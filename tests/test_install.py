@@ -155,3 +155,17 @@ def test_worker_and_beat_refuse_to_start_on_invalid_settings(
     assert done.returncode != 0
     assert "ojs.worker_heartbeat_timeout" not in done.stdout
     assert "worker_heartbeat_timeout (3.0s) must be longer" in done.stderr
+
+
+def test_importing_the_package_connects_no_celery_signal() -> None:
+    """Importing ``ojs_celery`` changes nothing in Celery (issue 13 item 5); ``install``
+    connects the worker-start warning about tasks without a time limit."""
+    done = subprocess.run([sys.executable, "-c", (
+        "from celery import Celery, signals\n"
+        "import ojs_celery, ojs_celery.producer, ojs_celery.task\n"
+        "before = len(signals.worker_ready.receivers)\n"
+        "ojs_celery.install(Celery('x', set_as_current=False))\n"
+        "print(before, len(signals.worker_ready.receivers))\n")],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "1"]

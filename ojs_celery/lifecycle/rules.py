@@ -205,6 +205,14 @@ class Decision:
 RECOVERIES = frozenset(
     {"worker_death", "stalled", "visibility_timeout", "shutdown", "WorkerLostError"}
 )
+#: A handler's ``Reject(requeue=True)``: Celery redelivers the message at once, which is no
+#: Celery retry. A Celery caller's job retries it at once on the recoveries' budget (so a
+#: handler that always rejects ends, where Celery would redeliver it for ever); it is not
+#: counted in ``self.request.retries`` nor against ``max_retries``. (A ``Reject`` without
+#: requeue ends the job: its entry is the last.)
+REDELIVERY = "Reject"
+#: Failed attempts of a Celery caller's job that are no Celery retry.
+NOT_CELERY_RETRIES = RECOVERIES | {REDELIVERY}
 #: Error history entries that are no attempt's failure.
 _NOT_ATTEMPTS = frozenset({"dispatch_error", "dispatch_failed"})
 
@@ -221,12 +229,13 @@ def celery_retries(job: Job) -> int:
     recovery OJS adds nor the last one (which ended the job). Counted from the error history,
     so the count needs no field of its own and survives every writer."""
     return sum(1 for entry in job.errors
-               if entry.get("type") not in RECOVERIES | _NOT_ATTEMPTS)
+               if entry.get("type") not in NOT_CELERY_RETRIES | _NOT_ATTEMPTS)
 
 
 def recoveries(job: Job) -> int:
-    """Failed attempts of a Celery caller's job that were recoveries OJS adds."""
-    return sum(1 for entry in job.errors if entry.get("type") in RECOVERIES)
+    """Failed attempts of a Celery caller's job that were recoveries OJS adds, or
+    redeliveries (:data:`REDELIVERY`): the budget they share."""
+    return sum(1 for entry in job.errors if entry.get("type") in NOT_CELERY_RETRIES)
 
 
 def decide(
@@ -241,18 +250,18 @@ def decide(
     A job that keeps Celery's semantics (:func:`celery_semantics`) reaches this only when the
     handler asked for a retry (``self.retry()``, ``autoretry_for``: bounded by ``max_retries``
     in :meth:`~ojs_celery.OJSTask.retry`, as in Celery) or for a failure of the system: an
-    execution timeout then ends it, as in Celery, and a recovery (:data:`RECOVERIES`) retries
-    per the OJS policy on its own budget.
+    execution timeout then ends it, as in Celery, and a recovery (:data:`RECOVERIES`) or a
+    redelivery (:data:`REDELIVERY`, at once) retries per the OJS policy on their own budget.
     """
     policy = job.retry
     if error_type in ("total_timeout", "enqueue_ttl_expired"):
         return Decision(retry=False)
     celery = celery_semantics(job)
-    if celery is not None and error_type in RECOVERIES:
+    if celery is not None and error_type in NOT_CELERY_RETRIES:
         used = recoveries(job) + 1
         if used >= policy.max_attempts:
             return Decision(retry=False)
-        wait = backoff_delay(policy, used, rand)
+        wait = backoff_delay(policy, used, rand) if delay is None else max(delay, 0.0)
     elif celery is not None:
         if error_type == "timeout":
             return Decision(retry=False)

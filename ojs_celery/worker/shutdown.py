@@ -197,7 +197,13 @@ class Drain:
                          "recover it): %s", request.id, exc)
             done = None
         if done is not None and done.record is not None:
-            carry_out(self.runtime, done)
+            # The drain made the transition, so it reports it (discarded: FAILURE), once:
+            # the request then acks the stopped process without Celery's REVOKED.
+            retried = done.record.job.state == "retryable"
+            settled = getattr(request, "ojs_settled", None)
+            if callable(settled):
+                settled("retried" if retried else "discarded")
+            carry_out(self.runtime, done, report_result=True)
         self.node.children.kill(getattr(request, "worker_pid", None))
 
     def _hand_over_to_celery(self) -> None:

@@ -1,0 +1,124 @@
+"""Celery callers: a call through Celery's own API becomes an OJS job, the same way whichever
+entry point it took.
+
+``OJSTask.apply_async`` (``.delay()``, signatures, canvas, beat with the task registered) and
+``app.send_task`` by name (beat or django-celery-beat without the task module, producers that
+only know the name) both build the job with :func:`enqueue_call`: Celery's routing, time limits,
+``expires`` and priority become the job's fields, the job keeps the task's Celery semantics, and
+it is stored (with its outbox entry) before its message is published, like any OJS job.
+
+``send_task`` is wrapped per app by :func:`wrap_send_task` (``install``). It takes over only a
+call by name for a task that the calling app registers as an OJS task and whose message has no
+``ojs`` header: the OJS producer's own publishes carry the header, and ``Task.apply_async``
+(plain Celery tasks, and the plain re-publish of a message sent before ``install``, see
+``task._plain_republish``) passes ``task_type``. A name the calling app does not register cannot
+be known to be an OJS task there: it is published as Celery would, and runs as a plain message
+(README, the switch-over).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+from celery import Celery, Task
+from celery.result import AsyncResult
+
+from . import header
+from .api import enqueue_job
+from .canvas import canvas_options
+from .envelope import CELERY_SEMANTICS_FIELD, parse_envelope
+from .producer import (
+    celery_expires_at,
+    celery_route,
+    celery_semantics_of,
+    celery_time_fields,
+    ojs_priority_of,
+    ojs_queue_of,
+    scheduled_at_from,
+)
+from .runtime import get_runtime
+
+#: ``app.send_task``'s parameters after ``kwargs``, in order (for positional calls).
+_SEND_TASK_POSITIONAL = ("countdown", "eta", "task_id", "producer", "connection", "router",
+                         "result_cls", "expires")
+
+
+def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -> str:
+    """Store and publish the OJS job of a Celery call of ``task`` (``apply_async``'s
+    ``options``); returns the job id. Celery's routing, time limits and ``expires`` become the
+    job's queue, ``timeout``/``grace_period`` and ``expires_at``, and the job keeps Celery's
+    retry semantics (README, "Celery callers") unless the task or the settings choose OJS
+    semantics."""
+    runtime = get_runtime(task.app)
+    envelope: dict[str, Any] = {"type": task.ojs_type or task.name,
+                                "args": json_native(list(args or ()))}
+    if kwargs:
+        envelope["x_celery_kwargs"] = json_native(dict(kwargs))
+    if options.get("task_id"):
+        envelope["id"] = options["task_id"]
+    envelope["queue"] = ojs_queue_of(
+        task.app, celery_route(task.app, task, args, kwargs, options))
+    when = scheduled_at_from(options.get("eta"), options.get("countdown"))
+    if when is not None:
+        envelope["scheduled_at"] = when.isoformat()
+    envelope.update(celery_time_fields(task.app, task, options, runtime.settings))
+    priority = options.get("priority", task.priority)
+    if isinstance(priority, int) and not isinstance(priority, bool):
+        mapped = ojs_priority_of(task.app, priority, runtime.settings.amqp_max_priority)
+        if mapped is not None:
+            envelope["priority"] = mapped
+    expires_at = celery_expires_at(task, options, time.time())
+    if expires_at is not None:
+        envelope["expires_at"] = expires_at
+    job = parse_envelope(envelope, celery_id=True)
+    semantics = celery_semantics_of(task, runtime.settings)
+    if semantics is not None:
+        job = job.model_copy(update={CELERY_SEMANTICS_FIELD: semantics})
+    job = enqueue_job(runtime, job, id_chosen="id" in envelope,
+                      celery_options=canvas_options(options))
+    return job.id
+
+
+def json_native(value: Any) -> Any:
+    """Tuples become lists, as Celery's JSON serializer would send them; anything JSON cannot
+    carry is left for envelope validation to name."""
+    if isinstance(value, (list, tuple)):
+        return [json_native(v) for v in value]
+    if isinstance(value, dict):
+        return {k: json_native(v) for k, v in value.items()}
+    return value
+
+
+def wrap_send_task(app: Celery) -> None:
+    """Make ``app.send_task`` of an OJS task by name an OJS job (idempotent; see the module
+    docstring for which calls it takes over)."""
+    original = app.send_task
+    if getattr(original, "__ojs_send_task__", False):
+        return
+
+    @functools.wraps(original)
+    def send_task(name: str, args: Any = None, kwargs: Any = None, *more: Any,
+                  **options: Any) -> AsyncResult:
+        task = _ojs_task_named(app, name)
+        if (task is None or options.get("task_type") is not None
+                or header.NAME in (options.get("headers") or {})):
+            return original(name, args, kwargs, *more, **options)
+        options.update(zip(_SEND_TASK_POSITIONAL, more, strict=False))
+        result_cls = options.get("result_cls") or app.AsyncResult
+        result: AsyncResult = result_cls(enqueue_call(task, args, kwargs, options))
+        result.ignored = options.get("ignore_result", task.ignore_result)
+        return result
+
+    send_task.__ojs_send_task__ = True  # type: ignore[attr-defined]
+    app.send_task = send_task
+
+
+def _ojs_task_named(app: Celery, name: str) -> Task | None:
+    """The OJS task registered as ``name`` in ``app``. An app that may finalize itself does
+    (its ``@app.task`` definitions are pending until then, as any enqueue would); one with
+    ``autofinalize`` off is read as it is, as Celery's ``send_task`` reads it."""
+    registry = app.tasks if app.autofinalize else app._tasks
+    task = registry.get(name)
+    return task if getattr(task, "__ojs_task__", False) else None
