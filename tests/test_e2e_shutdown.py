@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import celery
 import pytest
 from celery.result import AsyncResult
 
@@ -127,6 +128,7 @@ def test_a_jobs_own_timeout_during_the_drain_is_a_timeout(
         worker.stop()
 
 
+@pytest.mark.skipif(celery.VERSION < (5, 5), reason="worker_soft_shutdown_timeout is Celery 5.5+")
 def test_the_drain_governs_ojs_jobs_under_celerys_soft_shutdown(
     env: Env, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
