@@ -95,12 +95,12 @@ def produce(config: dict[str, Any], n: int) -> None:
     task = app.tasks["bench.ojs"]
     for _ in range(20):  # warm-up: connections, scripts (run by the workers too)
         task.apply_async()
-    began = time.time()
+    began, cpu = time.time(), time.process_time()
     for _ in range(n):
         task.apply_async()
-    ended = time.time()
+    ended, cpu = time.time(), time.process_time() - cpu
     get_runtime(app).bus.flush()
-    print(json.dumps({"began": began, "ended": ended, "n": n}), flush=True)
+    print(json.dumps({"began": began, "ended": ended, "n": n, "cpu": cpu}), flush=True)
 
 
 # ---------------------------------------------------------------------------------- trials
@@ -128,9 +128,9 @@ def wait_for(check: Any, timeout: float, what: str) -> None:
 
 
 def many_trial(url: str, keys: Keys, tmp: pathlib.Path, prefix: str, exchange: str, n: int,
-               producers: int, workers: int) -> tuple[float, float]:
+               producers: int, workers: int) -> tuple[float, float, float]:
     """``producers`` processes publishing while ``workers`` workers run the jobs; returns the
-    producers' summed rate and the end-to-end rate."""
+    producers' summed rate, the end-to-end rate and the producers' CPU ms per call."""
     queue = unique("scale_many_")
     keys.queues.append(queue)
     config = make_config(url, queue, exchange, prefix)
@@ -165,7 +165,8 @@ def many_trial(url: str, keys: Keys, tmp: pathlib.Path, prefix: str, exchange: s
                 for line in path.read_text().splitlines() if line.startswith("E ")]
         began = min(r["began"] for r in reports)
         produced = sum(r["n"] / (r["ended"] - r["began"]) for r in reports)
-        return produced, producers * n / (max(ends) - began)
+        cpu_ms = sum(r["cpu"] for r in reports) / (producers * n) * 1000
+        return produced, producers * n / (max(ends) - began), cpu_ms
     finally:
         keys.purge_queue(queue)
         get_runtime(app).close()
@@ -179,16 +180,24 @@ def measure(size: int, url: str, keys: Keys, tmp: pathlib.Path, prefix: str, exc
     keys.queues.append(queue)
     app = make_app(make_config(url, queue, exchange, prefix))
     try:
+        cpu = time.process_time()
         figures.rates["enqueue()"] = enqueue_trial(app, "ojs", args.n, keys, queue)
+        cpu, spent = time.process_time(), time.process_time() - cpu
         figures.rates[".apply_async()"] = apply_async_trial(app, args.n, keys, queue)
+        applied = time.process_time() - cpu
+        # CPU of this process per call (the 20 warm-up calls and the purge included).
+        figures.notes["producer"] = (f"producer {spent / args.n * 1000:.2f} ms CPU/enqueue(), "
+                                     f"{applied / args.n * 1000:.2f} ms CPU/.apply_async()")
     finally:
         get_runtime(app).close()
         app.close()
     trial = worker_trial("ojs", args.n, url, keys, tmp, prefix, exchange)
     figures.rates["worker"] = trial.rate
-    figures.notes["worker"] = f"{trial.cpu_ms:.2f} ms CPU/task, {trial.store_ok} completed"
-    produced, end_to_end = many_trial(url, keys, tmp, prefix, exchange, args.n,
-                                      args.producers, args.workers)
+    figures.notes["worker"] = (f"worker {trial.cpu_ms:.2f} ms CPU/task, {trial.store_ok} of "
+                               f"{trial.n} completed in the store")
+    produced, end_to_end, cpu_ms = many_trial(url, keys, tmp, prefix, exchange, args.n,
+                                              args.producers, args.workers)
+    figures.notes["many"] = f"{args.producers}x{args.workers}: {cpu_ms:.2f} ms producer CPU/call"
     label = f"{args.producers}x{args.workers}"
     figures.rates[f"{label} producers"] = produced
     figures.rates[f"{label} end-to-end"] = end_to_end
@@ -225,7 +234,7 @@ def report(results: list[Figures], args: argparse.Namespace, took: float) -> Non
         print(f"{'drop':>10}  " + "  ".join(f"{cell:>20}" for cell in cells)
               + f"   (target <= {DROP_TARGET:.0%})")
     for figures in results:
-        print(f"  N={figures.size:,}: " + "; ".join(f"{k} {v}" for k, v in figures.notes.items()))
+        print(f"  N={figures.size:,}: " + "; ".join(figures.notes.values()))
 
 
 def main() -> int:
@@ -268,8 +277,8 @@ def main() -> int:
             seconds = fill(loader, size - stored, policy)
             stored = size
             memory = keys.client.info("memory")["used_memory_human"]
-            print(f"N={size:,}: filled {size:,} jobs in {seconds:.0f} s (redis {memory})",
-                  flush=True)
+            print(f"N={size:,}: filled to {size:,} stored jobs in {seconds:.0f} s "
+                  f"(redis {memory})", flush=True)
             if sweeper.poll() is not None:
                 raise RuntimeError("the sweeper exited:\n"
                                    + (tmp / "sweeper.log").read_text()[-3000:])

@@ -43,8 +43,9 @@ last heartbeat) added to the job's own anchor. They are bulk-loaded in the store
 HSET ``{prefix}:job:{id}`` + one ZADD per clock ``{prefix}:due:{clock}`` per chunk as raw
 protocol on one socket (``send_raw``), SQLite ``executemany`` and PostgreSQL ``COPY`` into the
 ``{prefix}_jobs`` table that ``SQLStore`` creates (with its partial deadline indexes; then
-``VACUUM ANALYZE``, as autovacuum would). Samples of every load are read back with ``store.get_record``
-and their indexed deadlines compared with ``lifecycle.deadlines`` of the decoded record.
+``VACUUM ANALYZE``, as autovacuum would). Samples of every load are read back with
+``store.get_record`` and their indexed deadlines compared with ``lifecycle.deadlines`` of the
+decoded record.
 
 Sizes grow in place (10k, then +90k, then +900k): the store always holds N - 100 non-due jobs
 plus the 100 due ones when a pass runs.
