@@ -92,11 +92,13 @@ def say(text: str) -> None:
 
 
 class RedisServer:
-    """A private ``redis-server`` with AOF (fsync always) in ``directory``."""
+    """A private ``redis-server`` with AOF (fsync always) in ``directory``; without
+    persistence when not ``durable`` (``bench/scale.py``: a million jobs, never restarted)."""
 
-    def __init__(self, directory: pathlib.Path, port: int) -> None:
+    def __init__(self, directory: pathlib.Path, port: int, durable: bool = True) -> None:
         self.directory = directory
         self.port = port
+        self.durable = durable
         self.url = f"redis://127.0.0.1:{port}/0"
         self.process: subprocess.Popen[bytes] | None = None
         self.log = open(directory / "redis.log", "ab")  # noqa: SIM115 - closed in close()
@@ -104,8 +106,9 @@ class RedisServer:
     def start(self) -> None:
         self.process = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "always",
-             "--save", "", "--daemonize", "no", "--protected-mode", "no"],
+             "--dir", str(self.directory), "--appendonly", "yes" if self.durable else "no",
+             "--appendfsync", "always", "--save", "", "--daemonize", "no",
+             "--protected-mode", "no"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 30
         while True:

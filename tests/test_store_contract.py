@@ -570,6 +570,25 @@ def test_delete_checks_version(store: JobStore) -> None:
     assert store._delete(job.id, 1) is False
 
 
+def test_delete_many_checks_each_version(store: JobStore) -> None:
+    first, second, third = (created(store) for _ in range(3))
+    deletes = [(first.id, 1), (second.id, 7), (third.id, 1), ("no-such-job", 1)]
+    assert store._delete_many(deletes) == [True, False, True, False]
+    assert store.get(first.id) is None and store.get(third.id) is None
+    assert store.get(second.id) is not None
+    ids = {i for clock in lifecycle.CLOCKS for i, _ in store.due(clock, T0 + 1e9, 100)}
+    assert ids == {second.id}
+
+
+def test_prune_takes_a_batch_at_once(store: JobStore) -> None:
+    done = [started(store) for _ in range(3)]
+    for job in done:
+        assert store.complete(job.id, 1, "w1", "ok", now=T0 + 10).applied
+    assert store.prune(now=T0 + 150, limit=2) == 2
+    assert store.prune(now=T0 + 150, limit=2) == 1
+    assert all(store.get(job.id) is None for job in done)
+
+
 def test_unknown_clock(store: JobStore) -> None:
     with pytest.raises(ValueError, match="clock"):
         store.due("nope", T0, 10)

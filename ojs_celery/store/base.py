@@ -211,6 +211,11 @@ class JobStore(ABC):
         """:meth:`_ack_dispatch` for each ``(job id, token)``."""
         return [self._ack_dispatch(job_id, token) for job_id, token in acks]
 
+    def _delete_many(self, deletes: Sequence[tuple[str, int]]) -> list[bool]:
+        """:meth:`_delete` for each ``(job id, expected version)``: a pass prunes up to its
+        batch at once."""
+        return [self._delete(job_id, expected) for job_id, expected in deletes]
+
     # ------------------------------------------------------------------ shared rules
 
     def _deadlines(self, record: Record) -> dict[str, float | None]:
@@ -529,15 +534,15 @@ class JobStore(ABC):
     def prune(self, now: float | None = None, limit: int = 500) -> int:
         """Delete terminal jobs whose retention has passed; returns how many."""
         at = time.time() if now is None else now
-        removed = 0
         due = [job_id for job_id, _ in self.due("retention", at, limit)]
+        expired: list[tuple[str, int]] = []
         for job_id, record in zip(due, self.get_records(due), strict=True):
             if record is None:
                 continue
             deadline = self._deadlines(record)["retention"]
-            if deadline is not None and deadline <= at and self._delete(job_id, record.version):
-                removed += 1
-        return removed
+            if deadline is not None and deadline <= at:
+                expired.append((job_id, record.version))
+        return sum(self._delete_many(expired)) if expired else 0
 
 
 # ---------------------------------------------------------------------- row codec (all backends)

@@ -299,6 +299,11 @@ class RedisStore(JobStore):
         keys = self._job_keys(job_id)
         return bool(self._delete_script(keys, [job_id, str(expected)]))
 
+    @_wrap_errors
+    def _delete_many(self, deletes: Sequence[tuple[str, int]]) -> list[bool]:
+        calls = [(self._job_keys(job_id), [job_id, str(expected)]) for job_id, expected in deletes]
+        return [bool(done) for done in self._evalsha_many(self._delete_script, calls)]
+
     # ------------------------------------------------------------------ admin
 
     @_wrap_errors

@@ -477,6 +477,17 @@ class SQLStore(JobStore):
             result = conn.execute(self._delete_job, {"k_id": job_id, "k_expected": expected})
             return result.rowcount == 1
 
+    @_wrap_errors
+    def _delete_many(self, deletes: Sequence[tuple[str, int]]) -> list[bool]:
+        results = [False] * len(deletes)
+        order = sorted(range(len(deletes)), key=lambda i: deletes[i][0])
+        with self._transaction() as conn:
+            for index in order:
+                job_id, expected = deletes[index]
+                params = {"k_id": job_id, "k_expected": expected}
+                results[index] = conn.execute(self._delete_job, params).rowcount == 1
+        return results
+
     # ------------------------------------------------------------------ admin
 
     @_wrap_errors

@@ -1,0 +1,302 @@
+"""Hand-run benchmark: enqueue and worker rates with 10k, 100k and 1M jobs already stored.
+
+    .venv/bin/python bench/scale.py                        # 10k, 100k, 1M (about 15 min)
+    .venv/bin/python bench/scale.py --sizes 10000,100000 -n 1000
+
+Not part of the test suite. Everything runs on a PRIVATE ``redis-server`` (no persistence) on
+a free port that the script starts and stops, as broker and as OJS job store: a million jobs
+take about 2 GB, kept out of the shared Redis, and nothing is left behind.
+
+What is measured
+----------------
+The store grows in place (10k, then +90k, then +900k stored jobs) and is filled directly, not
+through ``enqueue``: ``bench/sweep.py``'s row generator and raw-protocol Redis loader write
+records in the store's own layout, 90 % ``completed`` in the last 3 days (within the 7-day
+retention, so indexed on the retention clock), 5 % ``available`` created in the last 10 minutes
+(with the TTL, total and redispatch deadlines of ``bench/sweep.py``'s jobs, all ahead) and 5 %
+``scheduled`` 2 to 24 h ahead, held in the store (promote clock). An ``ojs-celery sweep --loop``
+subprocess (every 2 s) runs for the whole run. At each size, one after the other:
+
+* enqueue: ``ojs_celery.enqueue()`` and the OJS task's ``.apply_async()``, ``-n`` calls each,
+  from this process into a queue nobody consumes (``throughput.enqueue_trial``; purged after);
+* worker: one prefork worker, concurrency 2, draining ``-n`` OJS jobs from a filled queue
+  (``throughput.worker_trial``: first ``task_prerun`` to last ``task_postrun``, and the worker's
+  CPU per task, which is steadier than rates on a shared machine);
+* 2 x 2: two producer processes publishing ``-n`` ``.apply_async()`` calls each while two
+  workers (prefork, concurrency 2) run them: the producers' summed rate, and the end-to-end rate
+  (jobs over first publish to last completion).
+
+Targets: every rate drops by at most 10 % from the smallest to the largest size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+BENCH_DIR = pathlib.Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(ROOT))
+
+from benchapp import make_app  # noqa: E402
+from chaos import RedisServer  # noqa: E402
+from sweep import RedisLoader, Rows  # noqa: E402
+from throughput import (  # noqa: E402
+    Keys,
+    count_ends,
+    enqueue_trial,
+    make_config,
+    unique,
+    worker_process,
+    worker_trial,
+)
+
+from ojs_celery.runtime import get_runtime  # noqa: E402
+
+#: What the store holds besides the benchmark's own jobs.
+MIX = {"completed": 0.90, "available": 0.05, "scheduled": 0.05}
+DROP_TARGET = 0.10
+TIMEOUT = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Figures:
+    size: int
+    rates: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------- producer
+
+
+def produce(config: dict[str, Any], n: int) -> None:
+    """A producer process: ``n`` ``.apply_async()`` calls; prints its loop's start and end."""
+    app = make_app(config)
+    task = app.tasks["bench.ojs"]
+    for _ in range(20):  # warm-up: connections, scripts (run by the workers too)
+        task.apply_async()
+    began, cpu = time.time(), time.process_time()
+    for _ in range(n):
+        task.apply_async()
+    ended, cpu = time.time(), time.process_time() - cpu
+    get_runtime(app).bus.flush()
+    print(json.dumps({"began": began, "ended": ended, "n": n, "cpu": cpu}), flush=True)
+
+
+# ---------------------------------------------------------------------------------- trials
+
+
+def apply_async_trial(app: Any, n: int, keys: Keys, queue: str) -> float:
+    task = app.tasks["bench.ojs"]
+    for _ in range(20):
+        task.apply_async()
+    began = time.perf_counter()
+    for _ in range(n):
+        task.apply_async()
+    elapsed = time.perf_counter() - began
+    get_runtime(app).bus.flush()
+    keys.purge_queue(queue)
+    return n / elapsed
+
+
+def wait_for(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def many_trial(url: str, keys: Keys, tmp: pathlib.Path, prefix: str, exchange: str, n: int,
+               producers: int, workers: int) -> tuple[float, float, float]:
+    """``producers`` processes publishing while ``workers`` workers run the jobs; returns the
+    producers' summed rate, the end-to-end rate and the producers' CPU ms per call."""
+    queue = unique("scale_many_")
+    keys.queues.append(queue)
+    config = make_config(url, queue, exchange, prefix)
+    stamps = tmp / queue
+    stamps.mkdir()
+    app = make_app(config)
+    store = get_runtime(app).store
+    before = {w.worker_id for w in store.workers.all()}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH_DIR), str(ROOT)])}
+    total = (20 + n) * producers
+    try:
+        with ExitStack() as stack:
+            for index in range(workers):
+                hostname = unique(f"scalew{index}") + "@bench"
+                keys.hostnames.append(hostname)
+                stack.enter_context(worker_process(config, hostname, tmp / f"{queue}.{index}.log",
+                                                   {"OJS_BENCH_STAMPS": str(stamps)}))
+            wait_for(lambda: len({w.worker_id for w in store.workers.all()} - before) >= workers,
+                     60, "the workers to register")
+            command = [sys.executable, str(pathlib.Path(__file__)), "--produce", str(n),
+                       "--config", json.dumps(config)]
+            runs = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE)
+                    for _ in range(producers)]
+            reports = []
+            for run in runs:
+                out, _ = run.communicate(timeout=TIMEOUT)
+                if run.returncode:
+                    raise RuntimeError(f"a producer failed ({run.returncode})")
+                reports.append(json.loads(out.decode().strip().splitlines()[-1]))
+            wait_for(lambda: count_ends(stamps) >= total, TIMEOUT, f"{total} jobs to run")
+        ends = [float(line.split()[2]) for path in stamps.glob("stamps-*.txt")
+                for line in path.read_text().splitlines() if line.startswith("E ")]
+        began = min(r["began"] for r in reports)
+        produced = sum(r["n"] / (r["ended"] - r["began"]) for r in reports)
+        cpu_ms = sum(r["cpu"] for r in reports) / (producers * n) * 1000
+        return produced, producers * n / (max(ends) - began), cpu_ms
+    finally:
+        keys.purge_queue(queue)
+        get_runtime(app).close()
+        app.close()
+
+
+def measure(size: int, url: str, keys: Keys, tmp: pathlib.Path, prefix: str, exchange: str,
+            args: argparse.Namespace) -> Figures:
+    figures = Figures(size)
+    queue = unique("scale_enq_")
+    keys.queues.append(queue)
+    app = make_app(make_config(url, queue, exchange, prefix))
+    try:
+        cpu = time.process_time()
+        figures.rates["enqueue()"] = enqueue_trial(app, "ojs", args.n, keys, queue)
+        cpu, spent = time.process_time(), time.process_time() - cpu
+        figures.rates[".apply_async()"] = apply_async_trial(app, args.n, keys, queue)
+        applied = time.process_time() - cpu
+        # CPU of this process per call (the 20 warm-up calls and the purge included).
+        figures.notes["producer"] = (f"producer {spent / args.n * 1000:.2f} ms CPU/enqueue(), "
+                                     f"{applied / args.n * 1000:.2f} ms CPU/.apply_async()")
+    finally:
+        get_runtime(app).close()
+        app.close()
+    trial = worker_trial("ojs", args.n, url, keys, tmp, prefix, exchange)
+    figures.rates["worker"] = trial.rate
+    figures.notes["worker"] = (f"worker {trial.cpu_ms:.2f} ms CPU/task, {trial.store_ok} of "
+                               f"{trial.n} completed in the store")
+    produced, end_to_end, cpu_ms = many_trial(url, keys, tmp, prefix, exchange, args.n,
+                                              args.producers, args.workers)
+    figures.notes["many"] = f"{args.producers}x{args.workers}: {cpu_ms:.2f} ms producer CPU/call"
+    label = f"{args.producers}x{args.workers}"
+    figures.rates[f"{label} producers"] = produced
+    figures.rates[f"{label} end-to-end"] = end_to_end
+    return figures
+
+
+# ---------------------------------------------------------------------------------- driver
+
+
+def fill(loader: RedisLoader, count: int, policy: Any) -> float:
+    """``count`` more stored jobs of ``MIX``, relative to now (fresh ids each call)."""
+    rows = Rows(time.time(), policy, seed=count)
+    began = time.perf_counter()
+    for chunk in rows.chunks("mix", count, MIX):
+        loader.load(chunk)
+    return time.perf_counter() - began
+
+
+def report(results: list[Figures], args: argparse.Namespace, took: float) -> None:
+    names = list(results[0].rates)
+    print(f"\nrates with N jobs stored (Redis broker + Redis job store, private server; "
+          f"-n {args.n}; {os.cpu_count()} CPUs; {took:.0f} s in all):")
+    print(f"{'N stored':>10}  " + "  ".join(f"{name:>20}" for name in names))
+    for figures in results:
+        print(f"{figures.size:>10,}  "
+              + "  ".join(f"{figures.rates[name]:>20.0f}" for name in names))
+    if len(results) > 1:
+        low, high = results[0], results[-1]
+        cells = []
+        for name in names:
+            drop = 1 - high.rates[name] / low.rates[name]
+            verdict = "ok" if drop <= DROP_TARGET else "MISSED"
+            cells.append(f"{drop:>+16.0%} {verdict:>3}")
+        print(f"{'drop':>10}  " + "  ".join(f"{cell:>20}" for cell in cells)
+              + f"   (target <= {DROP_TARGET:.0%})")
+    for figures in results:
+        print(f"  N={figures.size:,}: " + "; ".join(figures.notes.values()))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--sizes", default="10000,100000,1000000")
+    parser.add_argument("-n", type=int, default=2000, help="jobs per trial")
+    parser.add_argument("--producers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--produce", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.produce is not None:
+        produce(json.loads(args.config), args.produce)
+        return 0
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="ojs-bench-scale-"))
+    server = RedisServer(tmp, free_port(), durable=False)
+    began = time.monotonic()
+    results: list[Figures] = []
+    sweeper: subprocess.Popen[bytes] | None = None
+    try:
+        server.start()
+        url = server.url
+        run = unique("")
+        prefix, exchange = f"scale_{run}", f"scaleev_{run}"
+        keys = Keys(redis.Redis.from_url(url))
+        app = make_app(make_config(url, unique("scale_sweep_"), exchange, prefix))
+        loader = RedisLoader(url, prefix)
+        policy = get_runtime(app).store.policy
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH_DIR), str(ROOT)]),
+               "OJS_BENCH_CONFIG": json.dumps(make_config(url, unique("scale_sweep_"), exchange,
+                                                          prefix))}
+        ojs_celery_cli = pathlib.Path(sys.executable).with_name("ojs-celery")
+        with open(tmp / "sweeper.log", "ab") as log:
+            sweeper = subprocess.Popen(
+                [str(ojs_celery_cli), "-A", "benchapp:app", "sweep", "--loop", "--interval", "2"],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stored = 0
+        for size in sizes:
+            seconds = fill(loader, size - stored, policy)
+            stored = size
+            memory = keys.client.info("memory")["used_memory_human"]
+            print(f"N={size:,}: filled to {size:,} stored jobs in {seconds:.0f} s "
+                  f"(redis {memory})", flush=True)
+            if sweeper.poll() is not None:
+                raise RuntimeError("the sweeper exited:\n"
+                                   + (tmp / "sweeper.log").read_text()[-3000:])
+            figures = measure(size, url, keys, tmp, prefix, exchange, args)
+            print(f"N={size:,}: " + ", ".join(f"{k} {v:.0f}/s" for k, v in figures.rates.items())
+                  + "; " + "; ".join(figures.notes.values()), flush=True)
+            results.append(figures)
+        get_runtime(app).close()
+        app.close()
+    finally:
+        if sweeper is not None and sweeper.poll() is None:
+            sweeper.terminate()
+            sweeper.wait(30)
+        server.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    report(results, args, time.monotonic() - began)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
