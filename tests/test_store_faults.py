@@ -24,6 +24,7 @@ import redis
 import sqlalchemy as sa
 
 from ojs_celery import lifecycle
+from ojs_celery.conf import read_settings
 from ojs_celery.envelope import Job
 from ojs_celery.lifecycle import Policy
 from ojs_celery.store import JobStore, StoreError, WorkerInfo, open_store
@@ -345,4 +346,25 @@ def test_postgres_session_terminated(pg_prefix: str) -> None:
                 raise AssertionError(f"{name} fails on a new connection: {exc}") from exc
     finally:
         admin.dispose()
+        store.close()
+
+
+def test_postgres_synchronous_commit_is_applied_to_every_session(pg_prefix: str) -> None:
+    """``ojs.store_synchronous_commit`` reaches the store's pooled sessions and the insert
+    lane's; jobs are stored as usual."""
+    settings = read_settings({"store_url": postgres_url(), "store_prefix": pg_prefix,
+                              "store_synchronous_commit": "off"})
+    store = open_store(settings.store_url, policy=settings.policy, prefix=pg_prefix,
+                       synchronous_commit=settings.store_synchronous_commit)
+    assert isinstance(store, SQLStore)
+    try:
+        job = new_job()
+        store.create(job)  # through the insert lane
+        assert store.get(job.id) is not None
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off"
+        assert store._lane is not None and store._lane._raw is not None
+        lane = store._lane._raw.execute("SHOW synchronous_commit").fetchone()
+        assert lane == ("off",)
+    finally:
         store.close()

@@ -55,6 +55,8 @@ if TYPE_CHECKING:
 
 __all__ = ["SQLMetaArea", "SQLStore", "SQLWorkerRegistry", "normalise_url"]
 
+#: The values of PostgreSQL's ``synchronous_commit`` (the setting ``store_synchronous_commit``).
+_SYNCHRONOUS_COMMIT = ("on", "off", "local", "remote_write", "remote_apply")
 #: SQLite waits this long for another process's write lock before giving up.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -167,7 +169,10 @@ class SQLStore(JobStore):
     connections) in a process forked after it was used: Celery's prefork pool forks late.
     """
 
-    def __init__(self, url: str, policy: Policy | None = None, prefix: str = "ojs") -> None:
+    def __init__(
+        self, url: str, policy: Policy | None = None, prefix: str = "ojs",
+        synchronous_commit: str | None = None,
+    ) -> None:
         super().__init__(policy)
         self.url = normalise_url(url)
         self.prefix = prefix
@@ -175,6 +180,13 @@ class SQLStore(JobStore):
         if backend not in ("sqlite", "postgresql"):
             raise ValueError(f"store_url: unsupported SQL backend {backend!r} (sqlite, postgresql)")
         self._sqlite = backend == "sqlite"
+        if synchronous_commit is not None and (self._sqlite or synchronous_commit not in
+                                               _SYNCHRONOUS_COMMIT):
+            raise ValueError(f"synchronous_commit: {synchronous_commit!r} is not a PostgreSQL "
+                             f"value ({', '.join(_SYNCHRONOUS_COMMIT)})")
+        #: PostgreSQL's ``synchronous_commit`` for every session of this store (None: the
+        #: server's): set when a connection is made, so the insert lane's has it too.
+        self.synchronous_commit = synchronous_commit
         self._shared_connection = self._sqlite and self.url.database in (None, "", ":memory:")
         self.metadata = build_metadata(prefix)
         self._engine: Engine | None = None
@@ -292,7 +304,21 @@ class SQLStore(JobStore):
             engine = sa.create_engine(self.url, **kwargs)
             event.listen(engine, "connect", _sqlite_on_connect)
             return engine
-        return sa.create_engine(self.url, isolation_level="AUTOCOMMIT")
+        engine = sa.create_engine(self.url, isolation_level="AUTOCOMMIT")
+        if self.synchronous_commit is not None:
+            statement = f"SET synchronous_commit = {self.synchronous_commit}"  # a literal
+
+            def on_connect(dbapi_connection: Any, _record: Any) -> None:
+                cursor = dbapi_connection.cursor()
+                try:
+                    cursor.execute(statement)
+                finally:
+                    cursor.close()
+                if not dbapi_connection.autocommit:  # kept: a rollback would undo it
+                    dbapi_connection.commit()
+
+            event.listen(engine, "connect", on_connect)
+        return engine
 
     def _create_tables(self, engine: Engine) -> None:
         """``create_all`` under a lock, so processes starting together do not both try."""
