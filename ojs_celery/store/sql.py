@@ -240,6 +240,15 @@ class SQLStore(JobStore):
             )
             .values({c.dispatch_due: None, c[_deadline_column("dispatch")]: None})
         )
+        self._ack_many = (
+            sa.update(jobs)
+            .where(
+                sa.tuple_(c.id, c.token).in_(sa.bindparam("k_pairs", expanding=True)),
+                c.dispatch_due.is_not(None),
+            )
+            .values({c.dispatch_due: None, c[_deadline_column("dispatch")]: None})
+            .returning(c.id, c.token)
+        )
         self._delete_job = sa.delete(jobs).where(
             c.id == sa.bindparam("k_id"), c.version == sa.bindparam("k_expected")
         )
@@ -504,6 +513,10 @@ class SQLStore(JobStore):
 
     @_wrap_errors
     def _ack_dispatch_many(self, acks: Sequence[tuple[str, int]]) -> list[bool]:
+        if not self._sqlite:  # one statement for the whole batch (the outbox acker's)
+            with self.engine.connect() as conn:
+                cleared = set(conn.execute(self._ack_many, {"k_pairs": list(acks)}).all())
+            return [(job_id, token) in cleared for job_id, token in acks]
         results = [False] * len(acks)
         order = sorted(range(len(acks)), key=lambda i: acks[i][0])
         with self._transaction() as conn:
