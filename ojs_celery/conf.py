@@ -52,6 +52,11 @@ class Settings(BaseModel):
 
     store_url: str = "sqlite:///ojs.sqlite3"
     store_prefix: str = Field("ojs", pattern=r"^[A-Za-z][A-Za-z0-9_]*$", max_length=40)
+    #: PostgreSQL store only: ``synchronous_commit`` for the store's sessions (None: the
+    #: server's). ``"off"`` trades the last moments of writes on a server crash for an
+    #: insert that does not wait for the disk (README, settings).
+    store_synchronous_commit: Literal["on", "off", "local", "remote_write",
+                                      "remote_apply"] | None = None
     type_map: dict[str, str] = {}
     events: bool = True
     amqp_max_priority: int = Field(10, ge=1, le=255)
@@ -107,6 +112,15 @@ class Settings(BaseModel):
                 )
             if not isinstance(task_name, str) or not task_name:
                 raise ValueError(f"value for {ojs_type!r} must be a Celery task name")
+        return value
+
+    @field_validator("store_synchronous_commit")
+    @classmethod
+    def _synchronous_commit_on_postgres(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A PostgreSQL setting: with another store it would silently do nothing."""
+        url = str(info.data.get("store_url") or "").lower()
+        if value is not None and not url.startswith(("postgresql", "postgres")):
+            raise ValueError("applies to a PostgreSQL store_url only")
         return value
 
     @model_validator(mode="after")

@@ -127,10 +127,12 @@ def publish(
     now: float | None = None,
     *,
     record: Record | None = None,
+    producer: Any = None,
 ) -> None:
     """Send the message for ``request`` and clear its outbox entry (in the background: see
     :mod:`ojs_celery.outbox`). Pass ``record``, the record the store write that owes this
-    message returned, to put its snapshot in the header.
+    message returned, to put its snapshot in the header; ``producer``, a kombu producer held
+    for many messages (``app.producer_or_acquire()``), to spare a pool acquire per message.
 
     Raises :class:`BrokerUnavailable` if the broker cannot be reached; the outbox entry stays,
     so the sweeper publishes it later.
@@ -159,6 +161,8 @@ def publish(
     options["retries"] = celery_retries(job) if celery_semantics(job) is not None else job.attempt
     extensions = job.extensions
     options.update(trusted_options(job))
+    if producer is not None:
+        options["producer"] = producer
     kwargs = extensions.get(CELERY_KWARGS_FIELD) or {}
     try:
         app.send_task(

@@ -78,8 +78,10 @@ class Runtime:
         with self._lock:
             previous, self._settings, self._settings_error = self._settings, settings, None
             if previous is not None and self._store is not None and (
-                previous.store_url, previous.store_prefix, previous.policy
-            ) != (settings.store_url, settings.store_prefix, settings.policy):
+                previous.store_url, previous.store_prefix, previous.policy,
+                previous.store_synchronous_commit,
+            ) != (settings.store_url, settings.store_prefix, settings.policy,
+                  settings.store_synchronous_commit):
                 self._store.close()  # opened on an earlier configuration: reopen on next use
                 self._store = None
         self.bus.enabled = settings.events
@@ -97,6 +99,7 @@ class Runtime:
                         self.settings.store_url,
                         policy=self.settings.policy,
                         prefix=self.settings.store_prefix,
+                        synchronous_commit=self.settings.store_synchronous_commit,
                     )
         return self._store
 

@@ -7,7 +7,7 @@ import time
 
 from celery import Celery
 
-from ojs_celery import OJSTask, enqueue, install, parse_envelope
+from ojs_celery import OJSTask, enqueue, enqueue_batch, install, parse_envelope
 from ojs_celery.sweeper import sweep
 from tests.conftest import start_env
 from tests.workers import Worker, unique, wait_for
@@ -57,3 +57,20 @@ def test_store_down_when_a_message_arrives_sends_it_back_to_the_broker(
 def test_workers_warn_when_no_sweep_runs(tmp_path: pathlib.Path) -> None:
     with start_env("filesystem", tmp_path, config={"ojs": {"sweep_interval": 0.2}}) as env:
         wait_for(lambda: "no OJS sweep has run" in env.worker.log(), 10, "the warning")
+
+
+def test_a_batch_with_the_broker_down_is_stored_and_owed(tmp_path: pathlib.Path) -> None:
+    """``enqueue_batch`` publishes through one held producer: with the broker down it still
+    returns every stored job, each with its outbox entry for the sweeper."""
+    app = Celery("downbatch", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
+    runtime = install(app)
+
+    @app.task(shared=False, name="down.batch", base=OJSTask)
+    def job_task() -> None:
+        return None
+
+    jobs = enqueue_batch([{"type": "down.batch", "args": [n]} for n in range(3)], app=app)
+    assert [job.state for job in jobs] == ["available"] * 3
+    owed = runtime.store.due("dispatch", now=time.time() + 3600, limit=10)
+    assert sorted(job_id for job_id, _ in owed) == sorted(job.id for job in jobs)

@@ -178,6 +178,7 @@ def test_an_insert_whose_reply_was_lost_returns_the_job(
     proxied: tuple[JobStore, CuttingProxy],
 ) -> None:
     store, proxy = proxied
+    store.create(parse_envelope({"type": "t.job", "args": [0]}))  # the cut hits the insert
     job = parse_envelope({"type": "t.job", "args": [1]})
     proxy.armed.set()
     created = store.create(job)  # raises nothing: the insert is recognised as its own
@@ -191,6 +192,7 @@ def test_an_insert_lost_with_the_store_is_uncertain(
     proxied: tuple[JobStore, CuttingProxy],
 ) -> None:
     store, proxy = proxied
+    store.create(parse_envelope({"type": "t.job", "args": [0]}))  # the cut hits the insert
     job = parse_envelope({"type": "t.job", "args": [1]})
     proxy.armed.set()
     proxy.refusing.set()  # the store is gone once the write's reply is cut

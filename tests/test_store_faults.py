@@ -24,6 +24,7 @@ import redis
 import sqlalchemy as sa
 
 from ojs_celery import lifecycle
+from ojs_celery.conf import read_settings
 from ojs_celery.envelope import Job
 from ojs_celery.lifecycle import Policy
 from ojs_celery.store import JobStore, StoreError, WorkerInfo, open_store
@@ -269,6 +270,10 @@ def _read_only_url() -> str:
     return url.render_as_string(hide_password=False)
 
 
+def _writable(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.execute("SET default_transaction_read_only = off")
+
+
 def test_postgres_read_only_sessions(pg_prefix: str) -> None:
     """As on a standby: every write is refused with StoreError (not a raw driver error), the
     session stays usable (reads work between the refused writes), and once the session may
@@ -284,7 +289,11 @@ def test_postgres_read_only_sessions(pg_prefix: str) -> None:
             assert "read-only transaction" in str(info.value), name
             assert isinstance(info.value.__cause__, sa.exc.DBAPIError), name
             assert store.get(ops.jobs[0].id) is not None, name  # the session was rolled back
-        with store.engine.connect() as conn:  # the standby is promoted, as it were
+        # The standby is promoted, as it were: every session from now on may write (the
+        # store's sessions are reopened: the pool's and the insert lane's).
+        store.close()
+        sa.event.listen(store.engine, "connect", _writable)
+        with store.engine.connect() as conn:  # made before the listener, by the table check
             conn.exec_driver_sql("SET default_transaction_read_only = off")
         for name, op in ops.writes().items():
             try:
@@ -300,25 +309,30 @@ def test_postgres_session_terminated(pg_prefix: str) -> None:
     """A session the server ends (a restart, a failover, an idle killer): the next operation
     raises StoreError, and the one after works on a new connection. Tried for each kind of
     operation, single statements and transactions alike."""
-    store = open_store(postgres_url(), policy=Policy(), prefix=pg_prefix)
+    app_name = f"ojs_test_{pg_prefix}"  # names this store's sessions, and only them
+    url = sa.make_url(postgres_url()).update_query_dict({"application_name": app_name})
+    store = open_store(url.render_as_string(hide_password=False), policy=Policy(),
+                       prefix=pg_prefix)
     assert isinstance(store, SQLStore)
     admin = sa.create_engine(sa.make_url(postgres_url()).set(drivername="postgresql+psycopg"),
                              isolation_level="AUTOCOMMIT")
 
     def terminate_session() -> None:
-        with store.engine.connect() as conn:
-            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        """End every session of the store: the pooled ones and the insert lane's."""
         with admin.connect() as conn:
-            conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+            query = sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                            "WHERE application_name = :a")
+            conn.execute(query, {"a": app_name})
 
             def gone() -> bool:
-                query = sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p")
-                return conn.execute(query, {"p": pid}).scalar() == 0
+                query = sa.text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :a")
+                return conn.execute(query, {"a": app_name}).scalar() == 0
 
-            wait_for(gone, 10, "the session to end")
+            wait_for(gone, 10, "the sessions to end")
 
     try:
         ops = Ops(store)
+        store.create(new_job())  # the insert lane (PostgreSQL) holds a session to end too
         for name, op in ops.writes().items():
             terminate_session()
             if name == "create":  # an insert whose connection died is sent again (fencing)
@@ -332,4 +346,25 @@ def test_postgres_session_terminated(pg_prefix: str) -> None:
                 raise AssertionError(f"{name} fails on a new connection: {exc}") from exc
     finally:
         admin.dispose()
+        store.close()
+
+
+def test_postgres_synchronous_commit_is_applied_to_every_session(pg_prefix: str) -> None:
+    """``ojs.store_synchronous_commit`` reaches the store's pooled sessions and the insert
+    lane's; jobs are stored as usual."""
+    settings = read_settings({"store_url": postgres_url(), "store_prefix": pg_prefix,
+                              "store_synchronous_commit": "off"})
+    store = open_store(settings.store_url, policy=settings.policy, prefix=pg_prefix,
+                       synchronous_commit=settings.store_synchronous_commit)
+    assert isinstance(store, SQLStore)
+    try:
+        job = new_job()
+        store.create(job)  # through the insert lane
+        assert store.get(job.id) is not None
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off"
+        assert store._lane is not None and store._lane._raw is not None
+        lane = store._lane._raw.execute("SHOW synchronous_commit").fetchone()
+        assert lane == ("off",)
+    finally:
         store.close()

@@ -24,11 +24,14 @@ __all__ = [
 ]
 
 
-def open_store(url: str, policy: Policy | None = None, prefix: str = "ojs") -> JobStore:
+def open_store(
+    url: str, policy: Policy | None = None, prefix: str = "ojs",
+    synchronous_commit: str | None = None,
+) -> JobStore:
     """A store for ``url``: ``sqlite:///path``, ``postgresql://...`` or ``redis://...``.
 
     ``prefix`` namespaces the tables (SQL) or keys (Redis), so several apps or test runs can
-    share one server.
+    share one server. ``synchronous_commit``: PostgreSQL's, for every session of the store.
     """
     scheme = url.split(":", 1)[0].lower()
     if scheme in ("redis", "rediss", "unix"):
@@ -38,7 +41,8 @@ def open_store(url: str, policy: Policy | None = None, prefix: str = "ojs") -> J
     if scheme.startswith(("sqlite", "postgresql", "postgres")):
         from .sql import SQLStore
 
-        return SQLStore(url, policy=policy, prefix=prefix)
+        return SQLStore(url, policy=policy, prefix=prefix,
+                        synchronous_commit=synchronous_commit)
     raise ValueError(
         f"store_url: unsupported scheme {scheme!r} (use sqlite:///path, postgresql://... "
         "or redis://...)"

@@ -24,8 +24,8 @@ import os
 import sqlite3
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -50,8 +50,13 @@ from .base import (
 from .meta import MetaArea
 from .workers import WorkerInfo, WorkerRegistry
 
+if TYPE_CHECKING:
+    from .pg_lane import PgLane
+
 __all__ = ["SQLMetaArea", "SQLStore", "SQLWorkerRegistry", "normalise_url"]
 
+#: The values of PostgreSQL's ``synchronous_commit`` (the setting ``store_synchronous_commit``).
+_SYNCHRONOUS_COMMIT = ("on", "off", "local", "remote_write", "remote_apply")
 #: SQLite waits this long for another process's write lock before giving up.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -164,7 +169,10 @@ class SQLStore(JobStore):
     connections) in a process forked after it was used: Celery's prefork pool forks late.
     """
 
-    def __init__(self, url: str, policy: Policy | None = None, prefix: str = "ojs") -> None:
+    def __init__(
+        self, url: str, policy: Policy | None = None, prefix: str = "ojs",
+        synchronous_commit: str | None = None,
+    ) -> None:
         super().__init__(policy)
         self.url = normalise_url(url)
         self.prefix = prefix
@@ -172,6 +180,13 @@ class SQLStore(JobStore):
         if backend not in ("sqlite", "postgresql"):
             raise ValueError(f"store_url: unsupported SQL backend {backend!r} (sqlite, postgresql)")
         self._sqlite = backend == "sqlite"
+        if synchronous_commit is not None and (self._sqlite or synchronous_commit not in
+                                               _SYNCHRONOUS_COMMIT):
+            raise ValueError(f"synchronous_commit: {synchronous_commit!r} is not a PostgreSQL "
+                             f"value ({', '.join(_SYNCHRONOUS_COMMIT)})")
+        #: PostgreSQL's ``synchronous_commit`` for every session of this store (None: the
+        #: server's): set when a connection is made, so the insert lane's has it too.
+        self.synchronous_commit = synchronous_commit
         self._shared_connection = self._sqlite and self.url.database in (None, "", ":memory:")
         self.metadata = build_metadata(prefix)
         self._engine: Engine | None = None
@@ -184,6 +199,7 @@ class SQLStore(JobStore):
         #: ``INSERT`` with this dialect's ``ON CONFLICT`` clauses.
         self.dialect_insert = sqlite_dialect.insert if self._sqlite else pg_dialect.insert
         self._prepare_statements()
+        self._lane = self._insert_lane()
         self.workers = SQLWorkerRegistry(self)
         self.meta = SQLMetaArea(self)
 
@@ -224,6 +240,15 @@ class SQLStore(JobStore):
             )
             .values({c.dispatch_due: None, c[_deadline_column("dispatch")]: None})
         )
+        self._ack_many = (
+            sa.update(jobs)
+            .where(
+                sa.tuple_(c.id, c.token).in_(sa.bindparam("k_pairs", expanding=True)),
+                c.dispatch_due.is_not(None),
+            )
+            .values({c.dispatch_due: None, c[_deadline_column("dispatch")]: None})
+            .returning(c.id, c.token)
+        )
         self._delete_job = sa.delete(jobs).where(
             c.id == sa.bindparam("k_id"), c.version == sa.bindparam("k_expected")
         )
@@ -236,6 +261,22 @@ class SQLStore(JobStore):
                 .order_by(column)
                 .limit(sa.bindparam("k_limit", type_=sa.Integer))
             )
+
+    def _insert_lane(self) -> PgLane | None:
+        """The insert's fast lane (:mod:`.pg_lane`) on PostgreSQL with psycopg 3, else None."""
+        if self.url.drivername != "postgresql+psycopg":
+            return None
+        from .pg_lane import PgLane
+
+        jobs = self.job_table
+        preparer = pg_dialect.dialect().identifier_preparer  # type: ignore[no-untyped-call]
+        self._insert_columns = tuple(column.name for column in jobs.columns)
+        names = ", ".join(preparer.quote(name) for name in self._insert_columns)
+        slots = ", ".join(f"${n}" for n in range(1, len(self._insert_columns) + 1))
+        statement = (f"INSERT INTO {preparer.format_table(jobs)} ({names}) VALUES ({slots}) "
+                     f"ON CONFLICT ({preparer.quote('id')}) DO NOTHING")
+        return PgLane(lambda: self.engine.raw_connection(), statement,
+                      f"ojs_celery_insert_{self.prefix}")
 
     @property
     def engine(self) -> Engine:
@@ -272,7 +313,21 @@ class SQLStore(JobStore):
             engine = sa.create_engine(self.url, **kwargs)
             event.listen(engine, "connect", _sqlite_on_connect)
             return engine
-        return sa.create_engine(self.url, isolation_level="AUTOCOMMIT")
+        engine = sa.create_engine(self.url, isolation_level="AUTOCOMMIT")
+        if self.synchronous_commit is not None:
+            statement = f"SET synchronous_commit = {self.synchronous_commit}"  # a literal
+
+            def on_connect(dbapi_connection: Any, _record: Any) -> None:
+                cursor = dbapi_connection.cursor()
+                try:
+                    cursor.execute(statement)
+                finally:
+                    cursor.close()
+                if not dbapi_connection.autocommit:  # kept: a rollback would undo it
+                    dbapi_connection.commit()
+
+            event.listen(engine, "connect", on_connect)
+        return engine
 
     def _create_tables(self, engine: Engine) -> None:
         """``create_all`` under a lock, so processes starting together do not both try."""
@@ -305,6 +360,8 @@ class SQLStore(JobStore):
         self._ready = False
 
     def close(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
         if self._engine is not None:
             if self._pid == os.getpid():
                 self._engine.dispose()
@@ -357,6 +414,23 @@ class SQLStore(JobStore):
                 return conn.execute(self._insert_job, values).rowcount == 1
         except sa_exc.IntegrityError:
             return False
+
+    def _insert_begin(
+        self, record: Record, deadlines: dict[str, float | None]
+    ) -> Callable[[], bool]:
+        """On PostgreSQL, send the insert through the lane now and read its reply when asked
+        (the commit overlaps the caller's publish); elsewhere, insert at once."""
+        answer = None
+        if self._lane is not None:
+            values = self._values(record, deadlines)
+            values["id"] = record.job.id
+            values["version"] = 1
+            answer = self._lane.send([values[name] for name in self._insert_columns])
+        if answer is None:
+            inserted = self._insert(record, deadlines)
+            return lambda: inserted
+        reply = answer  # a StoreError from it is settled by begin_create (origin read back)
+        return lambda: reply() == 1
 
     @_wrap_errors
     def _insert_many(self, rows: Sequence[NewRow]) -> str | None:
@@ -439,6 +513,10 @@ class SQLStore(JobStore):
 
     @_wrap_errors
     def _ack_dispatch_many(self, acks: Sequence[tuple[str, int]]) -> list[bool]:
+        if not self._sqlite:  # one statement for the whole batch (the outbox acker's)
+            with self.engine.connect() as conn:
+                cleared = set(conn.execute(self._ack_many, {"k_pairs": list(acks)}).all())
+            return [(job_id, token) in cleared for job_id, token in acks]
         results = [False] * len(acks)
         order = sorted(range(len(acks)), key=lambda i: acks[i][0])
         with self._transaction() as conn:

@@ -1,0 +1,181 @@
+"""A fast lane for the PostgreSQL store's insert: sent now, its reply read later.
+
+An insert through SQLAlchemy waits for its reply, which comes after the commit (an fsync at
+full durability), and spends about as much CPU in SQLAlchemy's layers (pool checkout, compiled
+statement cache, parameter and result processing) as in psycopg. The lane keeps one psycopg 3
+connection per process aside (made by the store's pool, so in autocommit mode and with the
+connection settings the pool applies, then detached from it), prepares the insert on it once,
+and sends each insert with libpq's asynchronous calls, so that ``enqueue`` publishes the job's
+message while the server commits, as the Redis store does. Replies are waited for in
+``select`` (libpq's blocking calls would hold the GIL for the whole commit).
+
+The lane never changes what an insert does, only when its reply is read. A thread that finds
+the lane taken, or a connection that cannot send, takes the ordinary path. A reply that is an
+error, or a connection lost after the insert was sent, is a :class:`StoreError`, which the
+store settles by reading the record's origin (:meth:`~.base.JobStore.begin_create`). A forked
+child forgets its parent's connection and checks out its own.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from psycopg import pq
+
+from .base import StoreError
+
+__all__ = ["PgLane", "text_param"]
+
+
+def text_param(value: Any) -> bytes | None:
+    """A value as PostgreSQL's text input format reads it for the insert's columns."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return b"t" if value else b"f"
+    if isinstance(value, float):
+        return repr(value).encode()
+    return str(value).encode()
+
+
+class PgLane:
+    """One prepared insert on one connection of this process (see the module docstring)."""
+
+    def __init__(self, connect: Callable[[], Any], statement: str, name: str) -> None:
+        """``connect``: a new DBAPI connection checked out of the store's pool (SQLAlchemy's
+        ``engine.raw_connection()``); ``statement``: the insert, with ``$n`` parameters."""
+        self._connect = connect
+        self._statement = statement.encode()
+        self._name = name.encode()
+        self._lock = threading.Lock()
+        self._raw: Any = None  # the psycopg connection
+        ref = weakref.ref(self)
+
+        def forget_parent() -> None:
+            lane = ref()
+            if lane is not None:
+                lane._lock = threading.Lock()
+                lane._raw = None  # the parent's socket: never used, never closed here
+
+        os.register_at_fork(after_in_child=forget_parent)
+
+    def send(self, values: Sequence[Any]) -> Callable[[], int] | None:
+        """Send the insert with ``values`` (in the statement's parameter order); return the
+        function that waits for its reply (the number of rows inserted) and raises
+        :class:`StoreError` if there is none. None: nothing was sent, take the ordinary path."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            pgconn = self._pgconn()
+            pgconn.send_query_prepared(self._name, [text_param(value) for value in values])
+            _flush(pgconn)
+        except Exception:
+            self._drop()
+            self._lock.release()
+            return None
+
+        def answer() -> int:
+            try:
+                return self._rows(pgconn)
+            finally:
+                self._lock.release()
+
+        return answer
+
+    def close(self) -> None:
+        """Close the connection (this process's only)."""
+        with self._lock:
+            raw, self._raw = self._raw, None
+            if raw is not None:
+                try:
+                    raw.close()
+                except Exception:  # closing a broken connection: nothing left to release
+                    pass
+
+    def _pgconn(self) -> Any:
+        if self._raw is not None:
+            pgconn = self._raw.pgconn
+            if pgconn.status == pq.ConnStatus.OK and \
+                    pgconn.transaction_status == pq.TransactionStatus.IDLE and \
+                    not _readable(pgconn.socket):
+                return pgconn
+            self._drop()  # something arrived unasked: the server ended the session (or worse)
+        pooled = self._connect()
+        connection = pooled.driver_connection
+        pooled.detach()  # the lane's own from now on: the pool neither counts nor reuses it
+        try:
+            pgconn = connection.pgconn
+            pgconn.send_prepare(self._name, self._statement)
+            _flush(pgconn)
+            results = list(_results(pgconn))
+            failed = [r for r in results if r.status != pq.ExecStatus.COMMAND_OK]
+            if failed or not results:
+                raise StoreError(_message(failed[0]) if failed else "no reply to PREPARE")
+        except BaseException:
+            connection.close()
+            raise
+        self._raw = connection
+        return pgconn
+
+    def _rows(self, pgconn: Any) -> int:
+        rows: int | None = None
+        error: str | None = None
+        try:
+            for result in _results(pgconn):
+                if result.status == pq.ExecStatus.COMMAND_OK:
+                    rows = int(result.command_tuples or 0)
+                else:
+                    error = _message(result)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if pgconn.status != pq.ConnStatus.OK:
+            self._drop()
+            raise StoreError(f"job store error: connection lost after an insert was sent "
+                             f"({error or 'no reply'})")
+        if error is not None or rows is None:
+            raise StoreError(f"job store error: {error or 'no reply to an insert'}")
+        return rows
+
+    def _drop(self) -> None:
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            try:
+                raw.close()
+            except Exception:  # a connection that is gone cannot be closed twice
+                pass
+
+
+def _flush(pgconn: Any) -> None:
+    """Send what libpq buffered (psycopg keeps its connections non-blocking), waiting in
+    ``select``, which lets other threads run, never in libpq, which holds the GIL."""
+    while pgconn.flush():
+        select.select([], [pgconn.socket], [])
+
+
+def _results(pgconn: Any) -> Iterator[Any]:
+    """The results of the command sent, each waited for in ``select`` (see :func:`_flush`)."""
+    while True:
+        pgconn.consume_input()
+        while pgconn.is_busy():
+            select.select([pgconn.socket], [], [])
+            pgconn.consume_input()
+        result = pgconn.get_result()
+        if result is None:
+            return
+        yield result
+
+
+def _readable(fd: int) -> bool:
+    """An idle connection with something to read was ended by the server (a restart, an
+    administrator's ``pg_terminate_backend``, an idle timeout): never send into it."""
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def _message(result: Any) -> str:
+    return bytes(result.error_message or b"").decode(errors="replace").strip() or \
+        f"status {result.status}"
