@@ -5,7 +5,6 @@ come: it waits, or goes back to the broker, and the job runs once. Only a messag
 
 from __future__ import annotations
 
-import pathlib
 import time
 from collections.abc import Iterator
 
