@@ -103,25 +103,24 @@ def ojs_app(ojs_app_path: str, ojs_settings: dict[str, Any]) -> Celery:
     return configure(load_app(ojs_app_path), ojs_settings)
 
 
-class WorkerProcess:
-    """A ``celery worker`` subprocess (prefork) of the app under test."""
+class CeleryProcess:
+    """A ``celery`` subprocess in its own session (so that it and its pool children can be
+    killed as a group), its output in a log file. :class:`WorkerProcess` and the project's own
+    end-to-end helpers build on it."""
 
-    def __init__(self, app_path: str, settings: dict[str, Any], log: pathlib.Path,
-                 concurrency: int = 2) -> None:
+    def __init__(self, arguments: list[str], log: pathlib.Path, env: dict[str, str],
+                 cwd: str | os.PathLike[str] | None = None) -> None:
         self.log_path = log
-        env = {**os.environ, APP_VARIABLE: app_path, CONF_VARIABLE: json.dumps(settings),
-               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", f"{__name__}:worker_app", "worker",
-             "--pool", "prefork", "--concurrency", str(concurrency), "--loglevel", "INFO",
-             "--without-gossip", "--without-mingle", "--hostname", f"ojs-test-{os.getpid()}@%h"],
-            env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen([sys.executable, "-m", "celery", *arguments], cwd=cwd,
+                                        env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 60.0) -> None:
+        """Return once the worker logged `` ready.``; raise if it exited or took too long."""
         deadline = time.monotonic() + timeout
         while " ready." not in self.log():
             if self.process.poll() is not None:
@@ -131,7 +130,9 @@ class WorkerProcess:
                                    f"{self.log()[-4000:]}")
             time.sleep(0.1)
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (a warm shutdown), then SIGKILL to the whole group after ``timeout``; the
+        exit code."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -140,6 +141,20 @@ class WorkerProcess:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(5)
         self._log.close()
+        return self.process.returncode
+
+
+class WorkerProcess(CeleryProcess):
+    """A ``celery worker`` subprocess (prefork) of the app under test."""
+
+    def __init__(self, app_path: str, settings: dict[str, Any], log: pathlib.Path,
+                 concurrency: int = 2) -> None:
+        env = {**os.environ, APP_VARIABLE: app_path, CONF_VARIABLE: json.dumps(settings),
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        super().__init__(
+            ["-A", f"{__name__}:worker_app", "worker", "--pool", "prefork", "--concurrency",
+             str(concurrency), "--loglevel", "INFO", "--without-gossip", "--without-mingle",
+             "--hostname", f"ojs-test-{os.getpid()}@%h"], log, env)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@
 #   scripts/compat.sh                 # every supported version
 #   scripts/compat.sh 5.5 5.7         # only these
 #   COMPAT_TESTS="tests/test_e2e_core.py" scripts/compat.sh 5.4
+#   COMPAT_INSTALL_ONLY=1 scripts/compat.sh 5.4   # only build the venv (CI does it meanwhile)
 #
 # Prints one summary line per version; exits non-zero if any version failed.
 set -uo pipefail
@@ -37,6 +38,7 @@ for v in "${versions[@]}"; do
         fi
         touch "$stamp"
     fi
+    [ "${COMPAT_INSTALL_ONLY:-}" = 1 ] && continue
     installed=$("$venv/bin/python" -c '
 import importlib.metadata as m
 print(" ".join(f"{n} {m.version(n)}" for n in ("celery", "kombu", "billiard", "redis")))')

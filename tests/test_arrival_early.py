@@ -5,7 +5,6 @@ come: it waits, or goes back to the broker, and the job runs once. Only a messag
 
 from __future__ import annotations
 
-import pathlib
 import time
 from collections.abc import Iterator
 
@@ -18,9 +17,11 @@ from tests.conftest import Env, start_env
 from tests.workers import wait_for
 
 
-@pytest.fixture(params=["filesystem", "redis"])
-def env(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Env]:
-    with start_env(request.param, tmp_path, concurrency=1) as started:
+@pytest.fixture(scope="module", params=["filesystem", "redis"])
+def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """One worker per broker for the module: each test counts only its own job's lines."""
+    tmp = tmp_path_factory.mktemp(f"early-{request.param}")
+    with start_env(request.param, tmp, concurrency=1) as started:
         yield started
 
 

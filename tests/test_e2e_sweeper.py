@@ -102,7 +102,8 @@ def test_execution_timeout_on_pools_without_time_limits(
     try:
         for worker in workers:
             worker.wait_ready()
-        job = enqueue({"type": "e2e.stuck_first", "args": [12], "queue": queue, "timeout": 1,
+        # Stuck for 8 s: well past the timeout's enforcement (1 + 1.5 + a sweep interval).
+        job = enqueue({"type": "e2e.stuck_first", "args": [8], "queue": queue, "timeout": 1,
                        "grace_period": 0, "retry": {"max_attempts": 2,
                                                     "initial_interval": "PT0.1S"}},
                       app=env.app)

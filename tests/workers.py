@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -15,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from ojs_celery.embedded import embedded_settings
+from ojs_celery.testing import CeleryProcess
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -88,71 +86,42 @@ def amqp_config(tmp: pathlib.Path, amqp_url: str, postgres_url: str) -> dict[str
     }
 
 
-class Worker:
+def _env(config: dict[str, Any]) -> dict[str, str]:
+    """The environment ``tests.e2eapp`` reads its config from."""
+    return {**os.environ, "OJS_E2E_CONFIG": json.dumps(config), "PYTHONPATH": str(ROOT)}
+
+
+class Worker(CeleryProcess):
     """A ``celery worker`` subprocess running ``tests.e2eapp``."""
 
     def __init__(self, config: dict[str, Any], log: pathlib.Path, pool: str = "prefork",
                  concurrency: int = 2, extra: list[str] | None = None) -> None:
         self.config = config
-        self.log_path = log
-        env = {**os.environ, "OJS_E2E_CONFIG": json.dumps(config), "PYTHONPATH": str(ROOT)}
-        command = [
-            sys.executable, "-m", "celery", "-A", "tests.e2eapp:app", "worker",
-            "--pool", pool, "--concurrency", str(concurrency), "--loglevel", "INFO",
-            "--queues", ",".join(config.get("worker_queues") or [config["queue"]]),
-            "--hostname", f"{unique('w')}@%h",
-            "--without-gossip", "--without-mingle", *(extra or []),
-        ]
-        self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self._log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        super().__init__(
+            ["-A", "tests.e2eapp:app", "worker", "--pool", pool, "--concurrency",
+             str(concurrency), "--loglevel", "INFO",
+             "--queues", ",".join(config.get("worker_queues") or [config["queue"]]),
+             "--hostname", f"{unique('w')}@%h", "--without-gossip", "--without-mingle",
+             *(extra or [])], log, _env(config), cwd=ROOT)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        wait_for(lambda: " ready." in self.log() or self.process.poll() is not None,
-                 timeout, "worker ready")
-        if self.process.poll() is not None:
-            raise RuntimeError(f"worker exited at start:\n{self.log()[-4000:]}")
+        super().wait_ready(timeout)
 
     def stop(self, timeout: float = 20.0) -> int | None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(5)
-        self._log.close()
-        return self.process.returncode
+        return super().stop(timeout)
 
 
-class Beat:
+class Beat(CeleryProcess):
     """A ``celery beat`` subprocess for ``tests.e2eapp`` (it schedules ``ojs_celery.sweep``)."""
 
     def __init__(self, config: dict[str, Any], tmp: pathlib.Path) -> None:
-        env = {**os.environ, "OJS_E2E_CONFIG": json.dumps(config), "PYTHONPATH": str(ROOT)}
-        self.log_path = tmp / f"beat-{unique('')}.log"
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.e2eapp:app", "beat", "--loglevel",
-             "INFO", "--schedule", str(tmp / f"beat-{unique('')}"), "--pidfile", ""],
-            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+        super().__init__(
+            ["-A", "tests.e2eapp:app", "beat", "--loglevel", "INFO",
+             "--schedule", str(tmp / f"beat-{unique('')}"), "--pidfile", ""],
+            tmp / f"beat-{unique('')}.log", _env(config), cwd=ROOT)
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(5)
-        self._log.close()
+    def stop(self, timeout: float = 10.0) -> int | None:
+        return super().stop(timeout)
 
 
 @contextmanager
