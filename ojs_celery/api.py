@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 from celery import Celery
@@ -61,12 +62,11 @@ def enqueue_batch(
             return [r.job for r in existing if r is not None]  # the same batch again
         raise DuplicateJob(exc.job_id) from None
     broker_down = False
-    try:  # one producer (one pooled connection) for every message of the batch
-        held = runtime.app.producer_or_acquire()
-        producer = held.__enter__()
-    except Exception:  # each publish tries on its own, and says what failed
-        held = producer = None
-    try:
+    with ExitStack() as held:
+        try:  # one producer (one pooled connection) for every message of the batch
+            producer = held.enter_context(runtime.app.producer_or_acquire())
+        except Exception:  # each publish tries on its own, and says what failed
+            producer = None
         for transition in transitions:
             try:  # after one failed publish, leave the rest to the sweeper at once
                 carry_out(runtime, transition, publish_message=not broker_down,
@@ -75,9 +75,6 @@ def enqueue_batch(
                 broker_down = broker_down or isinstance(exc, BrokerUnavailable)
                 assert transition.record is not None
                 log_unpublished(transition.record.job.id, exc)
-    finally:
-        if held is not None:
-            held.__exit__(None, None, None)
     return [transition.record.job for transition in transitions if transition.record]
 
 
