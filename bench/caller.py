@@ -44,20 +44,18 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pathlib
 import pstats
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +66,7 @@ ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 
 from callerapp import TASK_NAME, make_app  # noqa: E402
-from throughput import Keys, count_ends, read_stamps, tree_cpu  # noqa: E402
+from throughput import Keys, count_ends, read_stamps, tree_cpu, worker_process  # noqa: E402
 
 import ojs_celery  # noqa: E402
 from ojs_celery.embedded import embedded_settings  # noqa: E402
@@ -212,31 +210,11 @@ class Trial:
     cpu: dict[str, float]  # ms per job: producer, main, children, store (NaN: not local)
 
 
-@contextmanager
 def worker(config: dict[str, Any], stamps: pathlib.Path, hostname: str,
-           log: pathlib.Path) -> Iterator[subprocess.Popen[bytes]]:
-    env = {**os.environ, "CALLER_BENCH_CONFIG": json.dumps(config),
-           "CALLER_BENCH_STAMPS": str(stamps),
-           "PYTHONPATH": os.pathsep.join([str(BENCH_DIR), str(ROOT)])}
-    command = [
-        sys.executable, "-m", "celery", "-A", "callerapp:app", "worker",
-        "--pool", "prefork", "--concurrency", "2", "--loglevel", "WARNING",
-        "--queues", config["queue"], "--hostname", hostname,
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]
-    with open(log, "ab") as out:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(5)
+           log: pathlib.Path) -> AbstractContextManager[subprocess.Popen[bytes]]:
+    """The bench's worker (see :func:`throughput.worker_process`) for ``callerapp``."""
+    return worker_process(config, hostname, log, {"CALLER_BENCH_STAMPS": str(stamps)},
+                          app="callerapp:app", config_var="CALLER_BENCH_CONFIG")
 
 
 def wait_until(done: Callable[[], bool], process: subprocess.Popen[bytes], log: pathlib.Path,

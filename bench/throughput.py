@@ -179,11 +179,15 @@ def publish_all(app: Any, kind: str, n: int) -> list[str]:
 
 @contextmanager
 def worker_process(config: dict[str, Any], hostname: str, log: pathlib.Path,
-                   extra_env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    env = {**os.environ, "OJS_BENCH_CONFIG": json.dumps(config),
+                   extra_env: dict[str, str], *, app: str = "benchapp:app",
+                   config_var: str = "OJS_BENCH_CONFIG") -> Iterator[subprocess.Popen[bytes]]:
+    """One prefork ``celery worker`` (concurrency 2, no gossip, mingle or heartbeat) of the
+    bench app ``app``, which reads ``config`` from the environment variable ``config_var``;
+    stopped with SIGTERM (SIGKILL after 30 s) when the block ends."""
+    env = {**os.environ, config_var: json.dumps(config),
            "PYTHONPATH": os.pathsep.join([str(BENCH_DIR), str(ROOT)]), **extra_env}
     command = [
-        sys.executable, "-m", "celery", "-A", "benchapp:app", "worker",
+        sys.executable, "-m", "celery", "-A", app, "worker",
         "--pool", "prefork", "--concurrency", "2", "--loglevel", "WARNING",
         "--queues", config["queue"], "--hostname", hostname,
         "--without-gossip", "--without-mingle", "--without-heartbeat",

@@ -37,7 +37,8 @@ def test_a_batch_with_a_taken_id_stores_and_publishes_nothing(
     assert store.get(str(batch[0]["id"])) is None
     assert messages(app) == published  # nothing published
     assert seen == events  # no event either
-    assert [job_id for job_id, _ in store.due("dispatch", 1e12, 100)] == [existing.id]
+    # no outbox entry of the batch (the existing job's may be acknowledged by now, or not yet)
+    assert {job_id for job_id, _ in store.due("dispatch", 1e12, 100)} <= {existing.id}
     stored = store.get(existing.id)
     assert stored is not None and stored.args == [0, 1]  # the existing job is untouched
 

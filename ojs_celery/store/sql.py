@@ -517,14 +517,7 @@ class SQLStore(JobStore):
             with self.engine.connect() as conn:
                 cleared = set(conn.execute(self._ack_many, {"k_pairs": list(acks)}).all())
             return [(job_id, token) in cleared for job_id, token in acks]
-        results = [False] * len(acks)
-        order = sorted(range(len(acks)), key=lambda i: acks[i][0])
-        with self._transaction() as conn:
-            for index in order:
-                job_id, token = acks[index]
-                params = {"k_id": job_id, "k_token": token}
-                results[index] = conn.execute(self._ack, params).rowcount == 1
-        return results
+        return self._each_row(self._ack, acks, "k_token")
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sa.Connection]:
@@ -557,13 +550,20 @@ class SQLStore(JobStore):
 
     @_wrap_errors
     def _delete_many(self, deletes: Sequence[tuple[str, int]]) -> list[bool]:
-        results = [False] * len(deletes)
-        order = sorted(range(len(deletes)), key=lambda i: deletes[i][0])
+        return self._each_row(self._delete_job, deletes, "k_expected")
+
+    def _each_row(self, statement: Any, items: Sequence[tuple[str, int]],
+                  number: str) -> list[bool]:
+        """``statement`` once per ``(job id, number)`` in one transaction, in id order (so
+        that two batches never take the same rows in opposite orders); True where it changed
+        its row."""
+        results = [False] * len(items)
+        order = sorted(range(len(items)), key=lambda i: items[i][0])
         with self._transaction() as conn:
             for index in order:
-                job_id, expected = deletes[index]
-                params = {"k_id": job_id, "k_expected": expected}
-                results[index] = conn.execute(self._delete_job, params).rowcount == 1
+                job_id, value = items[index]
+                params = {"k_id": job_id, number: value}
+                results[index] = conn.execute(statement, params).rowcount == 1
         return results
 
     # ------------------------------------------------------------------ admin
