@@ -49,24 +49,26 @@ def make_app(config: dict[str, Any]) -> Celery:
     return app
 
 
-class _Stamps:
-    """Per-process append-only stamp file (reopened after a fork)."""
+class ProcessFile:
+    """A per-process append-only file ``<prefix>-<pid>.txt`` in ``directory`` (reopened after
+    a fork: pool children get their own, so no two processes interleave their writes)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, prefix: str) -> None:
         self.directory = directory
+        self.prefix = prefix
         self.pid = -1
         self.fd = -1
 
-    def write(self, line: str) -> None:
+    def write(self, text: str) -> None:
         if self.pid != os.getpid():
             self.pid = os.getpid()
-            path = os.path.join(self.directory, f"stamps-{self.pid}.txt")
+            path = os.path.join(self.directory, f"{self.prefix}-{self.pid}.txt")
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.write(self.fd, line.encode())
+        os.write(self.fd, text.encode())
 
 
 def _connect_stamps(directory: str) -> None:
-    stamps = _Stamps(directory)
+    stamps = ProcessFile(directory, "stamps")
 
     def prerun(task_id: str = "", **_: Any) -> None:
         stamps.write(f"S {task_id} {time.time()!r}\n")

@@ -21,28 +21,13 @@ import os
 import time
 from typing import Any
 
+from benchapp import ProcessFile  # the bench folder is on the workers' PYTHONPATH
 from celery import Celery
 
 from ojs_celery import JobError, OJSTask, current_job, install
 from ojs_celery.signals import ojs_event
 
 TERMINAL_EVENTS = ("job.completed", "job.discarded", "job.cancelled")
-
-
-class Journal:
-    """Per-process append-only file (reopened after a fork: pool children get their own)."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self.pid = -1
-        self.fd = -1
-
-    def write(self, line: str) -> None:
-        if self.pid != os.getpid():
-            self.pid = os.getpid()
-            path = os.path.join(self.directory, f"log-{self.pid}.txt")
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.write(self.fd, (line + "\n").encode())
 
 
 def make_app(config: dict[str, Any]) -> Celery:
@@ -60,7 +45,7 @@ def make_app(config: dict[str, Any]) -> Celery:
         ojs=config["ojs"],
     )
     install(app)
-    journal = Journal(config["dir"])
+    journal = ProcessFile(config["dir"], "log")
 
     @app.task(shared=False, name="chaos.work", base=OJSTask)  # type: ignore[untyped-decorator]
     def work(index: int, seconds: float, fail_before: int, fail: str) -> str:
@@ -68,13 +53,13 @@ def make_app(config: dict[str, Any]) -> Celery:
         fails every attempt (retryable), ``"final"`` fails at once for good."""
         ctx = current_job()
         journal.write(f"R {ctx.job_id} {ctx.attempt} {os.getpid()} {ctx.worker_id} "
-                      f"{time.time():.3f}")
+                      f"{time.time():.3f}\n")
         time.sleep(seconds)
         if fail == "final":
             raise JobError("refused for good", type="chaos_refused", retryable=False)
         if fail == "retry" or ctx.attempt < fail_before:
             raise ConnectionError(f"attempt {ctx.attempt} fails")
-        journal.write(f"D {ctx.job_id} {ctx.attempt} {time.time():.3f}")
+        journal.write(f"D {ctx.job_id} {ctx.attempt} {time.time():.3f}\n")
         return f"done {index}"
 
     def on_event(sender: Any = None, event: Any = None, **_: Any) -> None:
@@ -82,7 +67,7 @@ def make_app(config: dict[str, Any]) -> Celery:
             return
         data = event.get("data") or {}
         journal.write(f"E {event['type']} {event.get('subject') or data.get('job_id')} "
-                      f"{data.get('attempt')} {time.time():.3f}")
+                      f"{data.get('attempt')} {time.time():.3f}\n")
 
     ojs_event.connect(on_event, weak=False)
     return app
