@@ -41,7 +41,7 @@ def build(job: Job, token: int, record: Record | None = None) -> dict[str, Any]:
     }
     if record is not None:
         header["origin"] = record.origin
-        data = encode_job(record.job)
+        data = record.written_json if record.written_json is not None else encode_job(record.job)
         if len(data) <= SNAPSHOT_MAX_CHARS:
             header["record"] = {name: getattr(record, name) for name in RECORD_FIELDS}
             header["record"]["job"] = data

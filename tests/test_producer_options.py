@@ -221,6 +221,22 @@ def test_ojs_header_carries_a_record_snapshot_the_worker_can_start_from() -> Non
     assert big is not None and "record" not in ojs_header(big.job, 1, big)
 
 
+def test_a_snapshot_is_the_text_the_store_wrote_and_a_copy_forgets_it() -> None:
+    """The store's write keeps the job's JSON on the record for the message's snapshot (one
+    encoding per write); the next version, built in a copy, is encoded afresh."""
+    from ojs_celery import lifecycle
+    from ojs_celery.store.base import decode_job, encode_job
+
+    record = lifecycle.create(job(args=[1]), T0, lifecycle.Policy()).record
+    assert record is not None and record.written_json is None
+    record.written_json = encode_job(record.job)  # as the store's write leaves it
+    assert ojs_header(record.job, 1, record)["record"]["job"] == record.written_json
+    following = record.copy()
+    following.job.attempt = 3
+    assert following.written_json is None
+    assert decode_job(ojs_header(following.job, 1, following)["record"]["job"]).attempt == 3
+
+
 def test_client_chose_id_is_decided_from_the_parsed_envelope() -> None:
     from ojs_celery.api import client_chose_id
 

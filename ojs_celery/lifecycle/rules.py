@@ -101,12 +101,15 @@ class Record:
     dead_letter: bool = False
     nonce: str = ""
     origin: str = ""
+    #: The job's JSON as the store last wrote it for this record (set by the store's write,
+    #: never read by it): the message's snapshot reuses it instead of encoding the job again.
+    written_json: str | None = field(default=None, repr=False, compare=False)
 
     def copy(self) -> Record:
         """A record to build the next version in: the job is copied shallowly, because the
         rules only ever assign attributes and build new containers (``[*j.errors, entry]``,
         ``{**j.progress, ...}``), never change a list or dict of the record they read."""
-        return replace(self, job=self.job.model_copy())
+        return replace(self, job=self.job.model_copy(), written_json=None)
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,8 @@ class RedisStore(JobStore):
 
     def _args(self, record: Record, version: int, deadlines: dict[str, float | None]) -> list[str]:
         job = record.job
-        args = [job.id, str(version), encode_job(job), job.state]
+        record.written_json = encode_job(job)
+        args = [job.id, str(version), record.written_json, job.state]
         args.append(str(record.token))
         args.append(record.worker_id or "")
         args.append(_num(record.heartbeat_at))

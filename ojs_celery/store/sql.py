@@ -374,8 +374,9 @@ class SQLStore(JobStore):
 
     def _values(self, record: Record, deadlines: dict[str, float | None]) -> dict[str, Any]:
         job = record.job
+        record.written_json = encode_job(job)
         values: dict[str, Any] = {
-            "data": encode_job(job),
+            "data": record.written_json,
             "state": job.state,
             "token": record.token,
             "worker_id": record.worker_id,
