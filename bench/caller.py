@@ -128,6 +128,9 @@ class Pairing:
                          else f"{self.options.postgres}?application_name={self.app_name}")
         self.ojs = {"store_url": store_url, "store_prefix": f"cb{self.run}",
                     "sweep_queue": self.sweep_queue}
+        sync = getattr(self.options, "synchronous_commit", None)
+        if self.store_kind == "postgresql" and sync:
+            self.ojs["store_synchronous_commit"] = sync
         if broker == "redis" or self.store_kind == "redis":
             self.keys = Keys(self.counter_client)
             self.keys.exchanges.append(self.event_exchange)
@@ -406,6 +409,9 @@ def main() -> int:
                         help="skip the .apply_async() trials (with --batch or --profile)")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the producer's OJS .apply_async() loop (Redis broker)")
+    parser.add_argument("--synchronous-commit", choices=("on", "off"),
+                        help="the PostgreSQL store's store_synchronous_commit (default: the "
+                             "server's, on)")
     options = parser.parse_args()
     n, rounds, batch_n = options.n, options.rounds, 1000
     if options.quick:
