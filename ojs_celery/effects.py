@@ -39,6 +39,7 @@ def carry_out(
     raise_unpublished: bool = False,
     report_result: bool = False,
     producer: Any = None,
+    acks: list[tuple[str, int]] | None = None,
 ) -> bool:
     """Emit ``done``'s events, stop the attempt it ended (``stop_attempt``), report a terminal
     outcome to the result backend (``report_result``: callers that are not the attempt's
@@ -48,7 +49,8 @@ def carry_out(
     A message that cannot be published stays in the outbox (the sweeper publishes it later):
     logged, whatever the error; with ``raise_unpublished`` a broker that is down is raised
     as :class:`~ojs_celery.BrokerUnavailable` (and any other error as it is), for the sweeper
-    to tell an outage from a job's own fault. ``producer``: see :func:`~.producer.publish`.
+    to tell an outage from a job's own fault. ``producer``, ``acks``: see
+    :func:`~.producer.publish`.
     """
     if done.record is None:
         return False
@@ -61,7 +63,8 @@ def carry_out(
     if not publish_message or done.publish is None:
         return False
     try:
-        publish(runtime, done.record.job, done.publish, record=done.record, producer=producer)
+        publish(runtime, done.record.job, done.publish, record=done.record, producer=producer,
+                acks=acks)
     except Exception as exc:
         if raise_unpublished:
             raise

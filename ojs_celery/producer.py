@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -128,11 +131,14 @@ def publish(
     *,
     record: Record | None = None,
     producer: Any = None,
+    acks: list[tuple[str, int]] | None = None,
 ) -> None:
     """Send the message for ``request`` and clear its outbox entry (in the background: see
     :mod:`ojs_celery.outbox`). Pass ``record``, the record the store write that owes this
     message returned, to put its snapshot in the header; ``producer``, a kombu producer held
-    for many messages (``app.producer_or_acquire()``), to spare a pool acquire per message.
+    for many messages (``app.producer_or_acquire()``), to spare a pool acquire per message;
+    ``acks``, inside :func:`sent_together`, to collect the outbox acknowledgement for the
+    caller to give once the batch is really sent, instead of giving it now.
 
     Raises :class:`BrokerUnavailable` if the broker cannot be reached; the outbox entry stays,
     so the sweeper publishes it later.
@@ -173,7 +179,26 @@ def publish(
             f"job {job.id} is stored but the broker is unreachable ({exc}); it stays in the "
             "outbox and the sweeper publishes it when the broker is back"
         ) from exc
-    runtime.acks.ack(job.id, request.token)
+    if acks is None:
+        runtime.acks.ack(job.id, request.token)
+    else:
+        acks.append((job.id, request.token))
+
+
+@contextmanager
+def sent_together(producer: Any) -> Iterator[None]:
+    """Messages published through ``producer`` inside are sent together at the exit where
+    kombu can (``Producer.batch``, kombu 5.7 and later: one pipeline on Redis; AMQP, older
+    kombu and a Redis connection with retries configured send each at once, as kombu decides).
+    The exit raises if they could not all be sent: delivery is then uncertain for each, so
+    none of them may be acknowledged (the sweeper publishes them again, fencing drops the
+    duplicates). Nothing is flushed before the exit: the caller bounds how many it sends."""
+    batch = getattr(producer, "batch", None)
+    if batch is None:
+        yield
+        return
+    with batch(max_size=sys.maxsize):
+        yield
 
 
 def with_celery_options(job: Job, options: dict[str, Any]) -> Job:

@@ -15,9 +15,11 @@ from ojs_celery import (
     InvalidJob,
     cancel,
     enqueue,
+    enqueue_batch,
     get_job,
     install,
 )
+from ojs_celery.api import PUBLISH_CHUNK
 from ojs_celery.envelope import CELERY_OPTIONS_FIELD, new_job_id
 from ojs_celery.lifecycle import Publish
 from ojs_celery.producer import publish
@@ -96,6 +98,22 @@ def test_message_published_twice_runs_the_handler_once(env: Env) -> None:
     wait_for(lambda: any(c.startswith("twice ") for c in env.lines("callbacks")), 10, "link")
     assert [c for c in env.lines("callbacks") if c.startswith("twice ")] == ['twice "once"']
     assert result.get(timeout=10) == "once"
+
+
+def test_a_batch_over_one_pipeline_runs_every_job_once(env: Env) -> None:
+    """A batch reaches a Redis broker in pipelines of ``PUBLISH_CHUNK`` messages (kombu 5.7 and
+    later): every job of a batch over that size runs once, and no outbox entry is left."""
+    count = PUBLISH_CHUNK + 10
+    jobs = enqueue_batch([{"type": "e2e.add", "args": [n, 1000]} for n in range(count)],
+                         app=env.app)
+    for job in jobs:
+        assert env.wait_state(job.id, "completed", timeout=120).result == job.args[0] + 1000
+    ids = {job.id for job in jobs}
+    assert sorted(line for line in env.lines("runs") if line.split()[-1] in ids) == sorted(
+        f"add {job_id}" for job_id in ids)
+    runtime = get_runtime(env.app)
+    runtime.flush()
+    assert not ids & {job_id for job_id, _ in runtime.store.due("dispatch", 1e12, 10_000)}
 
 
 def test_late_outcome_of_a_cancelled_attempt_is_rejected(env: Env) -> None:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import pathlib
 import time
 
+import pytest
 from celery import Celery
+from kombu import Producer
 
 from ojs_celery import OJSTask, enqueue, enqueue_batch, install, parse_envelope
 from ojs_celery.sweeper import sweep
 from tests.conftest import start_env
+from tests.test_store_faults import PrivateRedis
 from tests.workers import Worker, unique, wait_for
 
 
@@ -74,3 +79,47 @@ def test_a_batch_with_the_broker_down_is_stored_and_owed(tmp_path: pathlib.Path)
     assert [job.state for job in jobs] == ["available"] * 3
     owed = runtime.store.due("dispatch", now=time.time() + 3600, limit=10)
     assert sorted(job_id for job_id, _ in owed) == sorted(job.id for job in jobs)
+
+
+@pytest.mark.skipif(not hasattr(Producer, "batch"), reason="kombu < 5.7 sends each at once")
+def test_a_batch_redis_refuses_as_a_whole_stays_owed_and_is_sent_once_later(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a Redis broker a batch's messages go in one pipeline (kombu's publish batch). When
+    Redis refuses it (an error reply: out of memory), every job stays stored and owed (none
+    is acknowledged), one line says so, and the sweeper sends each once the broker is back."""
+    server = PrivateRedis(tmp_path)
+    app = Celery("flushfail", broker=server.url, set_as_current=False)
+    app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
+    runtime = install(app)
+
+    @app.task(shared=False, name="flush.batch", base=OJSTask)
+    def job_task() -> None:
+        return None
+
+    def queued_ids() -> list[str]:  # kombu keeps a list per priority step (celery\x06\x163)
+        lists = [key for key in server.admin.keys("celery*") if server.admin.type(key) == "list"]
+        return sorted(json.loads(message)["headers"]["id"]
+                      for key in lists for message in server.admin.lrange(key, 0, -1))
+
+    try:
+        first = enqueue({"type": "flush.batch", "args": [0]}, app=app)  # declares the queue
+        runtime.flush()
+        server.admin.config_set("maxmemory", 1)  # every write is refused from now on
+        with caplog.at_level(logging.ERROR, logger="ojs_celery.api"):
+            jobs = enqueue_batch([{"type": "flush.batch", "args": [n]} for n in (1, 2, 3)],
+                                 app=app)
+        assert [job.state for job in jobs] == ["available"] * 3
+        said = [r.getMessage() for r in caplog.records if r.name == "ojs_celery.api"]
+        assert len(said) == 1 and "3 stored job(s) of a batch may not have been" in said[0]
+        runtime.flush()
+        owed = runtime.store.due("dispatch", now=time.time() + 3600, limit=10)
+        assert sorted(job_id for job_id, _ in owed) == sorted(job.id for job in jobs)
+        assert queued_ids() == [first.id]
+        server.admin.config_set("maxmemory", 0)
+        assert sweep(runtime, now=time.time() + 60).error is None
+        assert queued_ids() == sorted([first.id, *(job.id for job in jobs)])
+    finally:
+        runtime.close()
+        app.close()
+        server.stop()
