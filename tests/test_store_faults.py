@@ -287,7 +287,9 @@ def test_postgres_read_only_sessions(pg_prefix: str) -> None:
             with pytest.raises(StoreError) as info:
                 op(store)
             assert "read-only transaction" in str(info.value), name
-            assert isinstance(info.value.__cause__, sa.exc.DBAPIError), name
+            # the driver's error as its cause; none from the fast lane (libpq's reply)
+            cause = info.value.__cause__
+            assert cause is None or isinstance(cause, sa.exc.DBAPIError), name
             assert store.get(ops.jobs[0].id) is not None, name  # the session was rolled back
         # The standby is promoted, as it were: every session from now on may write (the
         # store's sessions are reopened: the pool's and the insert lane's).
@@ -335,15 +337,17 @@ def test_postgres_session_terminated(pg_prefix: str) -> None:
         store.create(new_job())  # the insert lane (PostgreSQL) holds a session to end too
         for name, op in ops.writes().items():
             terminate_session()
-            if name == "create":  # an insert whose connection died is sent again (fencing)
-                op(store)
-                continue
-            with pytest.raises(StoreError):
-                op(store)
+            # A write on a session that was ended fails with StoreError (never the driver's
+            # own error), or works at once: an insert whose connection died is sent again
+            # (fencing), the lane opens a new session when it finds its idle one ended, and
+            # the pool may hold no session from before. Either way it works on a new one.
             try:
                 op(store)
-            except StoreError as exc:  # pragma: no cover - names the operation
-                raise AssertionError(f"{name} fails on a new connection: {exc}") from exc
+            except StoreError:
+                try:
+                    op(store)
+                except StoreError as exc:  # pragma: no cover - names the operation
+                    raise AssertionError(f"{name} fails on a new connection: {exc}") from exc
     finally:
         admin.dispose()
         store.close()

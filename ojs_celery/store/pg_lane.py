@@ -1,19 +1,22 @@
-"""A fast lane for the PostgreSQL store's insert: sent now, its reply read later.
+"""A fast lane for the PostgreSQL store's hot writes (the insert, every compare-and-set).
 
-An insert through SQLAlchemy waits for its reply, which comes after the commit (an fsync at
-full durability), and spends about as much CPU in SQLAlchemy's layers (pool checkout, compiled
-statement cache, parameter and result processing) as in psycopg. The lane keeps one psycopg 3
-connection per process aside (made by the store's pool, so in autocommit mode and with the
-connection settings the pool applies, then detached from it), prepares the insert on it once,
-and sends each insert with libpq's asynchronous calls, so that ``enqueue`` publishes the job's
-message while the server commits, as the Redis store does. Replies are waited for in
-``select`` (libpq's blocking calls would hold the GIL for the whole commit).
+A write through SQLAlchemy waits for its reply, which comes after the commit (an fsync at
+full durability), and spends more CPU in SQLAlchemy's layers (pool checkout, compiled
+statement cache, parameter and result processing) than in psycopg. A worker pays that twice
+per job (the start and the outcome). The lane keeps one psycopg 3 connection per process aside
+(made by the store's pool, so in autocommit mode and with the connection settings the pool
+applies, then detached from it), prepares the statements on it once, and sends each write with
+libpq's asynchronous calls: ``enqueue`` publishes the job's message while the server commits
+its insert, as the Redis store does. Replies are waited for in ``select`` (libpq's blocking
+calls would hold the GIL for the whole commit).
 
-The lane never changes what an insert does, only when its reply is read. A thread that finds
-the lane taken, or a connection that cannot send, takes the ordinary path. A reply that is an
-error, or a connection lost after the insert was sent, is a :class:`StoreError`, which the
-store settles by reading the record's origin (:meth:`~.base.JobStore.begin_create`). A forked
-child forgets its parent's connection and checks out its own.
+The lane never changes what a write does, only how it travels and when its reply is read. A
+thread that finds the lane taken, or a connection that cannot send, takes the ordinary path. A
+reply that is an error, or a connection lost after the write was sent, is a
+:class:`StoreError`, which the store settles as any lost reply (an insert by reading the
+record's origin, :meth:`~.base.JobStore.begin_create`; a compare-and-set by looking for its
+nonce, :meth:`~.base.JobStore.apply`). A forked child forgets its parent's connection and
+checks out its own.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ __all__ = ["PgLane", "text_param"]
 
 
 def text_param(value: Any) -> bytes | None:
-    """A value as PostgreSQL's text input format reads it for the insert's columns."""
+    """A value as PostgreSQL's text input format reads it for the job table's columns."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -44,14 +47,14 @@ def text_param(value: Any) -> bytes | None:
 
 
 class PgLane:
-    """One prepared insert on one connection of this process (see the module docstring)."""
+    """Prepared writes on one connection of this process (see the module docstring)."""
 
-    def __init__(self, connect: Callable[[], Any], statement: str, name: str) -> None:
+    def __init__(self, connect: Callable[[], Any], statements: dict[str, str]) -> None:
         """``connect``: a new DBAPI connection checked out of the store's pool (SQLAlchemy's
-        ``engine.raw_connection()``); ``statement``: the insert, with ``$n`` parameters."""
+        ``engine.raw_connection()``); ``statements``: each prepared statement's name (unique
+        to the store) and text, with ``$n`` parameters."""
         self._connect = connect
-        self._statement = statement.encode()
-        self._name = name.encode()
+        self._statements = {name.encode(): text.encode() for name, text in statements.items()}
         self._lock = threading.Lock()
         self._raw: Any = None  # the psycopg connection
         ref = weakref.ref(self)
@@ -64,15 +67,15 @@ class PgLane:
 
         os.register_at_fork(after_in_child=forget_parent)
 
-    def send(self, values: Sequence[Any]) -> Callable[[], int] | None:
-        """Send the insert with ``values`` (in the statement's parameter order); return the
-        function that waits for its reply (the number of rows inserted) and raises
+    def send(self, name: str, values: Sequence[Any]) -> Callable[[], int] | None:
+        """Send statement ``name`` with ``values`` (in its parameter order); return the
+        function that waits for its reply (the number of rows written) and raises
         :class:`StoreError` if there is none. None: nothing was sent, take the ordinary path."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
             pgconn = self._pgconn()
-            pgconn.send_query_prepared(self._name, [text_param(value) for value in values])
+            pgconn.send_query_prepared(name.encode(), [text_param(value) for value in values])
             _flush(pgconn)
         except Exception:
             self._drop()
@@ -110,12 +113,13 @@ class PgLane:
         pooled.detach()  # the lane's own from now on: the pool neither counts nor reuses it
         try:
             pgconn = connection.pgconn
-            pgconn.send_prepare(self._name, self._statement)
-            _flush(pgconn)
-            results = list(_results(pgconn))
-            failed = [r for r in results if r.status != pq.ExecStatus.COMMAND_OK]
-            if failed or not results:
-                raise StoreError(_message(failed[0]) if failed else "no reply to PREPARE")
+            for name, statement in self._statements.items():
+                pgconn.send_prepare(name, statement)
+                _flush(pgconn)
+                results = list(_results(pgconn))
+                failed = [r for r in results if r.status != pq.ExecStatus.COMMAND_OK]
+                if failed or not results:
+                    raise StoreError(_message(failed[0]) if failed else "no reply to PREPARE")
         except BaseException:
             connection.close()
             raise
@@ -135,10 +139,10 @@ class PgLane:
             error = f"{type(exc).__name__}: {exc}"
         if pgconn.status != pq.ConnStatus.OK:
             self._drop()
-            raise StoreError(f"job store error: connection lost after an insert was sent "
+            raise StoreError(f"job store error: connection lost after a write was sent "
                              f"({error or 'no reply'})")
         if error is not None or rows is None:
-            raise StoreError(f"job store error: {error or 'no reply to an insert'}")
+            raise StoreError(f"job store error: {error or 'no reply to a write'}")
         return rows
 
     def _drop(self) -> None:

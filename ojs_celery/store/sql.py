@@ -263,20 +263,32 @@ class SQLStore(JobStore):
             )
 
     def _insert_lane(self) -> PgLane | None:
-        """The insert's fast lane (:mod:`.pg_lane`) on PostgreSQL with psycopg 3, else None."""
+        """The hot writes' fast lane (:mod:`.pg_lane`) on PostgreSQL with psycopg 3, else
+        None: the insert (``ON CONFLICT DO NOTHING``, as :attr:`_insert_job`) and the
+        compare-and-set (as :attr:`_update_job`)."""
         if self.url.drivername != "postgresql+psycopg":
             return None
         from .pg_lane import PgLane
 
         jobs = self.job_table
         preparer = pg_dialect.dialect().identifier_preparer  # type: ignore[no-untyped-call]
+        table = preparer.format_table(jobs)
         self._insert_columns = tuple(column.name for column in jobs.columns)
         names = ", ".join(preparer.quote(name) for name in self._insert_columns)
         slots = ", ".join(f"${n}" for n in range(1, len(self._insert_columns) + 1))
-        statement = (f"INSERT INTO {preparer.format_table(jobs)} ({names}) VALUES ({slots}) "
-                     f"ON CONFLICT ({preparer.quote('id')}) DO NOTHING")
-        return PgLane(lambda: self.engine.raw_connection(), statement,
-                      f"ojs_celery_insert_{self.prefix}")
+        insert = (f"INSERT INTO {table} ({names}) VALUES ({slots}) "
+                  f"ON CONFLICT ({preparer.quote('id')}) DO NOTHING")
+        self._cas_columns = tuple(name for name in self._insert_columns if name != "id")
+        sets = ", ".join(f"{preparer.quote(name)} = ${n}"
+                         for n, name in enumerate(self._cas_columns, start=1))
+        at = len(self._cas_columns)
+        cas = (f"UPDATE {table} SET {sets} WHERE {preparer.quote('id')} = ${at + 1} "
+               f"AND {preparer.quote('version')} = ${at + 2} AND {preparer.quote('nonce')} = "
+               f"${at + 3}")
+        self._lane_insert = f"ojs_celery_insert_{self.prefix}"
+        self._lane_cas = f"ojs_celery_cas_{self.prefix}"
+        return PgLane(lambda: self.engine.raw_connection(),
+                      {self._lane_insert: insert, self._lane_cas: cas})
 
     @property
     def engine(self) -> Engine:
@@ -426,7 +438,8 @@ class SQLStore(JobStore):
             values = self._values(record, deadlines)
             values["id"] = record.job.id
             values["version"] = 1
-            answer = self._lane.send([values[name] for name in self._insert_columns])
+            answer = self._lane.send(self._lane_insert,
+                                     [values[name] for name in self._insert_columns])
         if answer is None:
             inserted = self._insert(record, deadlines)
             return lambda: inserted
@@ -487,6 +500,12 @@ class SQLStore(JobStore):
     @_wrap_errors
     def _cas(self, record: Record, previous: Record, deadlines: dict[str, float | None]) -> bool:
         values = self._cas_values(record, previous, deadlines)
+        if self._lane is not None:
+            answer = self._lane.send(self._lane_cas, [
+                *(values[name] for name in self._cas_columns),
+                values["k_id"], values["k_expected"], values["k_nonce"]])
+            if answer is not None:
+                return answer() == 1
         with self.engine.connect() as conn:
             return conn.execute(self._update_job, values).rowcount == 1
 
