@@ -8,6 +8,14 @@ message is published and read in the worker's main process (a ``Request``: Celer
 message's headers in its private ``_request_dict``, the one place they are reachable there) and
 in the pool process (the task's ``request``).
 
+The snapshot travels as one string, ``snapshot``: the record's fields as a JSON array in
+:data:`~ojs_celery.store.base.RECORD_FIELDS` order, a newline, then the job's JSON as the store
+wrote it. One string is one item for AMQP's header table and for the pickling to a pool process
+(a nested object cost about twenty, each encoded and decoded on its own), and the job's JSON
+goes out as written, without being escaped into another document. A worker still reads the
+older nested form, ``record``, from messages published before an upgrade; a worker that predates
+``snapshot`` ignores it and reads the store.
+
 The header also carries the record's ``origin`` (the nonce of the job's insert), and so does the
 snapshot with the nonce of its write: a snapshot matches only the very record it was taken from,
 and a message for a job that never got stored (its id was taken) cannot start the job that has
@@ -16,6 +24,7 @@ that id. See :mod:`ojs_celery.store.base` for the fencing scheme.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -24,6 +33,10 @@ from .lifecycle import Record
 from .store.base import RECORD_FIELDS, decode_job, encode_job
 
 NAME = "ojs"
+#: The header's key for the record snapshot (see the module docstring).
+SNAPSHOT = "snapshot"
+#: The older, nested form of the snapshot, still read.
+NESTED_SNAPSHOT = "record"
 #: Only jobs whose JSON is at most this long travel with a record snapshot: AMQP puts all
 #: headers in one frame, and a big job would double the message for a saving of one read.
 SNAPSHOT_MAX_CHARS = 8192
@@ -43,10 +56,17 @@ def build(job: Job, token: int, record: Record | None = None) -> dict[str, Any]:
         header["origin"] = record.origin
         data = record.written_json if record.written_json is not None else encode_job(record.job)
         if len(data) <= SNAPSHOT_MAX_CHARS:
-            header["record"] = {name: getattr(record, name) for name in RECORD_FIELDS}
-            header["record"]["job"] = data
+            fields = json.dumps([getattr(record, name) for name in RECORD_FIELDS],
+                                separators=(",", ":"))
+            header[SNAPSHOT] = fields + "\n" + data
     return header
 
+
+#: The order :func:`snapshot` unpacks a snapshot's fields in: the store's.
+_UNPACKED = ("version", "token", "worker_id", "heartbeat_at", "extended_at", "dispatch_due",
+             "promote_at", "dead_letter", "nonce", "origin")
+if _UNPACKED != RECORD_FIELDS:  # pragma: no cover - a field added to the store, not here
+    raise RuntimeError(f"header.snapshot unpacks {_UNPACKED}, the store writes {RECORD_FIELDS}")
 
 #: What :func:`of_task_request` returns for a message without an ``ojs`` header.
 ABSENT: Any = object()
@@ -85,29 +105,47 @@ def parse_token(value: Any) -> int | None:
 def snapshot(header: dict[str, Any], job_id: str) -> Record | None:
     """The record snapshot a header carries, or None: absent (an older publisher, a big job),
     malformed, or not this message's job and token."""
-    data = header.get("record")
-    if not isinstance(data, dict):
-        return None
     try:
+        found = _snapshot_parts(header)
+        if found is None:
+            return None
+        values, job = found
+        (version, token, worker_id, heartbeat_at, extended_at, dispatch_due, promote_at,
+         dead_letter, nonce, origin) = values  # _UNPACKED, which is RECORD_FIELDS
         record = Record(
-            job=decode_job(data["job"]),
-            token=int(data["token"]),
-            version=int(data["version"]),
-            worker_id=str(data["worker_id"]) if data["worker_id"] else None,
-            heartbeat_at=_optional_float(data["heartbeat_at"]),
-            extended_at=_optional_float(data["extended_at"]),
-            dispatch_due=_optional_float(data["dispatch_due"]),
-            promote_at=_optional_float(data["promote_at"]),
-            dead_letter=bool(data["dead_letter"]),
-            nonce=str(data["nonce"]),
-            origin=str(data["origin"]),
+            job=decode_job(job),
+            token=int(token),
+            version=int(version),
+            worker_id=str(worker_id) if worker_id else None,
+            heartbeat_at=_optional_float(heartbeat_at),
+            extended_at=_optional_float(extended_at),
+            dispatch_due=_optional_float(dispatch_due),
+            promote_at=_optional_float(promote_at),
+            dead_letter=bool(dead_letter),
+            nonce=str(nonce),
+            origin=str(origin),
         )
-        token = int(header["token"])
+        expected_token = int(header["token"])
     except Exception:  # whatever is wrong with it, reading the store instead is always right
         return None
-    if record.job.id != job_id or record.token != token or record.version < 1:
+    if record.job.id != job_id or record.token != expected_token or record.version < 1:
         return None
     return record
+
+
+def _snapshot_parts(header: dict[str, Any]) -> tuple[list[Any], Any] | None:
+    """The snapshot's field values in RECORD_FIELDS order and its job's JSON (None: the
+    header has none). Raises on a malformed one."""
+    text = header.get(SNAPSHOT)
+    if isinstance(text, str):
+        head, newline, job = text.partition("\n")
+        if not newline:
+            raise ValueError("no job in the snapshot")
+        return json.loads(head), job
+    nested = header.get(NESTED_SNAPSHOT)
+    if not isinstance(nested, dict):
+        return None
+    return [nested[name] for name in RECORD_FIELDS], nested["job"]
 
 
 def origin(header: dict[str, Any]) -> str | None:

@@ -65,7 +65,9 @@ def test_malformed_headers_are_decided_by_the_record(env: Env) -> None:
     }
     startable = {
         "snapshot does not decode": {"token": 1, "created_at": now,
-                                     "record": {"job": "{not json", "version": "x"}},
+                                     "snapshot": "[1, 1]\n{not json"},
+        "nested snapshot does not decode": {"token": 1, "created_at": now,
+                                            "record": {"job": "{not json", "version": "x"}},
         "created_at missing": {"token": 1},
     }
     jobs = {name: stored_job(env, [index, 1]) for index, name in

@@ -24,7 +24,7 @@ def test_an_unusable_header_has_no_token(raw: Any) -> None:
 
 def test_a_usable_token_with_broken_parts_reads_the_record() -> None:
     job = parse_envelope({"type": "e2e.add", "args": [1, 2]})
-    raw = {**ojs_header.build(job, 4), "record": {"job": "{not json"}, "created_at": "yesterday"}
+    raw = {**ojs_header.build(job, 4), "snapshot": "[]\n{not json", "created_at": "yesterday"}
     parsed = arrival.parse(raw, job.id)
     assert (parsed.token, parsed.snapshot, parsed.created_at, parsed.problem) == (
         4, None, None, None)

@@ -208,17 +208,32 @@ def test_ojs_header_carries_a_record_snapshot_the_worker_can_start_from() -> Non
     assert record is not None
     record.version = 1
     header = ojs_header(record.job, 1, record)
-    assert {k: v for k, v in header.items() if k not in ("record", "origin")} == ojs_header(
+    assert {k: v for k, v in header.items() if k not in ("snapshot", "origin")} == ojs_header(
         record.job, 1)
     assert header["origin"] == record.origin
     assert record_from_header(header, record.job.id) == record
     assert record_from_header(header, "01890a5d-ac96-774b-bcce-b302099a8057") is None
     assert record_from_header({**header, "token": 2}, record.job.id) is None
     assert record_from_header(ojs_header(record.job, 1), record.job.id) is None  # none sent
-    broken = {**header, "record": {**header["record"], "job": "{not json"}}
-    assert record_from_header(broken, record.job.id) is None
+    fields, _, job_json = header["snapshot"].partition("\n")
+    for broken_text in (f"{fields}\n{{not json", "[1, 2]\n" + job_json, "not json\n" + job_json,
+                        fields + job_json, ""):
+        assert record_from_header({**header, "snapshot": broken_text}, record.job.id) is None
     big = lifecycle.create(job(args=["x" * 10_000]), T0, lifecycle.Policy()).record
-    assert big is not None and "record" not in ojs_header(big.job, 1, big)
+    assert big is not None and "snapshot" not in ojs_header(big.job, 1, big)
+
+
+def test_the_nested_snapshot_of_messages_published_before_an_upgrade_is_still_read() -> None:
+    from ojs_celery import lifecycle
+    from ojs_celery.store.base import RECORD_FIELDS, encode_job
+
+    record = lifecycle.create(job(timeout=10), T0, lifecycle.Policy()).record
+    assert record is not None
+    record.version = 1
+    header = {k: v for k, v in ojs_header(record.job, 1, record).items() if k != "snapshot"}
+    nested = {name: getattr(record, name) for name in RECORD_FIELDS}
+    header["record"] = {**nested, "job": encode_job(record.job)}
+    assert record_from_header(header, record.job.id) == record
 
 
 def test_a_snapshot_is_the_text_the_store_wrote_and_a_copy_forgets_it() -> None:
@@ -230,11 +245,12 @@ def test_a_snapshot_is_the_text_the_store_wrote_and_a_copy_forgets_it() -> None:
     record = lifecycle.create(job(args=[1]), T0, lifecycle.Policy()).record
     assert record is not None and record.written_json is None
     record.written_json = encode_job(record.job)  # as the store's write leaves it
-    assert ojs_header(record.job, 1, record)["record"]["job"] == record.written_json
+    assert ojs_header(record.job, 1, record)["snapshot"].endswith("\n" + record.written_json)
     following = record.copy()
     following.job.attempt = 3
     assert following.written_json is None
-    assert decode_job(ojs_header(following.job, 1, following)["record"]["job"]).attempt == 3
+    snapshot = ojs_header(following.job, 1, following)["snapshot"]
+    assert decode_job(snapshot.partition("\n")[2]).attempt == 3
 
 
 def test_client_chose_id_is_decided_from_the_parsed_envelope() -> None:
