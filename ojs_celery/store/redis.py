@@ -158,18 +158,13 @@ class RedisStore(JobStore):
     def _args(self, record: Record, version: int, deadlines: dict[str, float | None]) -> list[str]:
         job = record.job
         record.written_json = encode_job(job)
-        args = [job.id, str(version), record.written_json, job.state]
-        args.append(str(record.token))
-        args.append(record.worker_id or "")
-        args.append(_num(record.heartbeat_at))
-        args.append(_num(record.extended_at))
-        args.append(_num(record.dispatch_due))
-        args.append(_num(record.promote_at))
-        args.append("1" if record.dead_letter else "0")
-        args.append(record.nonce)
-        args.append(record.origin)
-        args.extend(_num(deadlines.get(clock)) for clock in CLOCKS)
-        return args
+        return [
+            job.id, str(version), record.written_json, job.state,
+            str(record.token), record.worker_id or "", _num(record.heartbeat_at),
+            _num(record.extended_at), _num(record.dispatch_due), _num(record.promote_at),
+            "1" if record.dead_letter else "0", record.nonce, record.origin,
+            *[_num(deadlines.get(clock)) for clock in CLOCKS],
+        ]
 
     def _cas_args(
         self, record: Record, previous: Record, deadlines: dict[str, float | None]
