@@ -20,8 +20,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from ojs_celery import lifecycle
 from ojs_celery.envelope import parse_envelope
-from ojs_celery.store import JobStore, StoreUncertain, open_store
+from ojs_celery.store import JobStore, StoreError, StoreUncertain, open_store
+from ojs_celery.store.redis import RedisStore
 from tests.services import postgres_url
 
 
@@ -40,6 +42,8 @@ class CuttingProxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self.listener.getsockname()[1])
         self.armed = threading.Event()
+        #: When set, only a request containing these bytes (upper-cased) is cut.
+        self.match: bytes | None = None
         #: Set: new connections are closed at once (the store is unreachable).
         self.refusing = threading.Event()
         self.cuts = 0
@@ -71,7 +75,8 @@ class CuttingProxy:
                 data = src.recv(65536)
                 if not data:
                     break
-                if upstream and self.armed.is_set():
+                if upstream and self.armed.is_set() and (
+                        self.match is None or self.match in data.upper()):
                     self.armed.clear()
                     state["cutting"] = True
                     self.cut.append(data)
@@ -215,6 +220,33 @@ def test_the_proxy_cuts_the_write_itself(proxied: tuple[JobStore, CuttingProxy])
     assert len(proxy.cut) == 1
     sent = proxy.cut[0].upper()  # a script call, or the PostgreSQL lane's prepared statement
     assert b"EVALSHA" in sent or b"UPDATE" in sent or b"OJS_CELERY_CAS_" in sent
+
+
+def test_a_batch_whose_reply_was_lost_is_written_whole(
+    proxied: tuple[JobStore, CuttingProxy],
+) -> None:
+    """A sweep's batch of compare-and-sets (one Redis pipeline of scripts, one PostgreSQL
+    pipeline in one transaction) whose reply is lost after the server wrote it: the caller
+    gets either the batch's transitions (Redis sends it again, and each script finds its own
+    nonce) or StoreError, never a half-written batch; every job carries the batch's write."""
+    store, proxy = proxied
+    jobs = [parse_envelope({"type": "t.job", "args": [n]}) for n in range(3)]
+    for job in jobs:
+        store.create(job)
+    ids = [job.id for job in jobs]
+    # the batch's write, not its read: a script call, or the lane's prepared statement
+    proxy.match = b"EVALSHA" if isinstance(store, RedisStore) else b"OJS_CELERY_CAS_"
+    proxy.armed.set()
+    try:
+        done = store.apply_many(ids, lambda r: lifecycle.cancel(r, time.time()))
+    except StoreError:
+        done = None
+    assert proxy.cuts == 1
+    records = store.get_records(ids)
+    assert [r.job.state for r in records if r is not None] == ["cancelled"] * 3
+    if done is not None:
+        assert [t.record.nonce for t in done if t is not None and t.record is not None] == [
+            r.nonce for r in records if r is not None]
 
 
 def test_store_uncertain_survives_pickling() -> None:

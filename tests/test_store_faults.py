@@ -372,3 +372,49 @@ def test_postgres_synchronous_commit_is_applied_to_every_session(pg_prefix: str)
         assert lane == ("off",)
     finally:
         store.close()
+
+
+def test_postgres_batch_write_is_all_or_nothing(pg_prefix: str) -> None:
+    """A batch of compare-and-sets (a sweep's ``apply_many``) goes to PostgreSQL in one
+    pipeline that commits as one transaction: when the server refuses one of its statements
+    (here a token out of the column's range) the caller gets StoreError and none of the batch
+    is written; the next batch, and a single write, work on the same store."""
+    store = open_store(postgres_url(), policy=Policy(), prefix=pg_prefix)
+    assert isinstance(store, SQLStore)
+    try:
+        jobs = [new_job() for _ in range(3)]
+        for job in jobs:
+            store.create(job)
+        ids = [job.id for job in jobs]
+        lane = store._lane
+        assert lane is not None
+        pipelines: list[int] = []  # batches the lane took (its sender answered)
+        send_many = lane.send_many
+
+        def counted(name: str, rows: Any) -> Any:
+            answer = send_many(name, rows)
+            if answer is not None:
+                pipelines.append(len(rows))
+            return answer
+
+        lane.send_many = counted  # type: ignore[method-assign]
+
+        def next_token(too_big: str | None) -> Callable[[lifecycle.Record], lifecycle.Transition]:
+            def rule(record: lifecycle.Record) -> lifecycle.Transition:
+                new = record.copy()
+                new.token = 2**40 if record.job.id == too_big else record.token + 1
+                return lifecycle.Transition(new)
+            return rule
+
+        with pytest.raises(StoreError, match="out of range"):
+            store.apply_many(ids, next_token(too_big=ids[1]))
+        records = store.get_records(ids)
+        assert [(r.token, r.version) for r in records if r is not None] == [(1, 1)] * 3
+
+        done = store.apply_many(ids, next_token(too_big=None))
+        assert all(t is not None and t.applied for t in done)
+        assert [r.token for r in store.get_records(ids) if r is not None] == [2, 2, 2]
+        assert pipelines == [3, 3]  # both batches went through the lane, whole
+        assert store.start(ids[0], 2, "w1").applied  # a single write after the batches
+    finally:
+        store.close()

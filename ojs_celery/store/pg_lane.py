@@ -90,6 +90,53 @@ class PgLane:
 
         return answer
 
+    def send_many(self, name: str, rows: Sequence[Sequence[Any]]) -> Callable[[], list[int]] | None:
+        """Send statement ``name`` once per row of values, in one pipeline that PostgreSQL
+        runs as one transaction (libpq's pipeline mode: the statements up to the sync commit
+        together, or none does): one round trip and one commit for a batch. The reader returns
+        each statement's row count, in order, and raises :class:`StoreError` if the batch
+        failed (then nothing was written) or its reply was lost. None: nothing was sent (the
+        lane is taken, or libpq is older than 14), take the ordinary path."""
+        if not rows or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            pgconn = self._pgconn()
+            pgconn.enter_pipeline_mode()
+        except Exception:
+            self._drop()
+            self._lock.release()
+            return None
+        try:
+            for values in rows:
+                pgconn.send_query_prepared(name.encode(), [text_param(v) for v in values])
+            pgconn.pipeline_sync()
+            _flush(pgconn)
+        except Exception as exc:  # the server may or may not have run it: a lost reply
+            self._drop()
+            self._lock.release()
+            raise StoreError(f"job store error: connection lost while sending a batch ({exc})") \
+                from exc
+
+        def answer() -> list[int]:
+            try:
+                counts = [self._rows(pgconn) for _ in rows]
+                self._end_pipeline(pgconn)
+                return counts
+            except BaseException:
+                self._drop()  # a pipeline left half read cannot serve the next write
+                raise
+            finally:
+                self._lock.release()
+
+        return answer
+
+    def _end_pipeline(self, pgconn: Any) -> None:
+        """Read the sync point's result and leave pipeline mode."""
+        synced = [result.status for result in _results(pgconn)]
+        if synced != [pq.ExecStatus.PIPELINE_SYNC]:
+            raise StoreError(f"job store error: unexpected end of a batch ({synced})")
+        pgconn.exit_pipeline_mode()
+
     def close(self) -> None:
         """Close the connection (this process's only)."""
         with self._lock:

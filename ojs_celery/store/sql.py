@@ -199,7 +199,7 @@ class SQLStore(JobStore):
         #: ``INSERT`` with this dialect's ``ON CONFLICT`` clauses.
         self.dialect_insert = sqlite_dialect.insert if self._sqlite else pg_dialect.insert
         self._prepare_statements()
-        self._lane = self._insert_lane()
+        self._lane = self._build_lane()
         self.workers = SQLWorkerRegistry(self)
         self.meta = SQLMetaArea(self)
 
@@ -262,7 +262,7 @@ class SQLStore(JobStore):
                 .limit(sa.bindparam("k_limit", type_=sa.Integer))
             )
 
-    def _insert_lane(self) -> PgLane | None:
+    def _build_lane(self) -> PgLane | None:
         """The hot writes' fast lane (:mod:`.pg_lane`) on PostgreSQL with psycopg 3, else
         None: the insert (``ON CONFLICT DO NOTHING``, as :attr:`_insert_job`) and the
         compare-and-set (as :attr:`_update_job`)."""
@@ -501,13 +501,16 @@ class SQLStore(JobStore):
     def _cas(self, record: Record, previous: Record, deadlines: dict[str, float | None]) -> bool:
         values = self._cas_values(record, previous, deadlines)
         if self._lane is not None:
-            answer = self._lane.send(self._lane_cas, [
-                *(values[name] for name in self._cas_columns),
-                values["k_id"], values["k_expected"], values["k_nonce"]])
+            answer = self._lane.send(self._lane_cas, self._lane_cas_row(values))
             if answer is not None:
                 return answer() == 1
         with self.engine.connect() as conn:
             return conn.execute(self._update_job, values).rowcount == 1
+
+    def _lane_cas_row(self, values: dict[str, Any]) -> list[Any]:
+        """:meth:`_cas_values` in the order of the lane's compare-and-set parameters."""
+        return [*(values[name] for name in self._cas_columns),
+                values["k_id"], values["k_expected"], values["k_nonce"]]
 
     @_wrap_errors
     def _ack_dispatch(self, job_id: str, token: int) -> bool:
@@ -523,12 +526,20 @@ class SQLStore(JobStore):
 
     @_wrap_errors
     def _cas_many(self, writes: Sequence[Write]) -> list[bool]:
+        """One transaction, the rows taken in id order (two batches never wait for each other
+        in opposite orders); on PostgreSQL through the lane, in one round trip."""
         results = [False] * len(writes)
         order = sorted(range(len(writes)), key=lambda i: writes[i][0].job.id)
+        values = [self._cas_values(*writes[index]) for index in order]
+        if self._lane is not None:
+            answer = self._lane.send_many(self._lane_cas, [self._lane_cas_row(v) for v in values])
+            if answer is not None:
+                for index, rows in zip(order, answer(), strict=True):
+                    results[index] = rows == 1
+                return results
         with self._transaction() as conn:
-            for index in order:
-                values = self._cas_values(*writes[index])
-                results[index] = conn.execute(self._update_job, values).rowcount == 1
+            for index, row in zip(order, values, strict=True):
+                results[index] = conn.execute(self._update_job, row).rowcount == 1
         return results
 
     @_wrap_errors
