@@ -3,6 +3,7 @@
     .venv/bin/python bench/instructions.py                      # redis-redis, 300 calls
     .venv/bin/python bench/instructions.py --pairs redis-redis,redis-pg,amqp-redis -n 200
     .venv/bin/python bench/instructions.py --batch              # enqueue_batch vs send_task
+    .venv/bin/python bench/instructions.py --worker             # the worker's side of a job
 
 Not part of the test suite. Needs ``valgrind`` and the services of the test suite; everything
 it creates is removed (it reuses ``bench/caller.py``'s pairings).
@@ -21,63 +22,109 @@ What is counted: the main thread of a process that makes ``-n`` calls (``.apply_
 divided by ``-n``. Background threads (OJS's outbox acknowledgements and events) are left out:
 they batch their work, so their count per job depends on timing under valgrind; their CPU is in
 ``bench/caller.py``'s producer column.
+
+``--worker`` counts the worker's side instead: the process publishes ``-n`` jobs, takes their
+messages from the broker and runs each as Celery's worker does (``Request(message)`` then
+``Request.execute()``: the task's request, the OJS start, the handler, the outcome, the ack),
+minus the same process taking the messages without running them. A prefork worker splits that
+between its main process and a pool child and adds the pickling between them (the same for
+both kinds, bigger for OJS's larger header); the OJS events thread is left out as above.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import re
 import subprocess
 import sys
 import tempfile
+from typing import Any
+
+from kombu.utils.imports import symbol_by_name
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent
 PAIRS = ("redis-redis", "redis-pg", "amqp-redis", "amqp-pg")
 
 
-def calls(kind: str, pair: str, n: int, batch: bool, services: argparse.Namespace) -> None:
-    """The measured process: ``n`` calls of ``kind`` on ``pair`` (run under valgrind)."""
+def measured(kind: str, pair: str, run: str, queue: str, n: int, mode: str,
+             services: argparse.Namespace) -> None:
+    """The measured process (run under valgrind): ``n`` calls of ``mode`` by ``kind`` on
+    ``pair``, in the pairing ``run`` and on ``queue`` that the driver made and cleans up.
+
+    It ends with ``os._exit`` right after its work: cleaning up (a scan of the store's keys,
+    the broker's restore of unacknowledged messages) costs what the shared servers happen to
+    hold, which would make the count vary from run to run."""
     sys.path.insert(0, str(BENCH_DIR))
     from caller import TASK_NAME, WARMUP, Pairing, flush, make_app
 
     import ojs_celery
-    from ojs_celery.runtime import get_runtime
 
-    pairing = Pairing(pair, services, pathlib.Path(tempfile.mkdtemp()))
-    queue = pairing.new_queue()
-    app = make_app(pairing.config(kind, queue))
+    pairing = Pairing(pair, services, pathlib.Path(tempfile.mkdtemp()), run=run)
+    config = pairing.config(kind, queue)
+    app = make_app(config)
     task = app.tasks[TASK_NAME]
-    try:
-        for _ in range(WARMUP):
-            task.apply_async()
-        if batch and kind == "ojs":
-            ojs_celery.enqueue_batch([{"type": TASK_NAME, "args": []}] * WARMUP, app=app)
-        flush(app, kind)
-        if batch and kind == "ojs" and n:
-            ojs_celery.enqueue_batch([{"type": TASK_NAME, "args": []}] * n, app=app)
-        elif batch:
-            for _ in range(n):
-                app.send_task(TASK_NAME, args=[])
+    with app.connection_for_read() as connection:
+        channel = connection.default_channel
+
+        def take(count: int) -> list[Any]:
+            messages: list[Any] = []
+            while len(messages) < count:
+                message = channel.basic_get(queue)
+                if message is not None:  # py-amqp's is raw, kombu's virtual one is not
+                    messages.append(channel.message_to_python(message)
+                                    if hasattr(message, "frame_method") else message)
+            return messages
+
+        def execute(message: Any) -> None:
+            """What the worker does with a message: Celery's ``Request``, then ``execute``
+            (the task's request, the OJS start, the handler, the outcome, the ack)."""
+            request_class = symbol_by_name(task.Request)
+            request_class(message, app=app, task=task, hostname="bench@instructions",
+                          on_ack=message.ack_log_error, on_reject=message.reject_log_error,
+                          connection_errors=()).execute()
+
+        def publish(count: int) -> None:
+            if mode == "batch" and kind == "ojs":
+                if count:
+                    ojs_celery.enqueue_batch([{"type": TASK_NAME, "args": []}] * count, app=app)
+            elif mode == "batch":
+                for _ in range(count):
+                    app.send_task(TASK_NAME, args=[])
+            else:
+                for _ in range(count):
+                    task.apply_async()
+            flush(app, kind)
+
+        publish(WARMUP)
+        if mode in ("worker", "take"):
+            for message in take(WARMUP):
+                execute(message)
+            publish(n)
+            for message in take(n):
+                if mode == "worker":
+                    execute(message)
+                else:
+                    message.ack()
+            flush(app, kind)
+            expected = WARMUP + (n if mode == "worker" else 0)
+            counted = int(pairing.counter_client.get(config["counter_key"]) or 0)
+            if counted != expected:
+                print(f"{kind}: {counted} jobs ran, not {expected}", file=sys.stderr)
+                os._exit(1)
         else:
-            for _ in range(n):
-                task.apply_async()
-        flush(app, kind)
-    finally:
-        pairing.purge(app, queue)
-        if kind == "ojs":
-            get_runtime(app).close()
-        app.close()
-        pairing.cleanup()
+            publish(n)
+    os._exit(0)
 
 
 def main_thread_instructions(args: list[str]) -> int:
-    """Instructions executed by the main thread of ``bench/instructions.py --calls ...``."""
+    """Instructions executed by the main thread of ``bench/instructions.py --measure ...``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "callgrind.out"
         subprocess.run(
             ["valgrind", "--tool=callgrind", "--separate-threads=yes",
-             f"--callgrind-out-file={out}", sys.executable, __file__, "--calls", *args],
+             f"--callgrind-out-file={out}", sys.executable, __file__, "--measure", *args],
             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         text = (pathlib.Path(tmp) / "callgrind.out-01").read_text(errors="replace")
     match = re.search(r"^summary: (\d+)", text, re.MULTILINE)
@@ -86,10 +133,18 @@ def main_thread_instructions(args: list[str]) -> int:
     return int(match.group(1))
 
 
-def per_call(kind: str, pair: str, n: int, batch: bool, services: list[str]) -> float:
-    common = [kind, pair, *(["--batch"] if batch else []), *services]
-    return (main_thread_instructions([*common, "-n", str(n)])
-            - main_thread_instructions([*common, "-n", "0"])) / n
+def per_call(pairing: Any, kind: str, n: int, mode: str, services: list[str]) -> float:
+    """Instructions per call: ``n`` calls minus none (``worker``: taking and running ``n``
+    messages minus taking and acknowledging them)."""
+
+    def count(what: str, calls: int) -> int:
+        queue = pairing.new_queue()
+        return main_thread_instructions(
+            [kind, pairing.name, pairing.run, queue, what, *services, "-n", str(calls)])
+
+    if mode == "worker":
+        return (count("worker", n) - count("take", n)) / n
+    return (count(mode, n) - count(mode, 0)) / n
 
 
 def main() -> None:
@@ -101,25 +156,44 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=300, help="calls per measured run")
     parser.add_argument("--batch", action="store_true",
                         help="one enqueue_batch of n jobs against n send_task calls")
-    parser.add_argument("--calls", nargs=2, metavar=("KIND", "PAIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--kinds", default="plain,ojs",
+                        help="which to count (plain, ojs; a change to OJS alone needs only ojs)")
+    parser.add_argument("--worker", action="store_true",
+                        help="the worker's side: take and run n jobs' messages")
+    parser.add_argument("--measure", nargs=5, metavar=("KIND", "PAIR", "RUN", "QUEUE", "MODE"),
+                        help=argparse.SUPPRESS)
     options = parser.parse_args()
     services = argparse.Namespace(redis=options.redis, postgres=options.postgres,
                                   amqp=options.amqp)
-    if options.calls:
-        calls(options.calls[0], options.calls[1], options.n, options.batch, services)
+    if options.measure:
+        kind, pair, run, queue, mode = options.measure
+        measured(kind, pair, run, queue, options.n, mode, services)
         return
     forwarded = ["--redis", options.redis, "--postgres", options.postgres, "--amqp", options.amqp]
-    what = "enqueue_batch vs send_task" if options.batch else ".apply_async()"
+    mode = "worker" if options.worker else "batch" if options.batch else "apply"
+    what = {"worker": "the worker's side of a job (Request.execute)",
+            "batch": "enqueue_batch vs send_task", "apply": ".apply_async()"}[mode]
     print(f"{what}, n = {options.n}: main-thread instructions per call; the last column is "
           "the rate ratio OJS / plain if the producer were CPU-bound\n\n"
           "| pairing | plain | OJS | plain / OJS |\n|---|---|---|---|")
-    for pair in options.pairs.split(","):
+    pairs = options.pairs.split(",")
+    for pair in pairs:
         if pair not in PAIRS:
             parser.error(f"--pairs: {pair!r} is not one of {', '.join(PAIRS)}")
-        plain = per_call("plain", pair, options.n, options.batch, forwarded)
-        ojs = per_call("ojs", pair, options.n, options.batch, forwarded)
-        print(f"| {pair} | {plain / 1e6:.2f} M | {ojs / 1e6:.2f} M | {plain / ojs:.2f} |",
-              flush=True)
+    sys.path.insert(0, str(BENCH_DIR))
+    from caller import Pairing
+
+    kinds = options.kinds.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        for pair in pairs:
+            pairing = Pairing(pair, services, pathlib.Path(tmp))
+            try:
+                plain, ojs = (per_call(pairing, kind, options.n, mode, forwarded)
+                              if kind in kinds else 0.0 for kind in ("plain", "ojs"))
+            finally:
+                pairing.cleanup()
+            ratio = f"{plain / ojs:.2f}" if plain and ojs else "–"
+            print(f"| {pair} | {plain / 1e6:.2f} M | {ojs / 1e6:.2f} M | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":
