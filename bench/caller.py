@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import os
 import pathlib
 import pstats
@@ -128,6 +129,7 @@ class Pairing:
                          else f"{self.options.postgres}?application_name={self.app_name}")
         self.ojs = {"store_url": store_url, "store_prefix": f"cb{self.run}",
                     "sweep_queue": self.sweep_queue}
+        self.ojs.update(getattr(self.options, "settings", None) or {})
         sync = getattr(self.options, "synchronous_commit", None)
         if self.store_kind == "postgresql" and sync:
             self.ojs["store_synchronous_commit"] = sync
@@ -409,10 +411,18 @@ def main() -> int:
                         help="skip the .apply_async() trials (with --batch or --profile)")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the producer's OJS .apply_async() loop (Redis broker)")
+    parser.add_argument("--setting", action="append", default=[], metavar="NAME=JSON",
+                        help="an extra ojs setting for the OJS side, e.g. events=false "
+                             "(repeatable)")
     parser.add_argument("--synchronous-commit", choices=("on", "off"),
                         help="the PostgreSQL store's store_synchronous_commit (default: the "
                              "server's, on)")
     options = parser.parse_args()
+    try:
+        options.settings = {name: json.loads(value) for name, _, value in
+                            (item.partition("=") for item in options.setting)}
+    except ValueError as exc:
+        parser.error(f"--setting: the value must be JSON ({exc})")
     n, rounds, batch_n = options.n, options.rounds, 1000
     if options.quick:
         n, rounds, batch_n = 200, 1, 200

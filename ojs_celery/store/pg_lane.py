@@ -57,6 +57,7 @@ class PgLane:
         self._statements = {name.encode(): text.encode() for name, text in statements.items()}
         self._lock = threading.Lock()
         self._raw: Any = None  # the psycopg connection
+        self._pipelines = True  # False once libpq said it has no pipeline mode
         ref = weakref.ref(self)
 
         def forget_parent() -> None:
@@ -97,13 +98,18 @@ class PgLane:
         each statement's row count, in order, and raises :class:`StoreError` if the batch
         failed (then nothing was written) or its reply was lost. None: nothing was sent (the
         lane is taken, or libpq is older than 14), take the ordinary path."""
-        if not rows or not self._lock.acquire(blocking=False):
+        if not rows or not self._pipelines or not self._lock.acquire(blocking=False):
             return None
         try:
             pgconn = self._pgconn()
-            pgconn.enter_pipeline_mode()
         except Exception:
             self._drop()
+            self._lock.release()
+            return None
+        try:
+            pgconn.enter_pipeline_mode()
+        except Exception:  # psycopg's NotSupportedError: libpq before 14 has no pipelines
+            self._pipelines = False
             self._lock.release()
             return None
         try:
