@@ -377,8 +377,9 @@ def test_postgres_synchronous_commit_is_applied_to_every_session(pg_prefix: str)
 def test_postgres_batch_write_is_all_or_nothing(pg_prefix: str) -> None:
     """A batch of compare-and-sets (a sweep's ``apply_many``) goes to PostgreSQL in one
     pipeline that commits as one transaction: when the server refuses one of its statements
-    (here a token out of the column's range) the caller gets StoreError and none of the batch
-    is written; the next batch, and a single write, work on the same store."""
+    (here a token out of the column's range, in the batch's last statement, after two that
+    succeeded) the caller gets StoreError and none of the batch is written; the next batch,
+    and a single write, work on the same store."""
     store = open_store(postgres_url(), policy=Policy(), prefix=pg_prefix)
     assert isinstance(store, SQLStore)
     try:
@@ -407,7 +408,7 @@ def test_postgres_batch_write_is_all_or_nothing(pg_prefix: str) -> None:
             return rule
 
         with pytest.raises(StoreError, match="out of range"):
-            store.apply_many(ids, next_token(too_big=ids[1]))
+            store.apply_many(ids, next_token(too_big=max(ids)))  # written last
         records = store.get_records(ids)
         assert [(r.token, r.version) for r in records if r is not None] == [(1, 1)] * 3
 
