@@ -23,7 +23,7 @@ from celery.result import AsyncResult
 from ojs_celery import enqueue
 from ojs_celery.runtime import get_runtime
 from tests.conftest import Env, start_env
-from tests.workers import Worker, forget_redis_names, unique
+from tests.workers import Worker, filesystem_config, forget_redis_names, unique
 
 SLACK = 6.0
 
@@ -199,3 +199,24 @@ def test_a_job_the_drain_discards_shows_failure_once(env: Env, tmp_path: pathlib
     finally:
         worker.stop()
         forget_redis_names(env.config["broker_url"], [queue])
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_sigquit_stops_an_idle_worker_on_the_embedded_transport(
+    tmp_path: pathlib.Path, concurrency: int
+) -> None:
+    """Cold shutdown (SIGQUIT) on the filesystem broker, whose non-async prefork pool shares
+    one task queue: an idle pool process SIGKILLed while it held that queue's read lock used
+    to hang billiard's exit-time finalizer for ever."""
+    worker = Worker(filesystem_config(tmp_path), tmp_path / "worker.log",
+                    concurrency=concurrency)
+    try:
+        worker.wait_ready()
+        time.sleep(1.0)  # the pool processes are waiting for their next task
+        began = time.monotonic()
+        worker.process.send_signal(signal.SIGQUIT)
+        code = worker.process.wait(15.0)
+        assert time.monotonic() - began < 15.0
+        assert code in (0, 1)  # Celery's cold shutdown may report EX_FAILURE
+    finally:
+        worker.stop()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from typing import Any
 
 from billiard.process import current_process
@@ -55,15 +56,65 @@ class PoolChildren:
         return True
 
     def kill_all(self) -> None:
-        """Cold shutdown: stop every pool process now (they ignore SIGTERM)."""
+        """Cold shutdown: stop every pool process now (they ignore SIGTERM).
+
+        The pool first stops replacing dead processes (billiard's own first step of a
+        terminate). A process killed while it held a lock of the pool's shared queues (an idle
+        one waits for its next task holding the read lock of the task queue) never releases
+        it, and billiard's exit-time finalizer, which takes that lock, would then wait forever
+        (the non-async pool of transports without an event loop, e.g. the filesystem one):
+        once the processes are gone, :func:`_free_shared_locks` frees what they held.
+        """
         inner = getattr(self.pool, "_pool", None)
+        handler = getattr(inner, "_worker_handler", None)
+        if handler is not None and callable(getattr(handler, "terminate", None)):
+            handler.terminate()
+        killed = []
         for process in list(getattr(inner, "_pool", None) or []):
             pid = getattr(process, "pid", None)
             if pid and pid != os.getpid():
                 try:
                     os.kill(pid, signal.SIGKILL)
+                    killed.append(process)
                 except OSError as exc:
                     logger.debug("ojs_celery: kill child %s: %r", pid, exc)
+        if killed and _gone(killed, KILLED_GONE):
+            _free_shared_locks(inner)
+
+
+#: How long a cold shutdown waits for SIGKILLed pool processes to be gone.
+KILLED_GONE = 2.0
+
+
+def _gone(processes: list[Any], timeout: float) -> bool:
+    """Wait (bounded) until every one of ``processes`` has exited; False if one has not."""
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.exitcode is None:
+                return False
+        except (AssertionError, OSError, ValueError) as exc:
+            logger.debug("ojs_celery: join child %s: %r", getattr(process, "pid", None), exc)
+            return False
+    return True
+
+
+def _free_shared_locks(inner: Any) -> None:
+    """Release the locks of the pool's shared queues that dead processes still hold: the task
+    queue's read lock and the result queue's write lock (the pool's own threads never hold
+    them before its finalizer, so a held one belongs to a killed process). Pools with one
+    queue per process (the async pool of Redis and AMQP) have none."""
+    for queue, name in ((getattr(inner, "_inqueue", None), "_rlock"),
+                        (getattr(inner, "_outqueue", None), "_wlock")):
+        lock = getattr(queue, name, None)
+        if lock is None:
+            continue
+        try:
+            lock.acquire(False)  # free or held by a killed process: taken by us either way
+            lock.release()
+        except (OSError, ValueError) as exc:
+            logger.debug("ojs_celery: free pool lock %s: %r", name, exc)
 
 
 class PoolChildrenStep(bootsteps.StartStopStep):  # type: ignore[misc]
