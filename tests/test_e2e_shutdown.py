@@ -4,7 +4,8 @@ its end, and a job's own timeout during the drain stays a ``timeout``.
 
 Each test starts its own worker on a queue of its own, with the drain it examines; bounds are
 the drain plus generous slack, and the one timing that is the point of a test (when the
-cancellation arrives) is measured in the handler.
+cancellation arrives) is measured in the handler. The last test stops a worker on the
+filesystem broker (the embedded default), whose pool shares one task queue.
 """
 
 from __future__ import annotations
