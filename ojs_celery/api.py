@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import ExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
@@ -21,6 +21,9 @@ from .producer import (
 )
 from .runtime import Runtime, UnknownType, get_runtime
 from .store import DuplicateJob as StoredDuplicate
+
+if TYPE_CHECKING:
+    from .store.redis import RedisStore
 
 logger = logging.getLogger(__name__)
 
@@ -182,15 +185,20 @@ def enqueue_job(
             raise InvalidJob(violations)
     if celery_options:
         job = with_celery_options(job, celery_options)
+    shared = runtime.joint_store
+    if shared is not None:  # the store is the broker's Redis: one write for record and message
+        try:
+            return _create_joint(runtime, shared, job)
+        except StoredDuplicate:
+            if not id_chosen:
+                raise
+            return _same_job_again(runtime, job)
     if id_chosen:
         # A client-chosen id may be taken: the store answers before anything is published.
         try:
             transition = runtime.store.create(job)
         except StoredDuplicate:
-            existing = runtime.store.get(job.id)
-            if existing is not None and existing.same_request(job):
-                return existing  # the same envelope again: enqueue is idempotent
-            raise DuplicateJob(job.id) from None
+            return _same_job_again(runtime, job)
         assert transition.record is not None
         carry_out(runtime, transition)
         return transition.record.job
@@ -206,6 +214,44 @@ def enqueue_job(
         except Exception as exc:  # the store write decides what enqueue reports
             unpublished = exc
     confirm()  # raises if nothing was stored: the message, if sent, names no job
+    runtime.emit(transition)
+    if unpublished is not None:
+        log_unpublished(job.id, unpublished)
+    return transition.record.job
+
+
+def _same_job_again(runtime: Runtime, job: Job) -> Job:
+    """The stored job that has ``job``'s id when ``job`` is the same request again (enqueue is
+    idempotent); raises :class:`DuplicateJob` when another job has the id."""
+    existing = runtime.store.get(job.id)
+    if existing is not None and existing.same_request(job):
+        return existing
+    raise DuplicateJob(job.id) from None
+
+
+def _create_joint(runtime: Runtime, store: RedisStore, job: Job) -> Job:
+    """:func:`enqueue_job` when the store is the broker's Redis: the record and the message
+    in one script (see :mod:`ojs_celery.joint`), which pushes nothing if the id is taken (the
+    store's DuplicateJob; ``before_task_publish`` was sent, as for any publish that fails).
+    Raises as the store write would; a publish that failed before reaching the broker leaves
+    the job stored with its message owed, as in the other path."""
+    from .joint import JointCreate
+
+    transition = store.new_record(job)
+    assert transition.record is not None
+    joint = JointCreate(store, transition)
+    unpublished: Exception | None = None
+    if transition.publish is not None:
+        with joint:
+            try:  # no outbox acknowledgement: the record is written without an entry
+                publish(runtime, transition.record.job, transition.publish,
+                        record=transition.record, acks=[])
+            except Exception as exc:
+                if joint.taken and not joint.done:
+                    raise  # the script's own error: nothing written, nothing pushed
+                if not joint.done:
+                    unpublished = exc
+    joint.finish(published=unpublished is None)
     runtime.emit(transition)
     if unpublished is not None:
         log_unpublished(job.id, unpublished)

@@ -5,7 +5,8 @@ entry point it took.
 ``app.send_task`` by name (beat or django-celery-beat without the task module, producers that
 only know the name) both build the job with :func:`enqueue_call`: Celery's routing, time limits,
 ``expires`` and priority become the job's fields, the job keeps the task's Celery semantics, and
-it is stored (with its outbox entry) before its message is published, like any OJS job.
+it is stored (with its outbox entry) before its message is published, like any OJS job (or
+with its message in one step when the store is the broker's Redis: :mod:`ojs_celery.joint`).
 
 ``send_task`` is wrapped per app by :func:`wrap_send_task` (``install``). It takes over only a
 call by name for a task that the calling app registers as an OJS task and whose message has no

@@ -28,6 +28,7 @@ from .store import JobStore, open_store
 
 if TYPE_CHECKING:
     from .lifecycle import Transition
+    from .store.redis import RedisStore
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class Runtime:
         self.acks = DispatchAcker(lambda: self.store)
         self._task_names: dict[str, str] = {}  # OJS type -> task name, found by task_name_for
         self._broker_driver: str | None = None
+        self._joint: RedisStore | None = None
+        self._joint_known = False  # whether _joint was decided for the current store
 
     @property
     def settings(self) -> Settings:
@@ -86,6 +89,7 @@ class Runtime:
                 self._store = None
         self.bus.enabled = settings.events
         self._broker_driver = None  # the configuration may name another broker
+        self._joint_known = False
         for warning in settings.warnings():
             logger.warning("ojs_celery: %s", warning)
         return settings
@@ -101,7 +105,25 @@ class Runtime:
                         prefix=self.settings.store_prefix,
                         synchronous_commit=self.settings.store_synchronous_commit,
                     )
+                    self._joint_known = False
         return self._store
+
+    @property
+    def joint_store(self) -> RedisStore | None:
+        """The job store when it is the broker's Redis: a new job's record and message are then
+        written in one step (:mod:`ojs_celery.joint`); None otherwise."""
+        if not self._joint_known:
+            store = self.store
+            found: RedisStore | None = None
+            if self.broker_driver == "redis":  # so kombu's Redis transport and redis-py import
+                from .joint import install_put, joint_store
+
+                with self.app.connection_for_write() as connection:
+                    found = joint_store(store, connection)
+                if found is not None:
+                    install_put()
+            self._joint, self._joint_known = found, True
+        return self._joint
 
     def emit(self, transition: Transition) -> None:
         self.bus.emit_all(transition.events)

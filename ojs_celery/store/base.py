@@ -237,10 +237,9 @@ class JobStore(ABC):
         something in between, such as publishing the job's message: enqueue then costs one
         round trip instead of two.
         """
-        transition = lifecycle.create(job, time.time() if now is None else now, self.policy)
+        transition = self.new_record(job, now)
         record = transition.record
         assert record is not None
-        record.nonce = record.origin = new_nonce()
         deadlines = self._deadlines(record)
         try:
             written = self._insert_begin(record, deadlines)
@@ -262,6 +261,24 @@ class JobStore(ABC):
                 raise DuplicateJob(job.id)
 
         return transition, confirm
+
+    def new_record(self, job: Job, now: float | None = None) -> Transition:
+        """The transition that creates ``job``, its record given the nonce and origin of the
+        insert that will store it (nothing is written)."""
+        transition = lifecycle.create(job, time.time() if now is None else now, self.policy)
+        assert transition.record is not None
+        transition.record.nonce = transition.record.origin = new_nonce()
+        return transition
+
+    def insert_new(self, record: Record, deadlines: dict[str, float | None]) -> bool:
+        """Write a record that :meth:`new_record` built: False if another job has the id.
+        A lost reply is settled as :meth:`begin_create` settles it."""
+        try:
+            return self._insert(record, deadlines)
+        except StoreUncertain:
+            raise
+        except StoreError:
+            return self._settle_insert(record, deadlines)
 
     def create_many(self, jobs: Sequence[Job], now: float | None = None) -> list[Transition]:
         """Store new jobs, each with its outbox entry, in one atomic step: all of them or none.
@@ -288,16 +305,20 @@ class JobStore(ABC):
             record.version = 1
         return transitions
 
-    def _settle_insert(self, record: Record, deadlines: dict[str, float | None]) -> bool:
+    def _settle_insert(
+        self, record: Record, deadlines: dict[str, float | None],
+        insert: Callable[[], bool] | None = None,
+    ) -> bool:
         """Whether an insert whose reply was lost was written: a stored record with its origin
-        is this insert's (perhaps changed since by a worker); none: send it again (a second
-        arrival finds its own origin). A store that answers the second send with an error
-        (read-only, out of memory, no permission) refused it: that :class:`StoreError` is
-        raised, nothing was stored. :class:`StoreUncertain` when the store cannot tell."""
+        is this insert's (perhaps changed since by a worker); none: send it again (``insert``,
+        by default :meth:`_insert`; a second arrival finds its own origin). A store that
+        answers the second send with an error (read-only, out of memory, no permission)
+        refused it: that :class:`StoreError` is raised, nothing was stored.
+        :class:`StoreUncertain` when the store cannot tell."""
         current = self._load_or_uncertain(record.job.id)
         if current is None:
             try:
-                if self._insert(record, deadlines):
+                if insert() if insert is not None else self._insert(record, deadlines):
                     return True
             except StoreError as refused:
                 if self._load_or_uncertain(record.job.id) is None:

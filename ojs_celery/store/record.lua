@@ -40,3 +40,12 @@ local function index_record(first_zset, clocks, at, remove)
     end
   end
 end
+
+-- What an insert of the record from ARGV[1] into KEYS[1] finds before writing: nil when the
+-- hash is free, 1 when this very insert was written already (sent again after its reply was
+-- lost, it finds its own origin), 0 when another job has the id.
+local function earlier_insert()
+  if redis.call('EXISTS', KEYS[1]) == 0 then return nil end
+  if redis.call('HGET', KEYS[1], 'origin') == record_arg('origin', 1) then return 1 end
+  return 0
+end

@@ -30,6 +30,8 @@ from .base import (
     RECORD_FIELDS,
     JobStore,
     NewRow,
+    StoreError,
+    StoreUncertain,
     Write,
     decode_job,
     encode_job,
@@ -47,7 +49,7 @@ _FIELDS = tuple(name for name in RECORD_FIELDS if name != "version")
 
 
 #: The scripts that write a record (they start with ``record.lua``).
-_RECORD_SCRIPTS = ("insert", "insert_many", "cas")
+_RECORD_SCRIPTS = ("insert", "insert_many", "insert_push", "cas")
 
 
 def _lua(name: str) -> str:
@@ -138,6 +140,7 @@ class RedisStore(JobStore):
         self._all_due_keys = [self._due_keys[clock] for clock in CLOCKS]
         self._insert_script = self.client.register_script(script("insert"))
         self._insert_many_script = self.client.register_script(script("insert_many"))
+        self._insert_push_script = self.client.register_script(script("insert_push"))
         self._cas_script = self.client.register_script(script("cas"))
         self._ack_script = self.client.register_script(script("ack_dispatch"))
         self._delete_script = self.client.register_script(script("delete"))
@@ -204,6 +207,32 @@ class RedisStore(JobStore):
             return bool(done)
 
         return confirm
+
+    def insert_pushing(
+        self, record: Record, deadlines: dict[str, float | None], queue_key: str, message: str
+    ) -> bool:
+        """Insert a new record and ``LPUSH`` its ``message`` onto ``queue_key`` in the same
+        script (the broker is this Redis, see :mod:`ojs_celery.joint`): both or neither. True
+        when done (or done already), False when another job has the id (nothing pushed).
+        Raises :class:`StoreError` when refused (nothing written, nothing pushed) and
+        :class:`StoreUncertain` when the store cannot tell, as :meth:`create` does."""
+        keys = [*self._job_keys(record.job.id), queue_key]
+        args = [*self._args(record, 1, deadlines), message]
+
+        @_wrap_errors
+        def insert() -> bool:
+            done = self._lane.call("EVALSHA", self._insert_push_script.sha, len(keys), *keys,
+                                   *args)
+            if done is MISSED:  # lost or NOSCRIPT: redis-py's retries, the script loaded
+                done = self._insert_push_script(keys, args)
+            return bool(done)
+
+        try:
+            return insert()
+        except StoreUncertain:
+            raise
+        except StoreError:
+            return self._settle_insert(record, deadlines, insert)
 
     @_wrap_errors
     def _insert_many(self, rows: Sequence[NewRow]) -> str | None:

@@ -1,0 +1,123 @@
+"""One round trip for a new job's record and its message when the job store is the broker's
+Redis.
+
+A new job is otherwise stored by one write and published by kombu's ``LPUSH``: two round
+trips (overlapped, see :func:`ojs_celery.api.enqueue_job`) and two clients' worth of CPU. When
+the store's Redis is the broker's, one script does both, atomically: the record (without an
+outbox entry, since its message goes in the same step) and the message. Celery's publish path
+runs as it always does (routing, serializers, compression, ``before_task_publish`` and
+``after_task_publish``); only its last step, kombu's Redis ``Channel._put``, hands the message
+it was about to push to the store, and only for the message of the job being created in this
+thread. Everything else (other messages, kombu's publish batches, queues with ``x-expires``,
+another broker) goes through kombu unchanged.
+
+If the message never reaches ``_put`` (the publish failed before it), the record is written
+alone afterwards with its outbox entry, as for any job whose message is owed.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Any
+
+from kombu.connection import Connection
+from kombu.transport import redis as kombu_redis
+from kombu.utils.json import dumps
+
+from .lifecycle import Transition, deadlines
+from .store import DuplicateJob, JobStore
+from .store.redis import RedisStore
+
+__all__ = ["JointCreate", "install_put", "joint_store"]
+
+_pending: ContextVar[JointCreate | None] = ContextVar("ojs_celery_joint_create", default=None)
+
+
+class JointCreate:
+    """A new job whose record and message are written together: enter it around the
+    publish of the job's message, then :meth:`finish`."""
+
+    def __init__(self, store: RedisStore, transition: Transition) -> None:
+        assert transition.record is not None
+        self.store = store
+        self.transition = transition
+        self.record = transition.record
+        self.job_id = self.record.job.id
+        #: The outbox deadline the record gets if its message has to be owed after all.
+        self._owed = self.record.dispatch_due
+        self.record.dispatch_due = None  # the message goes in the record's own write
+        self.record.version = 1  # what it is once written (the message carries the snapshot)
+        self._deadlines = deadlines(self.record, store.policy)
+        self.taken = False  # kombu handed the message over: the outcome is that of the script
+        self.done = False  # the script wrote the record and pushed the message
+        self._token: Any = None
+
+    def __enter__(self) -> JointCreate:
+        self._token = _pending.set(self)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        _pending.reset(self._token)
+
+    def push(self, queue_key: str, message: str) -> None:
+        """Write the record and push ``message`` (called by kombu's ``_put``)."""
+        self.taken = True
+        if not self.store.insert_pushing(self.record, self._deadlines, queue_key, message):
+            raise DuplicateJob(self.job_id)
+        self.done = True
+
+    def finish(self, published: bool) -> None:
+        """After the publish: nothing to do if the script ran (its error, if any, was raised
+        through the publish). Otherwise write the record alone, with its outbox entry unless
+        kombu ``published`` the message its own way. Raises as :meth:`JobStore.create` does."""
+        if self.taken:
+            return
+        if not published:
+            self.record.dispatch_due = self._owed
+            self._deadlines = deadlines(self.record, self.store.policy)
+        if not self.store.insert_new(self.record, self._deadlines):
+            raise DuplicateJob(self.job_id)
+
+
+def joint_store(store: JobStore, broker: Connection) -> RedisStore | None:
+    """``store`` when it is the Redis that the kombu connection ``broker`` reaches (a Redis
+    URL without failover alternatives; the same host, port, database and credentials, read
+    as kombu's Redis channel reads them), else None."""
+    if not isinstance(store, RedisStore) or broker.transport_cls not in ("redis", "rediss"):
+        return None
+    if len(broker.alt) > 1:
+        return None
+    vhost = broker.virtual_host
+    try:
+        db = int(vhost.strip("/") or 0) if isinstance(vhost, str) else int(vhost or 0)
+    except ValueError:
+        return None
+    theirs = (broker.hostname or "127.0.0.1", int(broker.port or 6379), db,
+              broker.userid or None, broker.password or None)
+    kwargs = store.client.connection_pool.connection_kwargs
+    ours = (kwargs.get("host"), int(kwargs.get("port") or 6379), int(kwargs.get("db") or 0),
+            kwargs.get("username") or None, kwargs.get("password") or None)
+    return store if theirs == ours else None
+
+
+def install_put() -> None:
+    """Let kombu's Redis channel hand a joint job's message to its :class:`JointCreate`
+    (idempotent; process-wide, a no-op for every other message)."""
+    channel: Any = kombu_redis.Channel
+    original: Any = channel._put
+    if getattr(original, "__ojs_joint__", False):
+        return
+
+    def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        joint = _pending.get()
+        if (joint is None or joint.taken or kwargs.get("_publish_batch") is not None
+                or (getattr(self, "_expires", None) and queue in self._expires)
+                or (message.get("headers") or {}).get("id") != joint.job_id):
+            return original(self, queue, message, **kwargs)  # type: ignore[no-any-return]
+        key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+        payload = dumps(message)  # type: ignore[no-untyped-call]
+        joint.push(getattr(self, "global_keyprefix", "") + key, payload)
+        return None
+
+    _put.__ojs_joint__ = True  # type: ignore[attr-defined]
+    channel._put = _put

@@ -1,0 +1,17 @@
+-- Insert a new job and push its message onto a broker queue in the same Redis, in one atomic
+-- step (see ojs_celery/joint.py). KEYS: the job hash, every clock's sorted set, then the
+-- queue's list; ARGV: one record (see record.lua), then the message as kombu pushes it.
+-- Returns 1 if done (or done already: sent again after its reply was lost, it finds its own
+-- origin and pushes nothing more), 0 if another job has the id (nothing written or pushed).
+-- Every check comes before the first write, so an error leaves nothing half done.
+local found = earlier_insert()
+if found then return found end
+local queue = KEYS[#KEYS]
+local kind = redis.call('TYPE', queue)['ok']
+if kind ~= 'none' and kind ~= 'list' then
+  return redis.error_reply('WRONGTYPE the queue key ' .. queue .. ' holds a ' .. kind)
+end
+write_record(KEYS[1], 1, '1')
+index_record(2, #KEYS - 2, 1, false)
+redis.call('LPUSH', queue, ARGV[#ARGV])
+return 1

@@ -1,0 +1,266 @@
+"""A new job's record and message in one write when the job store is the broker's Redis
+(``ojs_celery/joint.py``): one script call instead of an insert and kombu's ``LPUSH``, both or
+neither, on a private ``redis-server`` (broker and store) so that its command counts and its
+faults are this test's own."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.signals import before_task_publish
+from kombu import Queue
+
+from ojs_celery import DuplicateJob, OJSTask, enqueue, install, parse_envelope
+from ojs_celery.joint import JointCreate
+from ojs_celery.store import StoreError
+from ojs_celery.store.redis import RedisStore
+from tests.conftest import start_env
+from tests.test_fencing_replies import CuttingProxy
+from tests.test_store_faults import PrivateRedis
+from tests.workers import unique
+
+TYPE = "joint.add"
+
+
+@pytest.fixture
+def server(tmp_path: pathlib.Path) -> Iterator[PrivateRedis]:
+    private = PrivateRedis(tmp_path)
+    try:
+        yield private
+    finally:
+        private.stop()
+
+
+def make_app(broker: str, store: str | None = None, **conf: Any) -> Celery:
+    app = Celery(unique("joint"), broker=broker, set_as_current=False)
+    app.conf.update({"task_default_queue": unique("jq"), **conf})
+    app.conf.ojs = {"store_url": store or broker, "events": False}
+    install(app)
+
+    @app.task(shared=False, name=TYPE, base=OJSTask)
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    return app
+
+
+def queued(server: PrivateRedis, pattern: str = "*") -> dict[str, list[str]]:
+    """Job id -> the broker lists holding its message (kombu keeps one list per priority)."""
+    found: dict[str, list[str]] = {}
+    for key in server.admin.keys(pattern):
+        if server.admin.type(key) == "list" and not key.startswith("_kombu"):
+            for message in server.admin.lrange(key, 0, -1):
+                found.setdefault(json.loads(message)["headers"]["id"], []).append(key)
+    return found
+
+
+def reads(server: PrivateRedis) -> int:
+    """The requests the server has read from its clients (scripts' own commands not counted)."""
+    return int(server.admin.info("stats")["total_reads_processed"])
+
+
+def stored_ids(server: PrivateRedis) -> list[str]:
+    return [key.rsplit(":", 1)[1] for key in server.admin.keys("ojs:job:*")]
+
+
+def test_a_new_job_is_stored_and_published_in_one_script_call(server: PrivateRedis) -> None:
+    """``enqueue`` and ``.delay()``: the record (with no outbox entry: its message went with
+    it) and the message, in one ``EVALSHA`` and no ``LPUSH`` of kombu's."""
+    app = make_app(server.url)
+    runtime = install(app)
+    assert runtime.joint_store is runtime.store
+    enqueue({"type": TYPE, "args": [0, 0]}, app=app)  # kombu declares the queue once
+    before = reads(server)
+    idle = reads(server) - before  # what reading the counter costs
+    before = reads(server)
+    job = enqueue({"type": TYPE, "args": [1, 2]}, app=app)
+    result = app.tasks[TYPE].delay(20, 22)
+    assert reads(server) - before - idle == 2  # one request each, no LPUSH of kombu's own
+    assert sorted(queued(server)) == sorted(stored_ids(server))
+    assert job.id in queued(server) and result.id in queued(server)
+    assert runtime.store.due("dispatch", now=time.time() + 3600, limit=10) == []
+    app.close()
+
+
+def test_a_worker_runs_jobs_written_in_one_step(tmp_path: pathlib.Path) -> None:
+    """A real worker takes the message the script pushed and runs the job once (the shared
+    Redis as broker, result backend and store, as every Redis end-to-end test here)."""
+    with start_env("redis", tmp_path) as env:
+        assert install(env.app).joint_store is not None
+        job = enqueue({"type": "e2e.add", "args": [1, 2]}, app=env.app)
+        result = env.app.tasks["e2e.add"].delay(20, 22)
+        assert env.wait_state(job.id, "completed").result == 3
+        assert env.wait_state(result.id, "completed").result == 42
+        assert result.get(timeout=10) == 42
+        assert env.lines("runs").count(f"add {job.id}") == 1
+
+
+def test_a_store_in_another_redis_database_is_written_apart(server: PrivateRedis) -> None:
+    """Another database (or host name) of the same server is not the broker's keyspace: the
+    record and the message are written apart, as before (the insert's outbox entry cleared
+    once the message is out)."""
+    app = make_app(server.url, server.url.replace("/0", "/1"))
+    runtime = install(app)
+    assert runtime.joint_store is None
+    job = enqueue({"type": TYPE, "args": [1, 2]}, app=app)
+    assert list(queued(server)) == [job.id]
+    runtime.flush()
+    assert runtime.store.due("dispatch", now=time.time() + 3600, limit=10) == []
+    other = make_app(server.url.replace("127.0.0.1", "localhost"), server.url)
+    assert install(other).joint_store is None
+    runtime.store.clear()
+    app.close()
+    other.close()
+
+
+def test_an_error_reply_stores_nothing_and_publishes_nothing(server: PrivateRedis) -> None:
+    """Redis out of memory (``noeviction``): ``enqueue`` raises StoreError naming the
+    refusal; no record, no message, and no ``after_task_publish`` for a message not sent."""
+    app = make_app(server.url)
+    enqueue({"type": TYPE, "args": [0, 0]}, app=app)  # kombu declares the queue
+    before = set(stored_ids(server))
+    server.admin.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(StoreError, match="maxmemory"):
+            enqueue({"type": TYPE, "args": [1, 2]}, app=app)
+        with pytest.raises(StoreError, match="maxmemory"):
+            app.tasks[TYPE].delay(1, 2)
+    finally:
+        server.admin.config_set("maxmemory", 0)
+    assert set(stored_ids(server)) == before
+    assert sorted(queued(server)) == sorted(before)
+    job = enqueue({"type": TYPE, "args": [3, 4]}, app=app)  # and it works again
+    assert job.id in queued(server)
+    app.close()
+
+
+def test_a_queue_key_of_another_type_is_refused_before_any_write(server: PrivateRedis) -> None:
+    """The queue's key holds a string (Redis would refuse kombu's ``LPUSH`` with WRONGTYPE):
+    checked before the record is written, so nothing is stored."""
+    app = make_app(server.url)
+    queue = str(app.conf.task_default_queue)
+    enqueue({"type": TYPE, "args": [0, 0]}, app=app)
+    stored = set(stored_ids(server))
+    for key in [queue, *(key for key in server.admin.keys(queue + "*"))]:
+        server.admin.delete(key)
+        server.admin.set(key, "not a list")
+    with pytest.raises(StoreError, match="WRONGTYPE"):
+        enqueue({"type": TYPE, "args": [1, 2]}, app=app)
+    assert set(stored_ids(server)) == stored
+    app.close()
+
+
+def test_a_lost_reply_after_the_write_leaves_one_job_and_one_message(
+    server: PrivateRedis,
+) -> None:
+    """The script ran but its reply was cut with the connection: sent again, it finds its own
+    record and pushes nothing more; ``enqueue`` returns the job, stored once, queued once."""
+    proxy = CuttingProxy(("127.0.0.1", server.port))
+    url = f"redis://127.0.0.1:{proxy.port}/0"
+    app = make_app(url)
+    try:
+        enqueue({"type": TYPE, "args": [0, 0]}, app=app)
+        proxy.match = b"EVALSHA"
+        proxy.armed.set()
+        job = enqueue({"type": TYPE, "args": [1, 2]}, app=app)
+        assert proxy.cuts == 1 and install(app).joint_store is not None
+        assert queued(server)[job.id] and len(queued(server)[job.id]) == 1
+        assert stored_ids(server).count(job.id) == 1
+        stored = install(app).store.get(job.id)
+        assert stored is not None and stored.state == "available"
+    finally:
+        app.close()
+        proxy.close()
+
+
+def test_other_messages_published_meanwhile_go_through_kombu(server: PrivateRedis) -> None:
+    """A ``before_task_publish`` receiver that publishes another message while the job's is
+    on its way: that one goes through kombu as always, the job's with its record."""
+    app = make_app(server.url)
+    aside = unique("aside")
+
+    def publish_aside(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        if sender == TYPE:
+            app.send_task("plain.elsewhere", args=[headers["id"]], queue=aside)
+
+    before_task_publish.connect(publish_aside, weak=False)
+    try:
+        job = enqueue({"type": TYPE, "args": [1, 2]}, app=app)
+    finally:
+        before_task_publish.disconnect(publish_aside)
+    messages = queued(server)
+    assert job.id in messages and stored_ids(server) == [job.id]
+    assert [key for ids in messages.values() for key in ids if key.startswith(aside)]
+    app.close()
+
+
+def test_kombus_key_prefix_is_kept(server: PrivateRedis) -> None:
+    """``global_keyprefix``: the message lands in the prefixed list a worker reads, the same
+    one kombu puts a plain message of the same queue and priority in."""
+    app = make_app(server.url, broker_transport_options={"global_keyprefix": "pfx:"})
+    queue = str(app.conf.task_default_queue)
+    job = enqueue({"type": TYPE, "args": [1, 2]}, app=app)
+    [key] = queued(server)[job.id]
+    assert key.startswith(f"pfx:{queue}")
+    plain = app.send_task("plain.task", queue=queue, priority=job_priority(app, key, queue))
+    assert queued(server)[plain.id] == [key]
+    app.close()
+
+
+def job_priority(app: Celery, key: str, queue: str) -> int:
+    """The broker priority that kombu's list ``key`` of ``queue`` holds (``q\x06\x16N``)."""
+    rest = key.removeprefix(f"pfx:{queue}")
+    return int(rest[-1]) if rest else 0
+
+
+@pytest.mark.skipif(not hasattr(Queue("x"), "expires"), reason="queues without x-expires")
+def test_a_queue_that_expires_keeps_kombus_own_push(server: PrivateRedis) -> None:
+    """A queue declared with ``x-expires``: kombu renews the lists' expiry with its push, so
+    the message goes its own way and the record is written after it (no outbox entry)."""
+    queue = unique("ttlq")
+    app = make_app(server.url, task_queues=[Queue(queue, expires=60)],
+                   task_default_queue=queue)
+    job = enqueue({"type": TYPE, "args": [1, 2]}, app=app)
+    [key] = queued(server)[job.id]
+    assert server.admin.pttl(key) > 0  # kombu's own push set it
+    stored = install(app).store.get_record(job.id)
+    assert stored is not None and stored.dispatch_due is None
+    app.close()
+
+
+def test_a_message_never_handed_over_leaves_the_job_owed(server: PrivateRedis) -> None:
+    """When the publish fails before kombu's push, the record is written alone with its outbox
+    entry (the sweeper publishes it); when kombu pushed it its own way, without."""
+    app = make_app(server.url)
+    store = install(app).store
+    assert isinstance(store, RedisStore)
+    owed, sent = (JointCreate(store, store.new_record(parse_envelope({"type": TYPE, "args": [n]})))
+                  for n in range(2))
+    owed.finish(published=False)
+    sent.finish(published=True)
+    due = [job_id for job_id, _ in store.due("dispatch", now=time.time() + 3600, limit=10)]
+    assert due == [owed.job_id]
+    assert sorted(stored_ids(server)) == sorted([owed.job_id, sent.job_id])
+    app.close()
+
+
+def test_a_chosen_id_is_checked_in_the_same_step(server: PrivateRedis) -> None:
+    """A client-chosen id: the same envelope again returns the stored job, another envelope
+    with that id raises DuplicateJob; neither pushes a second message."""
+    app = make_app(server.url)
+    job_id = "0193a2b4-0000-7000-8000-000000000001"
+    first = enqueue({"id": job_id, "type": TYPE, "args": [1, 2]}, app=app)
+    again = enqueue({"id": job_id, "type": TYPE, "args": [1, 2]}, app=app)
+    assert again.id == first.id == job_id and again.created_at == first.created_at
+    with pytest.raises(DuplicateJob):
+        enqueue({"id": job_id, "type": TYPE, "args": [3, 4]}, app=app)
+    result = app.tasks[TYPE].apply_async((1, 2), task_id=unique("celery-id-"))
+    assert queued(server) == {job_id: queued(server)[job_id], result.id: queued(server)[result.id]}
+    assert [len(keys) for keys in queued(server).values()] == [1, 1]
+    app.close()
