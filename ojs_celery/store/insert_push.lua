@@ -11,7 +11,7 @@ local kind = redis.call('TYPE', queue)['ok']
 if kind ~= 'none' and kind ~= 'list' then
   return redis.error_reply('WRONGTYPE the queue key ' .. queue .. ' holds a ' .. kind)
 end
-write_record(KEYS[1], 1, '1')
-index_record(2, #KEYS - 2, 1, false)
+write_record(KEYS[1], 1, '1', indexed_field(#KEYS - 2, 1, '1'))
+index_record(2, #KEYS - 2, 1, '')
 redis.call('LPUSH', queue, ARGV[#ARGV])
 return 1

@@ -13,9 +13,31 @@ local function record_arg(name, at)
   end
 end
 
--- HSET the record's data, state and fields (with 'version' when given) into `key`.
-local function write_record(key, at, version)
-  local args = {'data', ARGV[at + 2], 'state', ARGV[at + 3]}
+-- The 'indexed' field of the record from ARGV[at] written as `version`: the version, ':', then
+-- one '1' or '0' per clock (in the order of the clocks' sorted sets) saying whether the id is
+-- in that clock's set. A later write then takes the id out of only the sets that hold it.
+local function indexed_field(clocks, at, version)
+  local mask = {}
+  for i = 1, clocks do
+    mask[i] = ARGV[at + FIRST_DEADLINE + i - 1] ~= '' and '1' or '0'
+  end
+  return version .. ':' .. table.concat(mask)
+end
+
+-- The sets that hold the id of a record whose hash has `version` and `indexed`, as a mask for
+-- index_record; nil (every set) when the field is missing or was not written with that
+-- version (a record last written by an older ojs_celery, which did not keep it).
+local function indexed_mask(version, indexed)
+  if not indexed then return nil end
+  local tag, mask = string.match(indexed, '^(%d+):(%d*)$')
+  if tag ~= version then return nil end
+  return mask
+end
+
+-- HSET the record's data, state, fields and `indexed` (see indexed_field) into `key`, with
+-- 'version' when given.
+local function write_record(key, at, version, indexed)
+  local args = {'data', ARGV[at + 2], 'state', ARGV[at + 3], 'indexed', indexed}
   if version then
     args[#args + 1] = 'version'
     args[#args + 1] = version
@@ -27,15 +49,16 @@ local function write_record(key, at, version)
   redis.call('HSET', key, unpack(args))
 end
 
--- Put the record's id into each clock's sorted set KEYS[first_zset..] scored by its deadline;
--- with `remove`, take it out of the sets of the clocks it has no deadline on.
-local function index_record(first_zset, clocks, at, remove)
+-- Put the record's id into each clock's sorted set KEYS[first_zset..] scored by its deadline,
+-- and take it out of the sets of the clocks it has no deadline on that `was` says hold it
+-- (`was`: the previous mask, see indexed_mask; '' for a new record; nil: every set).
+local function index_record(first_zset, clocks, at, was)
   local id = ARGV[at]
   for i = 0, clocks - 1 do
     local deadline = ARGV[at + FIRST_DEADLINE + i]
     if deadline ~= '' then
       redis.call('ZADD', KEYS[first_zset + i], deadline, id)
-    elseif remove then
+    elseif was == nil or string.sub(was, i + 1, i + 1) == '1' then
       redis.call('ZREM', KEYS[first_zset + i], id)
     end
   end

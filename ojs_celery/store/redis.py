@@ -1,7 +1,9 @@
 """The job store on Redis: one hash per job, one sorted set per clock, one Lua script per write.
 
-Layout (``P`` is the prefix): ``P:job:{id}`` is a hash with ``data`` (the job's JSON), ``state``
-and the fields of :data:`~ojs_celery.store.base.RECORD_FIELDS` (``""`` stands for None);
+Layout (``P`` is the prefix): ``P:job:{id}`` is a hash with ``data`` (the job's JSON), ``state``,
+the fields of :data:`~ojs_celery.store.base.RECORD_FIELDS` (``""`` stands for None) and
+``indexed`` (which clocks' sets hold the id, so that a write takes it out of only those; see
+``record.lua``);
 ``P:due:{clock}`` is a sorted set of job ids scored by that clock's deadline; ``P:worker:{id}``
 is a hash whose ``data`` is the worker's JSON, ``P:workers`` a sorted set of worker ids by last
 beat, and ``P:meta`` a hash. Every write is one ``EVALSHA``, so the hash and the deadline index
