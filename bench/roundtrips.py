@@ -19,8 +19,10 @@ phases, each between a ``CONFIG RESETSTAT`` and a read of ``INFO``:
 
 Printed per job: commands (``INFO commandstats`` calls; a pipeline or script counts each
 command it runs, a script once as EVALSHA), read events (``total_reads_processed``: about one
-per round trip, a pipeline is one) and bytes in and out (``total_net_input_bytes`` /
-``total_net_output_bytes``), with the commands that make them up.
+per round trip, a pipeline is one), bytes in and out (``total_net_input_bytes`` /
+``total_net_output_bytes``) and the server's CPU (``INFO cpu``, user + system; it includes
+the event loop's idle polling, so compare the kinds within one run), with the commands that
+make them up.
 """
 
 from __future__ import annotations
@@ -55,22 +57,31 @@ class Phase:
     reads: int
     bytes_in: int
     bytes_out: int
+    cpu: float = 0.0  # the server's CPU seconds (user + system) in the phase
 
 
-def reset(client: redis.Redis) -> None:
+def server_cpu(client: redis.Redis) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def reset(client: redis.Redis) -> float:
+    """Zero the counters; returns the server's CPU seconds so far (INFO cannot reset them)."""
     client.config_resetstat()
+    return server_cpu(client)
 
 
-def read_phase(client: redis.Redis) -> Phase:
+def read_phase(client: redis.Redis, cpu_before: float) -> Phase:
+    cpu = server_cpu(client) - cpu_before
     stats = client.info("commandstats")
     commands = Counter({name.removeprefix("cmdstat_"): int(value["calls"])
                         for name, value in stats.items()})
     info = client.info("stats")
     # the INFO calls of this read itself are not the job's
-    commands["info"] -= 2
+    commands["info"] -= 4
     commands["config|resetstat"] = 0
-    return Phase(+commands, int(info["total_reads_processed"]) - 2,
-                 int(info["total_net_input_bytes"]), int(info["total_net_output_bytes"]))
+    return Phase(+commands, int(info["total_reads_processed"]) - 4,
+                 int(info["total_net_input_bytes"]), int(info["total_net_output_bytes"]), cpu)
 
 
 def run_kind(kind: str, n: int, url: str, tmp: pathlib.Path) -> tuple[Phase, Phase]:
@@ -82,15 +93,15 @@ def run_kind(kind: str, n: int, url: str, tmp: pathlib.Path) -> tuple[Phase, Pha
         # warm-up outside the counts: connections, script loads, the queue's bindings
         publish_all(app, kind, 5)
         client.delete(queue)
-        reset(client)
+        cpu = reset(client)
         publish_all(app, kind, n)
         if kind == "ojs":
             get_runtime(app).bus.flush()
             get_runtime(app).acks.flush()
-        published = read_phase(client)
+        published = read_phase(client, cpu)
         stamps = tmp / queue
         stamps.mkdir()
-        reset(client)
+        cpu = reset(client)
         with worker_process(config, unique("rtw") + "@bench", tmp / f"{queue}.log",
                             {"OJS_BENCH_STAMPS": str(stamps)}) as process:
             deadline = time.monotonic() + 300
@@ -99,7 +110,7 @@ def run_kind(kind: str, n: int, url: str, tmp: pathlib.Path) -> tuple[Phase, Pha
                     raise RuntimeError(f"worker did not finish: see {tmp / queue}.log")
                 time.sleep(0.2)
             time.sleep(0.5)  # the last acks and the event batch of the last tasks
-            ran = read_phase(client)
+            ran = read_phase(client, cpu)
         return published, ran
     finally:
         runtime = get_runtime(app)
@@ -112,7 +123,8 @@ def describe(phase: Phase, n: int) -> str:
     top = ", ".join(f"{name} {calls / n:.2f}" for name, calls in phase.commands.most_common(8)
                     if calls / n >= 0.01)
     return (f"{sum(phase.commands.values()) / n:5.2f} commands, {phase.reads / n:5.2f} reads, "
-            f"{phase.bytes_in / n:6.0f} B in, {phase.bytes_out / n:6.0f} B out  ({top})")
+            f"{phase.bytes_in / n:6.0f} B in, {phase.bytes_out / n:6.0f} B out, "
+            f"{phase.cpu / n * 1e6:4.0f} us server CPU  ({top})")
 
 
 def main() -> int:
