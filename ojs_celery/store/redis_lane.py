@@ -26,6 +26,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .. import compat
+
 _hiredis_pack: Any
 try:  # redis-py's own choice of packer when hiredis is installed (the ``redis`` extra)
     from hiredis import pack_command as _hiredis_pack
@@ -79,9 +81,9 @@ class Lane:
         connection: Any = None
         try:
             if not own:
-                connection = self._pool.get_connection()
+                connection = compat.pool_connection(self._pool)
             elif self._connection is None:
-                connection = self._connection = self._pool.get_connection()
+                connection = self._connection = compat.pool_connection(self._pool)
             else:
                 connection = self._connection
                 if check:
