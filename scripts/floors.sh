@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Install the lowest version of every dependency that pyproject.toml allows (the floors) in a
-# scratch virtualenv and run the store contract suite (SQLite, PostgreSQL, Redis) plus the
-# tests of what the other floors carry (pydantic: envelope and settings; click: the CLI).
+# scratch virtualenv and run the store contract suite (SQLite, PostgreSQL, Redis), the Redis
+# store's own tests (its lane and scripts, the joint write through kombu's Redis channel) and
+# the tests of what the other floors carry (pydantic: envelope and settings; click: the CLI).
 # Raise a floor in pyproject.toml and here together.
 #
 #   scripts/floors.sh                       # venv under .compat/, kept between runs
 #   FLOORS_TESTS="tests/test_store_contract.py -k redis" scripts/floors.sh
+#   FLOORS_INSTALL_ONLY=1 scripts/floors.sh     # only build the venv (CI does it meanwhile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +21,7 @@ FLOORS=(
     "hiredis==2.1.0"              # the oldest with wheels for Python 3.11
     "psycopg==3.1.4" "psycopg-binary==3.1.4"   # the oldest binary wheels for Python 3.11
 )
-TESTS=${FLOORS_TESTS:-"tests/test_store_contract.py tests/test_compat.py tests/test_envelope.py tests/test_conf.py tests/test_cli.py"}
+TESTS=${FLOORS_TESTS:-"tests/test_store_contract.py tests/test_redis_indexes.py tests/test_joint.py tests/test_compat.py tests/test_envelope.py tests/test_conf.py tests/test_cli.py"}
 PYTHON=${PYTHON:-python3}
 ROOT=${COMPAT_DIR:-.compat}
 venv="$ROOT/venv-floors"
@@ -38,6 +40,7 @@ if [ ! -f "$venv/.installed" ] || [ pyproject.toml -nt "$venv/.installed" ] \
     fi
     touch "$venv/.installed"
 fi
+[ "${FLOORS_INSTALL_ONLY:-}" = 1 ] && exit 0
 installed=$("$venv/bin/python" -c '
 import importlib.metadata as m
 names = ("celery", "kombu", "billiard", "pydantic", "SQLAlchemy", "click", "redis", "hiredis",
