@@ -15,8 +15,8 @@ import redis
 from ojs_celery import lifecycle
 from ojs_celery.envelope import Job
 from ojs_celery.lifecycle import CLOCKS, Policy
-from ojs_celery.store import open_store
-from ojs_celery.store.redis import RedisStore
+from ojs_celery.store import StoreError, open_store
+from ojs_celery.store.redis import CLOCKS_ID, RedisStore
 from tests.services import redis_url
 
 T0 = 1_700_000_000.0
@@ -77,14 +77,14 @@ def test_the_sets_follow_the_record_through_its_life(store: RedisStore) -> None:
         check(store, created.id)
 
 
-@pytest.mark.parametrize("older", ["no field", "stale tag"])
+@pytest.mark.parametrize("older", ["no field", "stale tag", "other clocks"])
 def test_a_record_from_an_older_version_leaves_every_set_it_left(
     store: RedisStore, older: str
 ) -> None:
     """A record written by an ojs_celery that kept no ``indexed`` field (or changed by one after
-    this version wrote it, so that the field's version tag is stale) and whose id is in sets
-    the field does not name: the next write takes the id out of every set it no longer
-    belongs in."""
+    this version wrote it, so that the field's version tag is stale; or written by a release
+    with another list of clocks) and whose id is in sets the field does not name: the next
+    write takes the id out of every set it no longer belongs in."""
     job = Job.model_validate({"type": "t.x", "args": []})
     store.create(job, now=T0)
     key = f"{store.prefix}:job:{job.id}"
@@ -93,7 +93,36 @@ def test_a_record_from_an_older_version_leaves_every_set_it_left(
         client.zadd(f"{store.prefix}:due:{clock}", {job.id: T0})
     if older == "no field":
         client.hdel(key, "indexed")
-    else:  # written at version 0 by this version, then changed by an older one (version 1)
-        client.hset(key, "indexed", "0:" + "0" * len(CLOCKS))
+    elif older == "stale tag":  # written at version 0, then changed by an older ojs_celery
+        client.hset(key, "indexed", f"0:{CLOCKS_ID}:" + "0" * len(CLOCKS))
+    else:  # at this version, by a release with another list of clocks
+        client.hset(key, "indexed", "1:0badc0de:" + "0" * len(CLOCKS))
     assert store.start(job.id, 1, "w1", now=T0 + 1).applied
     check(store, job.id)
+
+
+def test_a_write_cut_half_way_leaves_the_record_as_it_was(store: RedisStore) -> None:
+    """An index key of the wrong type (a corrupted keyspace; an ACL refusing it does the same)
+    makes a write fail after it began: the job's hash, written last, is not, so the insert is
+    not taken for done (its origin is not there) and a compare-and-set leaves the record as it
+    was; once the key is mended, both go through."""
+    client: redis.Redis = store.client
+    broken = f"{store.prefix}:due:retention"
+    job = Job.model_validate({"type": "t.x", "args": []})
+    store.create(job, now=T0)
+    assert store.start(job.id, 1, "w1", now=T0 + 1).applied
+    client.set(broken, "not a sorted set")
+    before = store.get_record(job.id)
+    with pytest.raises(StoreError, match="WRONGTYPE"):
+        store.complete(job.id, 1, "w1", "done", now=T0 + 2)  # indexes retention on the way
+    assert store.get_record(job.id) == before
+    other = Job.model_validate({"type": "t.x", "args": [], "retry": RETRY})
+    client.set(f"{store.prefix}:due:redispatch", "not a sorted set")
+    with pytest.raises(StoreError, match="WRONGTYPE"):
+        store.create(other, now=T0)
+    assert store.get_record(other.id) is None
+    client.delete(broken, f"{store.prefix}:due:redispatch")
+    assert store.complete(job.id, 1, "w1", "done", now=T0 + 2).applied
+    store.create(other, now=T0)
+    check(store, job.id)
+    check(store, other.id)

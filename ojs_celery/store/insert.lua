@@ -3,6 +3,6 @@
 -- after its reply was lost finds its own origin), 0 if another job has the id.
 local found = earlier_insert()
 if found then return found end
-write_record(KEYS[1], 1, '1', indexed_field(#KEYS - 1, 1, '1'))
 index_record(2, #KEYS - 1, 1, '')
+write_record(KEYS[1], 1, '1', indexed_field(#KEYS - 1, 1, '1'))
 return 1

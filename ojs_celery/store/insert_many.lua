@@ -9,7 +9,7 @@ for j = 1, #KEYS - clocks do
 end
 for j = 1, #KEYS - clocks do
   local at = 2 + (j - 1) * size
-  write_record(KEYS[clocks + j], at, '1', indexed_field(clocks, at, '1'))
   index_record(1, clocks, at, '')
+  write_record(KEYS[clocks + j], at, '1', indexed_field(clocks, at, '1'))
 end
 return false

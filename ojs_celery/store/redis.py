@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import zlib
 from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
@@ -72,13 +73,19 @@ def script(name: str) -> str:
 @functools.cache
 def _record_prelude() -> str:
     """``record.lua``, after checking that its field list is the one :meth:`RedisStore._args`
-    writes (one list in Python, one in Lua: they must not drift apart)."""
+    writes (one list in Python, one in Lua: they must not drift apart), with the clocks'
+    fingerprint in front (``CLOCKS_ID``: a record's ``indexed`` mask is read by position, so a
+    mask written for another list of clocks is not trusted)."""
     text = _lua("record")
     found = re.search(r"local RECORD_FIELDS = \{([^}]*)\}", text)
     fields = tuple(re.findall(r"'(\w+)'", found.group(1))) if found else ()
     if fields != _FIELDS:
         raise RuntimeError(f"record.lua lists the fields {fields}, the store writes {_FIELDS}")
-    return text
+    return f"local CLOCKS_ID = '{CLOCKS_ID}'\n{text}"
+
+
+#: The list of clocks whose sorted sets the scripts index, as a short word (see record.lua).
+CLOCKS_ID = format(zlib.crc32(",".join(CLOCKS).encode()), "08x")
 
 
 #: Every error of Redis or of redis-py: a lost connection, and every error reply (``OOM`` under
