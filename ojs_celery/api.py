@@ -241,17 +241,21 @@ def _create_joint(runtime: Runtime, store: RedisStore, job: Job) -> Job:
     assert transition.record is not None
     joint = JointCreate(store, transition)
     unpublished: Exception | None = None
+    acks: list[tuple[str, int]] = []  # owed only if the record was written before kombu's push
     if transition.publish is not None:
         with joint:
-            try:  # no outbox acknowledgement: the record is written without an entry
+            try:
                 publish(runtime, transition.record.job, transition.publish,
-                        record=transition.record, acks=[])
+                        record=transition.record, acks=acks)
             except Exception as exc:
-                if joint.taken and not joint.done:
-                    raise  # the script's own error: nothing written, nothing pushed
-                if not joint.done:
+                if joint.attempted and joint.written is None:
+                    raise  # the record's write failed: nothing written, nothing pushed
+                if joint.written != "joint":  # the script did both: what failed after is moot
                     unpublished = exc
     joint.finish(published=unpublished is None)
+    if joint.written == "first" and unpublished is None:
+        for job_id, token in acks:
+            runtime.acks.ack(job_id, token)
     runtime.emit(transition)
     if unpublished is not None:
         log_unpublished(job.id, unpublished)

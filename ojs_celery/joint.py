@@ -8,8 +8,9 @@ outbox entry, since its message goes in the same step) and the message. Celery's
 runs as it always does (routing, serializers, compression, ``before_task_publish`` and
 ``after_task_publish``); only its last step, kombu's Redis ``Channel._put``, hands the message
 it was about to push to the store, and only for the message of the job being created in this
-thread. Everything else (other messages, kombu's publish batches, queues with ``x-expires``,
-another broker) goes through kombu unchanged.
+thread. Everything else (other messages, another broker) goes through kombu unchanged; the
+job's own message on a queue with ``x-expires`` or in a kombu publish batch is pushed by kombu
+after its record is written (with its outbox entry, as without the joint write).
 
 If the message never reaches ``_put`` (the publish failed before it), the record is written
 alone afterwards with its outbox entry, as for any job whose message is owed.
@@ -25,7 +26,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
 from .lifecycle import Transition, deadlines
-from .store import DuplicateJob, JobStore
+from .store import DuplicateJob, JobStore, StoreError
 from .store.redis import RedisStore
 
 __all__ = ["JointCreate", "install_put", "joint_store"]
@@ -35,7 +36,12 @@ _pending: ContextVar[JointCreate | None] = ContextVar("ojs_celery_joint_create",
 
 class JointCreate:
     """A new job whose record and message are written together: enter it around the
-    publish of the job's message, then :meth:`finish`."""
+    publish of the job's message, then :meth:`finish`.
+
+    kombu's ``_put`` calls :meth:`push` for the job's message, or :meth:`store_first` when it
+    must push it its own way (a queue with ``x-expires``, whose expiry kombu renews with the
+    push; a publish batch): then the record is written first, with its outbox entry, and the
+    message follows as before. Either way nothing is pushed for an id that is taken."""
 
     def __init__(self, store: RedisStore, transition: Transition) -> None:
         assert transition.record is not None
@@ -48,8 +54,12 @@ class JointCreate:
         self.record.dispatch_due = None  # the message goes in the record's own write
         self.record.version = 1  # what it is once written (the message carries the snapshot)
         self._deadlines = deadlines(self.record, store.policy)
-        self.taken = False  # kombu handed the message over: the outcome is that of the script
-        self.done = False  # the script wrote the record and pushed the message
+        #: ``_put`` began writing the record: its outcome is the write's, raised through the
+        #: publish if it failed.
+        self.attempted = False
+        #: The record is written: by the script with the message (``"joint"``), or alone with
+        #: its outbox entry before kombu's push (``"first"``).
+        self.written: str | None = None
         self._token: Any = None
 
     def __enter__(self) -> JointCreate:
@@ -60,23 +70,38 @@ class JointCreate:
         _pending.reset(self._token)
 
     def push(self, queue_key: str, message: str) -> None:
-        """Write the record and push ``message`` (called by kombu's ``_put``)."""
-        self.taken = True
+        """Write the record and push ``message`` in one script (sent again as it is if kombu
+        retries the publish: the script finds its own record and pushes nothing more)."""
+        self.attempted = True
         if not self.store.insert_pushing(self.record, self._deadlines, queue_key, message):
             raise DuplicateJob(self.job_id)
-        self.done = True
+        self.written = "joint"
 
-    def finish(self, published: bool) -> None:
-        """After the publish: nothing to do if the script ran (its error, if any, was raised
-        through the publish). Otherwise write the record alone, with its outbox entry unless
-        kombu ``published`` the message its own way. Raises as :meth:`JobStore.create` does."""
-        if self.taken:
-            return
-        if not published:
-            self.record.dispatch_due = self._owed
-            self._deadlines = deadlines(self.record, self.store.policy)
+    def store_first(self) -> None:
+        """Write the record alone, owing its message, before kombu pushes it."""
+        self.attempted = True
+        self._owe()
         if not self.store.insert_new(self.record, self._deadlines):
             raise DuplicateJob(self.job_id)
+        self.written = "first"
+
+    def finish(self, published: bool) -> None:
+        """After the publish, when ``_put`` wrote nothing (it was never reached, or the message
+        was not this job's to kombu: Celery's task protocol 1): write the record alone, with
+        its outbox entry unless the message was ``published``. Raises as
+        :meth:`JobStore.create` does."""
+        if self.attempted:
+            if self.written is None:  # its error was raised through the publish
+                raise StoreError(f"job {self.job_id}: the write of its record did not finish")
+            return
+        if not published:
+            self._owe()
+        if not self.store.insert_new(self.record, self._deadlines):
+            raise DuplicateJob(self.job_id)
+
+    def _owe(self) -> None:
+        self.record.dispatch_due = self._owed
+        self._deadlines = deadlines(self.record, self.store.policy)
 
 
 def joint_store(store: JobStore, broker: Connection) -> RedisStore | None:
@@ -110,9 +135,14 @@ def install_put() -> None:
 
     def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         joint = _pending.get()
-        if (joint is None or joint.taken or kwargs.get("_publish_batch") is not None
-                or (getattr(self, "_expires", None) and queue in self._expires)
+        if (joint is None or joint.written is not None
                 or (message.get("headers") or {}).get("id") != joint.job_id):
+            # not the job's message, or the record is written (another queue of a fanout
+            # exchange; kombu's retry of its own push after store_first): kombu's push
+            return original(self, queue, message, **kwargs)  # type: ignore[no-any-return]
+        if (kwargs.get("_publish_batch") is not None
+                or (getattr(self, "_expires", None) and queue in self._expires)):
+            joint.store_first()
             return original(self, queue, message, **kwargs)  # type: ignore[no-any-return]
         key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
         payload = dumps(message)  # type: ignore[no-untyped-call]

@@ -115,7 +115,9 @@ class Runtime:
         if not self._joint_known:
             store = self.store
             found: RedisStore | None = None
-            if self.broker_driver == "redis":  # so kombu's Redis transport and redis-py import
+            # a Redis broker (so kombu's Redis transport and redis-py import), and Celery's
+            # message protocol 2, whose headers name the task id that kombu's _put looks for
+            if self.broker_driver == "redis" and int(self.app.conf.task_protocol) == 2:
                 from .joint import install_put, joint_store
 
                 with self.app.connection_for_write() as connection:

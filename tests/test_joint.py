@@ -122,6 +122,21 @@ def test_a_store_in_another_redis_database_is_written_apart(server: PrivateRedis
     other.close()
 
 
+def test_celerys_protocol_1_is_written_apart(server: PrivateRedis) -> None:
+    """Celery's message protocol 1 keeps the task id in the body, where kombu's ``_put``
+    cannot see it: the record and the message are written apart, and a taken id still
+    publishes nothing."""
+    app = make_app(server.url, task_protocol=1)
+    assert install(app).joint_store is None
+    chosen = "0193a2b4-0000-7000-8000-000000000003"
+    job = enqueue({"id": chosen, "type": TYPE, "args": [1, 2]}, app=app)
+    with pytest.raises(DuplicateJob):
+        enqueue({"id": chosen, "type": TYPE, "args": [3, 4]}, app=app)
+    assert stored_ids(server) == [job.id]
+    assert sum(server.admin.llen(key) for key in server.admin.keys("jq*")) == 1
+    app.close()
+
+
 def test_an_error_reply_stores_nothing_and_publishes_nothing(server: PrivateRedis) -> None:
     """Redis out of memory (``noeviction``): ``enqueue`` raises StoreError naming the
     refusal; no record, no message, and no ``after_task_publish`` for a message not sent."""
@@ -226,15 +241,25 @@ def job_priority(app: Celery, key: str, queue: str) -> int:
                     reason="kombu's Redis transport honours x-expires from 5.7 on")
 def test_a_queue_that_expires_keeps_kombus_own_push(server: PrivateRedis) -> None:
     """A queue declared with ``x-expires``: kombu renews the lists' expiry with its push, so
-    the message goes its own way and the record is written after it (no outbox entry)."""
+    the message goes its own way, after its record (written first, with its outbox entry,
+    cleared once the message is out). A client-chosen id that is taken pushes nothing."""
     queue = unique("ttlq")
     app = make_app(server.url, task_queues=[Queue(queue, expires=60)],
                    task_default_queue=queue)
+    runtime = install(app)
     job = enqueue({"type": TYPE, "args": [1, 2]}, app=app)
     [key] = queued(server)[job.id]
     assert server.admin.pttl(key) > 0  # kombu's own push set it
-    stored = install(app).store.get_record(job.id)
+    runtime.flush()
+    stored = runtime.store.get_record(job.id)
     assert stored is not None and stored.dispatch_due is None
+    assert runtime.store.due("dispatch", now=time.time() + 3600, limit=10) == []
+    chosen = "0193a2b4-0000-7000-8000-000000000002"
+    enqueue({"id": chosen, "type": TYPE, "args": [1, 2]}, app=app)
+    with pytest.raises(DuplicateJob):
+        enqueue({"id": chosen, "type": TYPE, "args": [3, 4]}, app=app)
+    assert sorted(queued(server)) == sorted([job.id, chosen])
+    assert len(server.admin.lrange(key, 0, -1)) == 2
     app.close()
 
 
