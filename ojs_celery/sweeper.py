@@ -150,6 +150,13 @@ def _enforce(
         raise
     except Exception:  # one job spoils the batch: go job by job to find it
         results = [None] * len(job_ids)
+    missing = [job_id for job_id, done in zip(job_ids, results, strict=True)
+               if done is not None and done.reason == "unknown_job"]
+    if missing:  # index entries a write that failed half way left behind
+        forgotten = store.forget_missing(clock, missing)
+        if forgotten:
+            logger.warning("ojs_celery: sweep took %d id(s) of jobs that do not exist out of "
+                           "the %s index", forgotten, clock)
     failure: StoreError | BrokerUnavailable | None = None
     for job_id, done in zip(job_ids, results, strict=True):
         if done is None:  # lost a race, or the batch failed: decide again on fresh data

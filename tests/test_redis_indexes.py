@@ -6,18 +6,22 @@ every set, as before."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
+from celery import Celery
 
-from ojs_celery import lifecycle
+from ojs_celery import install, lifecycle
 from ojs_celery.envelope import Job
 from ojs_celery.lifecycle import CLOCKS, Policy
 from ojs_celery.store import StoreError, open_store
 from ojs_celery.store.redis import CLOCKS_ID, RedisStore
+from ojs_celery.sweeper import sweep
 from tests.services import redis_url
+from tests.workers import unique
 
 T0 = 1_700_000_000.0
 POLICY = Policy(dispatch_grace=30.0)
@@ -126,3 +130,28 @@ def test_a_write_cut_half_way_leaves_the_record_as_it_was(store: RedisStore) -> 
     store.create(other, now=T0)
     check(store, job.id)
     check(store, other.id)
+
+
+def test_the_sweeper_takes_out_index_entries_a_failed_write_left(store: RedisStore) -> None:
+    """A create cut half way leaves the index entries it wrote before the error (the hash is
+    written last): the next sweep pass finds no record for them and takes them out, so that
+    they never fill a pass's batch."""
+    client: redis.Redis = store.client
+    broken = f"{store.prefix}:due:redispatch"
+    client.set(broken, "not a sorted set")
+    job = Job.model_validate({"type": "t.x", "args": []})
+    with pytest.raises(StoreError, match="WRONGTYPE"):
+        store.create(job)
+    client.delete(broken)
+    assert store.get_record(job.id) is None
+    assert indexed_in(store, job.id)  # what the script wrote before the refused ZADD
+    app = Celery(unique("sweep"), broker="memory://", set_as_current=False)
+    app.conf.ojs = {"store_url": redis_url(), "store_prefix": store.prefix, "events": False}
+    runtime = install(app)
+    try:
+        report = sweep(runtime, now=time.time() + 7 * 86400)
+        assert report.error is None
+    finally:
+        runtime.close()
+        app.close()
+    assert indexed_in(store, job.id) == set()

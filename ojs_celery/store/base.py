@@ -211,6 +211,13 @@ class JobStore(ABC):
         """:meth:`_ack_dispatch` for each ``(job id, token)``."""
         return [self._ack_dispatch(job_id, token) for job_id, token in acks]
 
+    def forget_missing(self, clock: str, job_ids: Sequence[str]) -> int:
+        """Take out of ``clock``'s index the ids among ``job_ids`` that have no record (a write
+        that failed half way can leave such entries where indexes are kept apart from the
+        records, as on Redis); returns how many. Default: none to take out (SQL indexes are
+        the records' own columns)."""
+        return 0
+
     def _delete_many(self, deletes: Sequence[tuple[str, int]]) -> list[bool]:
         """:meth:`_delete` for each ``(job id, expected version)``: a pass prunes up to its
         batch at once."""
@@ -557,12 +564,16 @@ class JobStore(ABC):
         at = time.time() if now is None else now
         due = [job_id for job_id, _ in self.due("retention", at, limit)]
         expired: list[tuple[str, int]] = []
+        missing: list[str] = []
         for job_id, record in zip(due, self.get_records(due), strict=True):
             if record is None:
+                missing.append(job_id)
                 continue
             deadline = self._deadlines(record)["retention"]
             if deadline is not None and deadline <= at:
                 expired.append((job_id, record.version))
+        if missing:
+            self.forget_missing("retention", missing)
         return sum(self._delete_many(expired)) if expired else 0
 
 

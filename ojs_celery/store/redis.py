@@ -153,6 +153,7 @@ class RedisStore(JobStore):
         self._cas_script = self.client.register_script(script("cas"))
         self._ack_script = self.client.register_script(script("ack_dispatch"))
         self._delete_script = self.client.register_script(script("delete"))
+        self._forget_script = self.client.register_script(script("forget"))
         self._lane = Lane(self.client)
         self.workers = RedisWorkerRegistry(self.client, prefix)
         self.meta = RedisMetaArea(self.client, prefix)
@@ -337,6 +338,13 @@ class RedisStore(JobStore):
     def _delete_many(self, deletes: Sequence[tuple[str, int]]) -> list[bool]:
         calls = [(self._job_keys(job_id), [job_id, str(expected)]) for job_id, expected in deletes]
         return [bool(done) for done in self._evalsha_many(self._delete_script, calls)]
+
+    @_wrap_errors
+    def forget_missing(self, clock: str, job_ids: Sequence[str]) -> int:
+        if not job_ids:
+            return 0
+        keys = [self._due_keys[clock], *(self._job_prefix + job_id for job_id in job_ids)]
+        return int(self._forget_script(keys, list(job_ids)))
 
     # ------------------------------------------------------------------ admin
 
