@@ -46,7 +46,6 @@ class JointCreate:
     def __init__(self, store: RedisStore, transition: Transition) -> None:
         assert transition.record is not None
         self.store = store
-        self.transition = transition
         self.record = transition.record
         self.job_id = self.record.job.id
         #: The outbox deadline the record gets if its message has to be owed after all.

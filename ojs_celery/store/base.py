@@ -258,13 +258,7 @@ class JobStore(ABC):
         record.version = 1  # what it is once written (a message may carry it before confirm)
 
         def confirm() -> None:
-            try:
-                inserted = written()
-            except StoreUncertain:
-                raise
-            except StoreError:
-                inserted = self._settle_insert(record, deadlines)
-            if not inserted:
+            if not self._insert_settled(record, deadlines, written):
                 raise DuplicateJob(job.id)
 
         return transition, confirm
@@ -280,12 +274,21 @@ class JobStore(ABC):
     def insert_new(self, record: Record, deadlines: dict[str, float | None]) -> bool:
         """Write a record that :meth:`new_record` built: False if another job has the id.
         A lost reply is settled as :meth:`begin_create` settles it."""
+        return self._insert_settled(record, deadlines, lambda: self._insert(record, deadlines))
+
+    def _insert_settled(
+        self, record: Record, deadlines: dict[str, float | None], attempt: Callable[[], bool],
+        again: Callable[[], bool] | None = None,
+    ) -> bool:
+        """``attempt()`` of an insert, or, when it fails with :class:`StoreError` (a lost reply
+        or an error reply), whether the insert was done after all: :meth:`_settle_insert`,
+        which sends ``again`` (default :meth:`_insert`) if the record is not there."""
         try:
-            return self._insert(record, deadlines)
+            return attempt()
         except StoreUncertain:
             raise
         except StoreError:
-            return self._settle_insert(record, deadlines)
+            return self._settle_insert(record, deadlines, again)
 
     def create_many(self, jobs: Sequence[Job], now: float | None = None) -> list[Transition]:
         """Store new jobs, each with its outbox entry, in one atomic step: all of them or none.

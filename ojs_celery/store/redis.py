@@ -33,8 +33,6 @@ from .base import (
     RECORD_FIELDS,
     JobStore,
     NewRow,
-    StoreError,
-    StoreUncertain,
     Write,
     decode_job,
     encode_job,
@@ -237,12 +235,7 @@ class RedisStore(JobStore):
                 done = self._insert_push_script(keys, args)
             return bool(done)
 
-        try:
-            return insert()
-        except StoreUncertain:
-            raise
-        except StoreError:
-            return self._settle_insert(record, deadlines, insert)
+        return self._insert_settled(record, deadlines, insert, insert)
 
     @_wrap_errors
     def _insert_many(self, rows: Sequence[NewRow]) -> str | None:
