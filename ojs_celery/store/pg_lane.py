@@ -21,16 +21,14 @@ checks out its own.
 
 from __future__ import annotations
 
-import os
 import select
-import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from psycopg import pq
 
 from .base import StoreError
+from .sql_lane import DetachedLane
 
 __all__ = ["PgLane", "text_param"]
 
@@ -46,27 +44,16 @@ def text_param(value: Any) -> bytes | None:
     return str(value).encode()
 
 
-class PgLane:
+class PgLane(DetachedLane):
     """Prepared writes on one connection of this process (see the module docstring)."""
 
     def __init__(self, connect: Callable[[], Any], statements: dict[str, str]) -> None:
         """``connect``: a new DBAPI connection checked out of the store's pool (SQLAlchemy's
         ``engine.raw_connection()``); ``statements``: each prepared statement's name (unique
         to the store) and text, with ``$n`` parameters."""
-        self._connect = connect
+        super().__init__(connect)
         self._statements = {name.encode(): text.encode() for name, text in statements.items()}
-        self._lock = threading.Lock()
-        self._raw: Any = None  # the psycopg connection
         self._pipelines = True  # False once libpq said it has no pipeline mode
-        ref = weakref.ref(self)
-
-        def forget_parent() -> None:
-            lane = ref()
-            if lane is not None:
-                lane._lock = threading.Lock()
-                lane._raw = None  # the parent's socket: never used, never closed here
-
-        os.register_at_fork(after_in_child=forget_parent)
 
     def send(self, name: str, values: Sequence[Any]) -> Callable[[], int] | None:
         """Send statement ``name`` with ``values`` (in its parameter order); return the
@@ -143,16 +130,6 @@ class PgLane:
             raise StoreError(f"job store error: unexpected end of a batch ({synced})")
         pgconn.exit_pipeline_mode()
 
-    def close(self) -> None:
-        """Close the connection (this process's only)."""
-        with self._lock:
-            raw, self._raw = self._raw, None
-            if raw is not None:
-                try:
-                    raw.close()
-                except Exception:  # closing a broken connection: nothing left to release
-                    pass
-
     def _pgconn(self) -> Any:
         if self._raw is not None:
             pgconn = self._raw.pgconn
@@ -161,9 +138,7 @@ class PgLane:
                     not _readable(pgconn.socket):
                 return pgconn
             self._drop()  # something arrived unasked: the server ended the session (or worse)
-        pooled = self._connect()
-        connection = pooled.driver_connection
-        pooled.detach()  # the lane's own from now on: the pool neither counts nor reuses it
+        connection = self._detached()
         try:
             pgconn = connection.pgconn
             for name, statement in self._statements.items():
@@ -197,14 +172,6 @@ class PgLane:
         if error is not None or rows is None:
             raise StoreError(f"job store error: {error or 'no reply to a write'}")
         return rows
-
-    def _drop(self) -> None:
-        raw, self._raw = self._raw, None
-        if raw is not None:
-            try:
-                raw.close()
-            except Exception:  # a connection that is gone cannot be closed twice
-                pass
 
 
 def _flush(pgconn: Any) -> None:

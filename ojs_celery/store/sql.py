@@ -14,6 +14,10 @@ The batch primitives are the exception: one ``SELECT ... WHERE id IN (...)`` for
 and many compare-and-set statements on one connection in one transaction (rows in id order, so
 two batches never deadlock), which commits once instead of once per statement. A batch of new
 jobs is inserted in one transaction too, and a duplicate id rolls all of it back.
+
+The hot writes (the insert, every compare-and-set) skip SQLAlchemy's layers through a lane of
+the driver's own (:mod:`.sql_lane` on a SQLite file, :mod:`.pg_lane` on PostgreSQL): the same
+statements, on one connection kept aside per process.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from .base import (
     store_errors,
 )
 from .meta import MetaArea
+from .sql_lane import SqliteLane
 from .workers import WorkerInfo, WorkerRegistry
 
 if TYPE_CHECKING:
@@ -262,33 +267,43 @@ class SQLStore(JobStore):
                 .limit(sa.bindparam("k_limit", type_=sa.Integer))
             )
 
-    def _build_lane(self) -> PgLane | None:
-        """The hot writes' fast lane (:mod:`.pg_lane`) on PostgreSQL with psycopg 3, else
-        None: the insert (``ON CONFLICT DO NOTHING``, as :attr:`_insert_job`) and the
-        compare-and-set (as :attr:`_update_job`)."""
-        if self.url.drivername != "postgresql+psycopg":
+    def _build_lane(self) -> PgLane | SqliteLane | None:
+        """The hot writes' fast lane (:mod:`.sql_lane`) on PostgreSQL with psycopg 3 and on a
+        SQLite file, else None: the insert (``ON CONFLICT DO NOTHING``, as
+        :attr:`_insert_job`) and the compare-and-set (as :attr:`_update_job`)."""
+        if self._shared_connection:  # one connection for all: none to keep aside
             return None
-        from .pg_lane import PgLane
-
+        if not self._sqlite and self.url.drivername != "postgresql+psycopg":
+            return None
         jobs = self.job_table
-        preparer = pg_dialect.dialect().identifier_preparer  # type: ignore[no-untyped-call]
+        dialect: Any = sqlite_dialect if self._sqlite else pg_dialect
+        preparer = dialect.dialect().identifier_preparer
+        mark = "?" if self._sqlite else "$"
+
+        def slot(n: int) -> str:
+            return f"{mark}{n}"
+
         table = preparer.format_table(jobs)
         self._insert_columns = tuple(column.name for column in jobs.columns)
         names = ", ".join(preparer.quote(name) for name in self._insert_columns)
-        slots = ", ".join(f"${n}" for n in range(1, len(self._insert_columns) + 1))
+        slots = ", ".join(slot(n) for n in range(1, len(self._insert_columns) + 1))
         insert = (f"INSERT INTO {table} ({names}) VALUES ({slots}) "
                   f"ON CONFLICT ({preparer.quote('id')}) DO NOTHING")
         self._cas_columns = tuple(name for name in self._insert_columns if name != "id")
-        sets = ", ".join(f"{preparer.quote(name)} = ${n}"
+        sets = ", ".join(f"{preparer.quote(name)} = {slot(n)}"
                          for n, name in enumerate(self._cas_columns, start=1))
         at = len(self._cas_columns)
-        cas = (f"UPDATE {table} SET {sets} WHERE {preparer.quote('id')} = ${at + 1} "
-               f"AND {preparer.quote('version')} = ${at + 2} AND {preparer.quote('nonce')} = "
-               f"${at + 3}")
+        cas = (f"UPDATE {table} SET {sets} WHERE {preparer.quote('id')} = {slot(at + 1)} "
+               f"AND {preparer.quote('version')} = {slot(at + 2)} AND "
+               f"{preparer.quote('nonce')} = {slot(at + 3)}")
         self._lane_insert = f"ojs_celery_insert_{self.prefix}"
         self._lane_cas = f"ojs_celery_cas_{self.prefix}"
-        return PgLane(lambda: self.engine.raw_connection(),
-                      {self._lane_insert: insert, self._lane_cas: cas})
+        statements = {self._lane_insert: insert, self._lane_cas: cas}
+        if self._sqlite:
+            return SqliteLane(lambda: self.engine.raw_connection(), statements)
+        from .pg_lane import PgLane
+
+        return PgLane(lambda: self.engine.raw_connection(), statements)
 
     @property
     def engine(self) -> Engine:
@@ -428,11 +443,13 @@ class SQLStore(JobStore):
         except sa_exc.IntegrityError:
             return False
 
+    @_wrap_errors
     def _insert_begin(
         self, record: Record, deadlines: dict[str, float | None]
     ) -> Callable[[], bool]:
-        """On PostgreSQL, send the insert through the lane now and read its reply when asked
-        (the commit overlaps the caller's publish); elsewhere, insert at once."""
+        """Send the insert through the lane now and read its reply when asked (on PostgreSQL
+        the commit overlaps the caller's publish; on SQLite it is done already); without the
+        lane, insert at once."""
         answer = None
         if self._lane is not None:
             values = self._values(record, deadlines)

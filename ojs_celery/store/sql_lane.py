@@ -1,0 +1,127 @@
+"""The SQL store's fast lanes for its hot writes (the insert, every compare-and-set): what
+PostgreSQL's (:mod:`.pg_lane`) and SQLite's share, and SQLite's.
+
+A write through SQLAlchemy spends more CPU in its layers (a pool checkout and return, the
+compiled statement cache, parameter and result processing) than in the driver: on SQLite,
+about twice the statement itself. A worker pays that twice per job (the start and the
+outcome), a producer once. A lane keeps one driver connection per process aside (made by the
+store's pool, so with the settings the pool applies on connect: on SQLite driver autocommit,
+WAL, the busy timeout; then detached from it) and sends each hot write to the driver directly.
+
+A lane never changes what a write does, only how it travels. A thread that finds the lane
+taken takes the ordinary path. A forked child forgets its parent's connection (never using or
+closing it) and makes its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["DetachedLane", "SqliteLane"]
+
+
+class DetachedLane:
+    """One driver connection of this process, kept aside from the store's pool and used by
+    one thread at a time (see the module docstring)."""
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        """``connect``: a new DBAPI connection checked out of the store's pool (SQLAlchemy's
+        ``engine.raw_connection()``)."""
+        self._connect = connect
+        self._lock = threading.Lock()
+        self._raw: Any = None  # the driver's connection
+        ref = weakref.ref(self)
+
+        def forget_parent() -> None:
+            lane = ref()
+            if lane is not None:
+                lane._lock = threading.Lock()
+                lane._raw = None  # the parent's: never used, never closed here
+
+        os.register_at_fork(after_in_child=forget_parent)
+
+    def _detached(self) -> Any:
+        """A new driver connection from the pool, the lane's own from now on (the pool
+        neither counts nor reuses it)."""
+        pooled = self._connect()
+        connection = pooled.driver_connection
+        pooled.detach()
+        return connection
+
+    def close(self) -> None:
+        """Close the connection (this process's only)."""
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            try:
+                raw.close()
+            except Exception:  # a broken connection: nothing left to release
+                pass
+
+
+class SqliteLane(DetachedLane):
+    """The SQLite store's hot writes on a ``sqlite3`` connection of this process.
+
+    SQLite has no round trip to overlap: :meth:`send` runs the statement at once and returns
+    its answer, so that the store calls both lanes alike. An error of the database (locked past
+    the busy timeout, disk full, read-only) is raised as ``sqlite3`` raises it, for the store's
+    own wrapper to turn into :class:`~.base.StoreError`; the connection is then made again."""
+
+    def __init__(self, connect: Callable[[], Any], statements: dict[str, str]) -> None:
+        """``statements``: each statement's name and text, with ``?`` parameters."""
+        super().__init__(connect)
+        self._statements = statements
+
+    def send(self, name: str, values: Sequence[Any]) -> Callable[[], int] | None:
+        """Run statement ``name`` with ``values``; return the function that gives the number
+        of rows it wrote. None: the lane is taken, take the ordinary path."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            rows = int(self._run(lambda c: c.execute(self._statements[name], values).rowcount))
+        finally:
+            self._lock.release()
+        return lambda: rows
+
+    def send_many(self, name: str, rows: Sequence[Sequence[Any]]) -> Callable[[], list[int]] | None:
+        """Run statement ``name`` once per row of values in one transaction (all or none);
+        return the function that gives each one's row count. None: take the ordinary path."""
+        if not rows or not self._lock.acquire(blocking=False):
+            return None
+        statement = self._statements[name]
+
+        def run(connection: sqlite3.Connection) -> list[int]:
+            connection.execute("BEGIN IMMEDIATE")  # the write lock up front, as the store does
+            try:
+                counts = [connection.execute(statement, values).rowcount for values in rows]
+                connection.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    connection.execute("ROLLBACK")
+                raise
+            return counts
+
+        try:
+            counts = self._run(run)
+        finally:
+            self._lock.release()
+        return lambda: counts
+
+    def _run(self, work: Callable[[sqlite3.Connection], Any]) -> Any:
+        """``work`` on the lane's connection (made on first use); an error drops it."""
+        if self._raw is None:
+            self._raw = self._detached()
+        try:
+            return work(self._raw)
+        except sqlite3.Error:
+            self._drop()
+            raise
