@@ -45,7 +45,7 @@ from typing import Any
 from kombu.utils.imports import symbol_by_name
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent
-PAIRS = ("redis-redis", "redis-pg", "amqp-redis", "amqp-pg")
+PAIRS = ("redis-redis", "redis-pg", "amqp-redis", "amqp-pg", "embedded")
 
 
 def measured(kind: str, pair: str, run: str, queue: str, n: int, mode: str,

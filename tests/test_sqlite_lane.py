@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from ojs_celery import lifecycle
 from ojs_celery.envelope import Job
@@ -21,6 +22,7 @@ from ojs_celery.store import DuplicateJob, StoreError, open_store
 from ojs_celery.store import sql as sql_store
 from ojs_celery.store.sql import SQLStore
 from ojs_celery.store.sql_lane import SqliteLane
+from ojs_celery.store.sql_lane import fits as sql_lane_fits
 
 
 def new_job() -> Job:
@@ -195,3 +197,99 @@ def test_no_lane_for_an_in_memory_database() -> None:
         assert store.start(job.id, 1, "w1").applied
     finally:
         store.close()
+
+
+class _Interrupted(BaseException):
+    """What a time limit or ^C raises between two statements of a batch."""
+
+
+def test_a_batch_cut_half_way_leaves_no_transaction_open(store: SQLStore) -> None:
+    """An exception between two statements of a batch (a time limit, ^C) after its first
+    statement ran: nothing of the batch is committed, and the next write is committed on its
+    own (it does not run inside the batch's open transaction, holding SQLite's write lock)."""
+    first, second = new_job(), new_job()
+    store.create(first)
+    store.create(second)
+    lane = lane_of(store)
+    record = store.get_record(first.id)
+    assert record is not None
+    moved = record.copy()
+    moved.token = 2
+    moved.nonce = "cut-batch"
+    row = store._lane_cas_row(store._cas_values(moved, record, {}))
+
+    def rows() -> Iterator[list[Any]]:
+        yield row
+        raise _Interrupted
+
+    class Rows(list):  # type: ignore[type-arg]
+        def __iter__(self) -> Iterator[Any]:
+            return rows()
+
+    with pytest.raises(_Interrupted):
+        lane.send_many(store._lane_cas, Rows([row, row]))
+    assert store.start(second.id, 1, "w1").applied  # on the lane again
+    other = sqlite3.connect(store.url.database or "", isolation_level=None)
+    try:
+        states = dict(other.execute("SELECT id, state FROM ojs_jobs").fetchall())
+        tokens = dict(other.execute("SELECT id, token FROM ojs_jobs").fetchall())
+    finally:
+        other.close()
+    assert states[second.id] == "active"  # committed, seen by another connection
+    assert tokens[first.id] == 1  # the cut batch wrote nothing
+
+
+@pytest.mark.parametrize(("url", "lane"), [
+    ("sqlite:////tmp/jobs.sqlite3", True),
+    ("sqlite+pysqlite:///jobs.sqlite3", True),
+    ("sqlite://", False),
+    ("sqlite:///:memory:", False),
+    ("sqlite:///file::memory:?uri=true", False),
+    ("sqlite:///file:jobs?mode=memory&cache=shared&uri=true", False),
+    ("sqlite:///jobs.sqlite3?check_same_thread=true", False),
+    ("sqlite+pysqlcipher://:key@/jobs.sqlite3", False),
+])
+def test_lane_only_for_a_shared_file_on_sqlite3(url: str, lane: bool) -> None:
+    """Where each connection would see its own database, the pool's only connection would be
+    taken, connections are bound to a thread, or another driver raises other errors, the
+    store keeps SQLAlchemy's path."""
+    assert sql_lane_fits(make_url(url)) is lane
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # SQLAlchemy 2.1 on its pool class
+def test_a_shared_in_memory_database_keeps_the_ordinary_path() -> None:
+    store = open_store("sqlite:///file:lanetest?mode=memory&cache=shared&uri=true",
+                       policy=Policy(), prefix="shared")
+    assert isinstance(store, SQLStore)
+    try:
+        assert store._lane is None
+        job = new_job()
+        store.create(job)
+        started = threading.Thread(target=lambda: store.start(job.id, 1, "w1"))
+        started.start()
+        started.join(timeout=30)
+        assert store.get(job.id).state == "active"  # type: ignore[union-attr]
+    finally:
+        store.close()
+
+
+def test_dropped_tables_come_back_for_the_lane(store: SQLStore) -> None:
+    """``drop_tables`` (tests, uninstall) then a write: the lane's next connection comes
+    through the engine, which makes the tables again."""
+    store.create(new_job())
+    store.drop_tables()
+    jobs = [new_job(), new_job()]
+    for job in jobs:
+        store.create(job)
+
+    def next_token(record: lifecycle.Record) -> lifecycle.Transition:
+        new = record.copy()
+        new.token = record.token + 1
+        return lifecycle.Transition(new)
+
+    store.drop_tables()
+    assert store.apply_many([], next_token) == []
+    for job in jobs:
+        store.create(job)
+    done = store.apply_many([job.id for job in jobs], next_token)
+    assert all(t is not None and t.applied for t in done)

@@ -53,6 +53,7 @@ from .base import (
 )
 from .meta import MetaArea
 from .sql_lane import SqliteLane
+from .sql_lane import fits as sqlite_lane_fits
 from .workers import WorkerInfo, WorkerRegistry
 
 if TYPE_CHECKING:
@@ -271,9 +272,8 @@ class SQLStore(JobStore):
         """The hot writes' fast lane (:mod:`.sql_lane`) on PostgreSQL with psycopg 3 and on a
         SQLite file, else None: the insert (``ON CONFLICT DO NOTHING``, as
         :attr:`_insert_job`) and the compare-and-set (as :attr:`_update_job`)."""
-        if self._shared_connection:  # one connection for all: none to keep aside
-            return None
-        if not self._sqlite and self.url.drivername != "postgresql+psycopg":
+        if not (sqlite_lane_fits(self.url) if self._sqlite
+                else self.url.drivername == "postgresql+psycopg"):
             return None
         jobs = self.job_table
         dialect: Any = sqlite_dialect if self._sqlite else pg_dialect
@@ -385,6 +385,8 @@ class SQLStore(JobStore):
         """Drop this prefix's tables (tests, uninstall)."""
         self.metadata.drop_all(self.engine, checkfirst=True)
         self._ready = False
+        if self._lane is not None:  # its next connection comes through the engine, which
+            self._lane.close()  # makes the tables again (and PostgreSQL's statements anew)
 
     def close(self) -> None:
         if self._lane is not None:

@@ -15,7 +15,6 @@ closing it) and makes its own.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sqlite3
 import threading
@@ -23,7 +22,9 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["DetachedLane", "SqliteLane"]
+from sqlalchemy.engine import URL
+
+__all__ = ["DetachedLane", "SqliteLane", "fits"]
 
 
 class DetachedLane:
@@ -42,7 +43,7 @@ class DetachedLane:
             lane = ref()
             if lane is not None:
                 lane._lock = threading.Lock()
-                lane._raw = None  # the parent's: never used, never closed here
+                lane._raw = None  # the parent's: never used here, nor closed explicitly
 
         os.register_at_fork(after_in_child=forget_parent)
 
@@ -68,13 +69,27 @@ class DetachedLane:
                 pass
 
 
+def fits(url: URL) -> bool:
+    """Whether a SQLite URL is a file that any number of connections share, on ``sqlite3``,
+    which SQLAlchemy lets any thread use: not an in-memory database (each connection would
+    have its own, or the pool's only one would be taken), not another driver (whose errors
+    are not ``sqlite3``'s), not a URL that asks for ``check_same_thread``."""
+    database = url.database or ""
+    query = url.query
+    return (url.drivername in ("sqlite", "sqlite+pysqlite")
+            and database not in ("", ":memory:") and not database.startswith("file::memory:")
+            and query.get("mode") != "memory" and "check_same_thread" not in query)
+
+
 class SqliteLane(DetachedLane):
     """The SQLite store's hot writes on a ``sqlite3`` connection of this process.
 
     SQLite has no round trip to overlap: :meth:`send` runs the statement at once and returns
     its answer, so that the store calls both lanes alike. An error of the database (locked past
     the busy timeout, disk full, read-only) is raised as ``sqlite3`` raises it, for the store's
-    own wrapper to turn into :class:`~.base.StoreError`; the connection is then made again."""
+    own wrapper to turn into :class:`~.base.StoreError`; the connection is then made again.
+    Only for a file on the standard driver (:func:`fits`), where every connection of the pool
+    sees the same database and may be used from any thread."""
 
     def __init__(self, connect: Callable[[], Any], statements: dict[str, str]) -> None:
         """``statements``: each statement's name and text, with ``?`` parameters."""
@@ -101,13 +116,8 @@ class SqliteLane(DetachedLane):
 
         def run(connection: sqlite3.Connection) -> list[int]:
             connection.execute("BEGIN IMMEDIATE")  # the write lock up front, as the store does
-            try:
-                counts = [connection.execute(statement, values).rowcount for values in rows]
-                connection.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    connection.execute("ROLLBACK")
-                raise
+            counts = [connection.execute(statement, values).rowcount for values in rows]
+            connection.execute("COMMIT")
             return counts
 
         try:
@@ -117,11 +127,15 @@ class SqliteLane(DetachedLane):
         return lambda: counts
 
     def _run(self, work: Callable[[sqlite3.Connection], Any]) -> Any:
-        """``work`` on the lane's connection (made on first use); an error drops it."""
-        if self._raw is None:
+        """``work`` on the lane's connection (made on first use). Anything raised on the way
+        (an error of the database, or an exception such as a time limit between two
+        statements) drops the connection, and with it any transaction left open: the next
+        write never runs inside a transaction that is not its own."""
+        if self._raw is None or self._raw.in_transaction:
+            self._drop()
             self._raw = self._detached()
         try:
             return work(self._raw)
-        except sqlite3.Error:
+        except BaseException:
             self._drop()
             raise
