@@ -30,7 +30,7 @@ from psycopg import pq
 from .base import StoreError
 from .sql_lane import DetachedLane
 
-__all__ = ["PgLane", "text_param"]
+__all__ = ["PgLane", "text_param", "text_params"]
 
 
 def text_param(value: Any) -> bytes | None:
@@ -42,6 +42,23 @@ def text_param(value: Any) -> bytes | None:
     if isinstance(value, float):
         return repr(value).encode()
     return str(value).encode()
+
+
+#: :func:`text_param` by exact type, for the types a record's columns hold (about two dozen
+#: values per write: a C call each instead of a Python one for the strings and integers).
+_TEXT_OF: dict[type, Callable[[Any], bytes]] = {
+    str: str.encode,
+    int: lambda value: b"%d" % value,
+    float: lambda value: repr(value).encode(),
+    bool: lambda value: b"t" if value else b"f",
+}
+
+
+def text_params(values: Sequence[Any]) -> list[bytes | None]:
+    """:func:`text_param` of each value."""
+    text_of = _TEXT_OF.get
+    return [None if value is None else (text_of(type(value)) or text_param)(value)
+            for value in values]
 
 
 class PgLane(DetachedLane):
@@ -63,7 +80,7 @@ class PgLane(DetachedLane):
             return None
         try:
             pgconn = self._pgconn()
-            pgconn.send_query_prepared(name.encode(), [text_param(value) for value in values])
+            pgconn.send_query_prepared(name.encode(), text_params(values))
             _flush(pgconn)
         except Exception:
             self._drop()
@@ -101,7 +118,7 @@ class PgLane(DetachedLane):
             return None
         try:
             for values in rows:
-                pgconn.send_query_prepared(name.encode(), [text_param(v) for v in values])
+                pgconn.send_query_prepared(name.encode(), text_params(values))
             pgconn.pipeline_sync()
             _flush(pgconn)
         except Exception as exc:  # the server may or may not have run it: a lost reply
