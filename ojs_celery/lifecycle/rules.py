@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, get_args
 
 from ..envelope import (
@@ -109,7 +109,11 @@ class Record:
         """A record to build the next version in: the job is copied shallowly, because the
         rules only ever assign attributes and build new containers (``[*j.errors, entry]``,
         ``{**j.progress, ...}``), never change a list or dict of the record they read."""
-        return replace(self, job=self.job.model_copy(), written_json=None)
+        new = object.__new__(type(self))  # every field as it is: a fifth of the cost of
+        new.__dict__.update(self.__dict__)  # dataclasses.replace, which runs __init__ again
+        new.job = self.job.model_copy()
+        new.written_json = None
+        return new
 
 
 @dataclass(frozen=True)
