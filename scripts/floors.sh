@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install the lowest version of every dependency that pyproject.toml allows (the floors) in a
 # scratch virtualenv and run the store contract suite (SQLite, PostgreSQL, Redis), the SQLite
-# store's lane (SQLAlchemy's pool hands it its connection), the Redis store's own tests (its lane and scripts, the joint write through kombu's Redis channel) and
-# the tests of what the other floors carry (pydantic: envelope and settings; click: the CLI).
+# store's lane (SQLAlchemy's pool hands it its connection), the Redis store's own tests (its
+# lane and scripts, the joint write through kombu's Redis channel) and the tests of what the
+# other floors carry (pydantic: envelope and settings; click: the CLI).
 # Raise a floor in pyproject.toml and here together.
 #
 #   scripts/floors.sh                       # venv under .compat/, kept between runs
