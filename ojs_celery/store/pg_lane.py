@@ -44,21 +44,10 @@ def text_param(value: Any) -> bytes | None:
     return str(value).encode()
 
 
-#: :func:`text_param` by exact type, for the types a record's columns hold (about two dozen
-#: values per write: a C call each instead of a Python one for the strings and integers).
-_TEXT_OF: dict[type, Callable[[Any], bytes]] = {
-    str: str.encode,
-    int: lambda value: b"%d" % value,
-    float: lambda value: repr(value).encode(),
-    bool: lambda value: b"t" if value else b"f",
-}
-
-
 def text_params(values: Sequence[Any]) -> list[bytes | None]:
-    """:func:`text_param` of each value."""
-    text_of = _TEXT_OF.get
-    return [None if value is None else (text_of(type(value)) or text_param)(value)
-            for value in values]
+    """:func:`text_param` of each value; a plain string, most of a record's values, encoded
+    at once (a C call instead of a Python one, about two dozen values per write)."""
+    return [value.encode() if type(value) is str else text_param(value) for value in values]
 
 
 class PgLane(DetachedLane):

@@ -174,8 +174,7 @@ class RedisStore(JobStore):
             str(record.token), record.worker_id or "", _num(record.heartbeat_at),
             _num(record.extended_at), _num(record.dispatch_due), _num(record.promote_at),
             "1" if record.dead_letter else "0", record.nonce, record.origin,
-            *["" if (at := deadlines.get(clock)) is None else repr(float(at))  # _num, inline
-              for clock in CLOCKS],
+            *[_num(deadlines.get(clock)) for clock in CLOCKS],
         ]
 
     def _cas_args(
