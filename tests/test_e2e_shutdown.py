@@ -150,8 +150,10 @@ def test_the_drain_governs_ojs_jobs_under_celerys_soft_shutdown(
         env.wait_state(long.id, "active")
         began = time.monotonic()
         sigterm(worker, group=True)
-        code = worker.process.wait(10 + SLACK)
-        assert time.monotonic() - began < 10 + SLACK  # far less than the 60 s soft shutdown
+        # The bound only has to stay well under Celery's 60 s: after the 10 s drain, Celery's
+        # cold shutdown takes 1-2 s here, and several times that on a loaded CI machine.
+        code = worker.process.wait(10 + 3 * SLACK)
+        assert time.monotonic() - began < 10 + 3 * SLACK  # far less than the 60 s soft shutdown
         assert code in (0, 1)  # Celery's cold shutdown (REMAP_SIGTERM) may report EX_FAILURE
         assert env.job(short.id).state == "completed"
         failed = env.job(long.id)

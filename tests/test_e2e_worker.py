@@ -298,7 +298,9 @@ def test_kill_9_worker_jobs_complete_once_on_another_worker(
         survivor.wait_ready()
         survivor_id = registered(env, survivor).worker_id
         start_up = time.monotonic() - killed_at
-        bound = start_up + DEAD_AFTER + SWEEP + 0.5 + 3.0 * len(jobs) / 2 + SLACK
+        # 8-9 s here; the slack is tripled for a loaded CI machine, where the single one once
+        # ran out with a job still available
+        bound = start_up + DEAD_AFTER + SWEEP + 0.5 + 3.0 * len(jobs) / 2 + 3 * SLACK
         for job in jobs:
             done = env.wait_state(job.id, "completed", timeout=bound)
             assert done.result == survivor_id
