@@ -15,10 +15,11 @@ import logging
 import os
 import queue
 import threading
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Generic, TypeVar
+
+from .forking import forget_in_children
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +52,13 @@ class Batcher(ABC, Generic[T]):
         self._wake = threading.Event()  # ends a linger early: a flush, or a full batch
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        # A forked child has no thread yet: forget the parent's at the fork itself, so that
-        # put() need not compare pids (a system call) every time.
-        ref = weakref.ref(self)
+        forget_in_children(self)
 
-        def forget_thread() -> None:
-            batcher = ref()
-            if batcher is not None:
-                batcher._thread = None
-                batcher._lock = threading.Lock()
-
-        os.register_at_fork(after_in_child=forget_thread)
+    def forget_parent(self) -> None:
+        """A forked child has no thread yet: forget the parent's at the fork itself, so that
+        put() need not compare pids (a system call) every time."""
+        self._thread = None
+        self._lock = threading.Lock()
 
     @abstractmethod
     def _open(self) -> Handler[T]:

@@ -15,9 +15,7 @@ parent's and checks out its own.
 
 from __future__ import annotations
 
-import os
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +25,7 @@ from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .. import compat
+from ..forking import forget_in_children
 
 _hiredis_pack: Any
 try:  # redis-py's own choice of packer when hiredis is installed (the ``redis`` extra)
@@ -49,15 +48,12 @@ class Lane:
         self._pool = client.connection_pool
         self._lock = threading.Lock()
         self._connection: Any = None
-        ref = weakref.ref(self)
+        forget_in_children(self)
 
-        def forget_parent() -> None:
-            lane = ref()
-            if lane is not None:
-                lane._lock = threading.Lock()
-                lane._connection = None
-
-        os.register_at_fork(after_in_child=forget_parent)
+    def forget_parent(self) -> None:
+        """In a forked child: the parent's connection is never used here, nor closed."""
+        self._lock = threading.Lock()
+        self._connection = None
 
     def call(self, *command: str | int) -> Any:
         """Redis's reply to ``command``, or :data:`MISSED` when the caller must take the

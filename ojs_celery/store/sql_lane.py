@@ -15,14 +15,14 @@ closing it) and makes its own.
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy.engine import URL
+
+from ..forking import forget_in_children
 
 __all__ = ["DetachedLane", "SqliteLane", "fits"]
 
@@ -37,15 +37,12 @@ class DetachedLane:
         self._connect = connect
         self._lock = threading.Lock()
         self._raw: Any = None  # the driver's connection
-        ref = weakref.ref(self)
+        forget_in_children(self)
 
-        def forget_parent() -> None:
-            lane = ref()
-            if lane is not None:
-                lane._lock = threading.Lock()
-                lane._raw = None  # the parent's: never used here, nor closed explicitly
-
-        os.register_at_fork(after_in_child=forget_parent)
+    def forget_parent(self) -> None:
+        """In a forked child: the parent's connection is never used here, nor closed."""
+        self._lock = threading.Lock()
+        self._raw = None
 
     def _detached(self) -> Any:
         """A new driver connection from the pool, the lane's own from now on (the pool
