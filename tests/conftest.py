@@ -76,7 +76,11 @@ class Env:
         assert job is not None, f"job {job_id} not in the store"
         return job
 
-    def wait_state(self, job_id: str, *states: str, timeout: float = 30.0) -> Job:
+    def wait_state(self, job_id: str, *states: str, timeout: float = 30.0,
+                   worker: Worker | None = None) -> Job:
+        """Wait for ``job_id`` to reach one of ``states``; on a timeout, print the log of
+        ``worker`` (the job's own worker; default: the module's) and fail with the job's state."""
+
         def reached() -> Job | None:
             job = get_job(job_id, app=self.app)
             return job if job is not None and job.state in states else None
@@ -85,7 +89,7 @@ class Env:
             return wait_for(reached, timeout, f"job {job_id} to reach {states}")
         except AssertionError:
             job = get_job(job_id, app=self.app)
-            print(self.worker.log()[-6000:])
+            print((worker or self.worker).log()[-6000:])
             raise AssertionError(
                 f"job {job_id} is {job.state if job else None}, wanted {states}"
             ) from None

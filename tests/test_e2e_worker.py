@@ -302,7 +302,7 @@ def test_kill_9_worker_jobs_complete_once_on_another_worker(
         # ran out with a job still available
         bound = start_up + DEAD_AFTER + SWEEP + 0.5 + 3.0 * len(jobs) / 2 + 3 * SLACK
         for job in jobs:
-            done = env.wait_state(job.id, "completed", timeout=bound)
+            done = env.wait_state(job.id, "completed", timeout=bound, worker=survivor)
             assert done.result == survivor_id
         assert time.monotonic() - killed_at < bound
         for job_id in held.active_job_ids:
