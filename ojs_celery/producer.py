@@ -20,6 +20,7 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.utils.time import maybe_make_aware
+from kombu.entity import Queue
 from kombu.exceptions import OperationalError
 
 from . import header
@@ -136,7 +137,8 @@ def publish(
     """Send the message for ``request`` and clear its outbox entry (in the background: see
     :mod:`ojs_celery.outbox`). Pass ``record``, the record the store write that owes this
     message returned, to put its snapshot in the header; ``producer``, a kombu producer held
-    for many messages (``app.producer_or_acquire()``), to spare a pool acquire per message;
+    for many messages (``app.producer_or_acquire()``), to spare a pool acquire per message
+    (otherwise one is acquired here, as Celery would);
     ``acks``, inside :func:`sent_together`, to collect the outbox acknowledgement for the
     caller to give once the batch is really sent, instead of giving it now.
 
@@ -149,7 +151,6 @@ def publish(
     soft, hard = time_limits(job, start_at)
     options: dict[str, Any] = {
         "task_id": job.id,
-        "queue": celery_queue(app, job.queue),
         "headers": {header.NAME: header.build(job, request.token, record)},
         "time_limit": hard,
         "retry": True,
@@ -167,13 +168,12 @@ def publish(
     options["retries"] = celery_retries(job) if celery_semantics(job) is not None else job.attempt
     extensions = job.extensions
     options.update(trusted_options(job))
-    if producer is not None:
-        options["producer"] = producer
     kwargs = extensions.get(CELERY_KWARGS_FIELD) or {}
     try:
-        app.send_task(
-            runtime.task_name_for(job.type), args=list(job.args), kwargs=kwargs, **options
-        )
+        with app.producer_or_acquire(producer) as held:
+            options["queue"] = bound_queue(app, celery_queue(app, job.queue), held)
+            app.send_task(runtime.task_name_for(job.type), args=list(job.args), kwargs=kwargs,
+                          producer=held, **options)
     except OperationalError as exc:
         raise BrokerUnavailable(
             f"job {job.id} is stored but the broker is unreachable ({exc}); it stays in the "
@@ -183,6 +183,41 @@ def publish(
         runtime.acks.ack(job.id, request.token)
     else:
         acks.append((job.id, request.token))
+
+
+#: Queues bound to a broker channel: (id of the channel, queue name) -> (the channel, the
+#: app's queue, its bound copy). A bound queue holds its channel, so the cache is a plain dict
+#: that forgets everything when it grows past :data:`_MAX_BOUND` (after reconnects, or an app
+#: with very many queues) rather than a weak one that the values would keep alive.
+_bound_queues: dict[tuple[int, str], tuple[Any, Queue, Queue]] = {}
+_MAX_BOUND = 256
+
+
+def bound_queue(app: Celery, name: str, producer: Any) -> Queue | str:
+    """The app's queue ``name`` bound to the channel of ``producer``'s connection, made once
+    per channel; ``name`` itself when that connection is not up yet (Celery connects it, with
+    its retries) or the app has no such queue (Celery raises as it would).
+
+    Celery's publish declares the queue of every message (kombu caches the declaration, not
+    the binding): for a queue given by name, kombu binds a fresh copy of it, its exchange and
+    its bindings to the channel for each message, about a twentieth of a publish's
+    instructions. A queue bound already is used as it is; the declaration, its cache and the
+    routing stay kombu's and Celery's (kombu rebinds the queue itself after a reconnect)."""
+    connection = getattr(producer, "connection", None)
+    if connection is None or not connection.connected:
+        return name
+    try:
+        queue = app.amqp.queues[name]
+    except KeyError:
+        return name
+    channel = connection.default_channel
+    key = (id(channel), name)
+    known = _bound_queues.get(key)
+    if known is None or known[0] is not channel or known[1] is not queue:
+        if len(_bound_queues) >= _MAX_BOUND:
+            _bound_queues.clear()
+        known = _bound_queues[key] = (channel, queue, queue.bind(channel))
+    return known[2]
 
 
 @contextmanager
