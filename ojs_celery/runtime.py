@@ -120,10 +120,9 @@ class Runtime:
             if self.broker_driver == "redis" and int(self.app.conf.task_protocol) == 2:
                 from .joint import install_put, joint_store
 
+                install_put()  # also pushes the OJS messages of a store elsewhere
                 with self.app.connection_for_write() as connection:
                     found = joint_store(store, connection)
-                if found is not None:
-                    install_put()
             self._joint, self._joint_known = found, True
         return self._joint
 

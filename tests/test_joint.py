@@ -17,6 +17,7 @@ import pytest
 from celery import Celery
 from celery.signals import before_task_publish
 from kombu import Queue
+from kombu.transport import redis as kombu_redis
 
 from ojs_celery import DuplicateJob, OJSTask, enqueue, install, parse_envelope
 from ojs_celery.joint import JointCreate
@@ -120,6 +121,59 @@ def test_a_store_in_another_redis_database_is_written_apart(server: PrivateRedis
     runtime.store.clear()
     app.close()
     other.close()
+
+
+def test_ojs_messages_of_a_store_elsewhere_reuse_one_kombu_client(
+    server: PrivateRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the store elsewhere, kombu's ``_put`` still pushes each OJS message, but with one
+    client of kombu's kept for its channel instead of a new one per message; the message lands
+    in the list kombu would use (its key prefix, its priority lists), and a plain message of
+    the same app still gets kombu's own client."""
+    made: list[Any] = []
+    create = kombu_redis.Channel._create_client
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        made.append(args)
+        return create(self, *args, **kwargs)
+
+    monkeypatch.setattr(kombu_redis.Channel, "_create_client", counted)
+    app = make_app(server.url, server.url.replace("/0", "/1"),
+                   broker_transport_options={"global_keyprefix": "pfx:"})
+    runtime = install(app)
+    assert runtime.joint_store is None
+    queue = str(app.conf.task_default_queue)
+    enqueue({"type": TYPE, "args": [0, 0]}, app=app)  # connections, the queue's declaration
+    made.clear()
+    jobs = [enqueue({"type": TYPE, "args": [i, i], "priority": priority}, app=app)
+            for i, priority in enumerate((0, 100, -100, 0))]
+    assert [args for args in made if not args] == []  # no synchronous client per message
+    messages = queued(server)
+    for job in jobs:
+        [key] = messages[job.id]
+        assert key.startswith(f"pfx:{queue}")
+        plain = app.send_task("plain.task", queue=queue, priority=job_priority(app, key, queue))
+        assert queued(server)[plain.id] == [key]  # the list kombu itself picks
+    assert len([args for args in made if not args]) == len(jobs)  # kombu's, per plain message
+    runtime.store.clear()
+    app.close()
+
+
+def test_a_worker_runs_jobs_whose_messages_the_kept_client_pushed(tmp_path: pathlib.Path) -> None:
+    """A Redis broker with the job store in SQLite: a real worker runs each job once, and its
+    retries (published again from the worker through the same ``_put``) too."""
+    store = f"sqlite:///{tmp_path / 'elsewhere.sqlite3'}"
+    with start_env("redis", tmp_path, config={"ojs": {"store_url": store}}) as env:
+        assert install(env.app).joint_store is None
+        jobs = [enqueue({"type": "e2e.add", "args": [i, 1]}, app=env.app) for i in range(3)]
+        flaky = enqueue({"type": "e2e.fail_until", "args": [3],
+                         "retry": {"max_attempts": 3, "initial_interval": "PT0.1S"}},
+                        app=env.app)
+        for i, job in enumerate(jobs):
+            assert env.wait_state(job.id, "completed").result == i + 1
+            assert env.lines("runs").count(f"add {job.id}") == 1
+        done = env.wait_state(flaky.id, "completed")
+        assert (done.attempt, done.result) == (3, "ok on 3")
 
 
 def test_celerys_protocol_1_is_written_apart(server: PrivateRedis) -> None:
