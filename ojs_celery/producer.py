@@ -20,6 +20,7 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.utils.time import maybe_make_aware
+from kombu.common import Broadcast
 from kombu.entity import Queue
 from kombu.exceptions import OperationalError
 
@@ -196,7 +197,8 @@ _MAX_BOUND = 256
 def bound_queue(app: Celery, name: str, producer: Any) -> Queue | str:
     """The app's queue ``name`` bound to the channel of ``producer``'s connection, made once
     per channel; ``name`` itself when that connection is not up yet (Celery connects it, with
-    its retries) or the app has no such queue (Celery raises as it would).
+    its retries), the app has no such queue (Celery raises as it would) or it is a
+    ``Broadcast`` queue (which Celery does not declare).
 
     Celery's publish declares the queue of every message (kombu caches the declaration, not
     the binding): for a queue given by name, kombu binds a fresh copy of it, its exchange and
@@ -209,6 +211,8 @@ def bound_queue(app: Celery, name: str, producer: Any) -> Queue | str:
     try:
         queue = app.amqp.queues[name]
     except KeyError:
+        return name
+    if isinstance(queue, Broadcast):  # never declared by Celery; a copy may rename it
         return name
     channel = connection.default_channel
     key = (id(channel), name)

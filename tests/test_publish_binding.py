@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 from celery import Celery
 from kombu import Connection, Producer, Queue
+from kombu.common import Broadcast
 
 from ojs_celery import OJSTask, enqueue, enqueue_batch, install
 from ojs_celery.producer import bound_queue
@@ -79,6 +80,9 @@ def test_a_queue_is_bound_once_per_channel_and_follows_the_apps_definition(
             redefined = bound_queue(app, name, producer)
             assert isinstance(redefined, Queue) and redefined is not first
             assert redefined.routing_key == "elsewhere"
+            fanout = unique("bcast")
+            app.amqp.queues[fanout] = Broadcast(fanout)
+            assert bound_queue(app, fanout, producer) == fanout  # Celery's own way
             app.amqp.queues.create_missing = False  # task_create_missing_queues off
             missing = unique("nowhere")
             assert bound_queue(app, missing, producer) == missing  # Celery raises as it would
