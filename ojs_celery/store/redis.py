@@ -203,18 +203,20 @@ class RedisStore(JobStore):
         if answer is None:
             inserted = self._insert(record, deadlines)  # redis-py's retries, then StoreError
             return lambda: inserted
+        return functools.partial(self._confirm_insert, answer, record, deadlines)
 
-        @_wrap_errors
-        def confirm() -> bool:
-            try:
-                done = answer()
-            except LOST:  # sent again: the script recognises its own earlier insert
-                return self._insert(record, deadlines)
-            if done is MISSED:
-                return self._insert(record, deadlines)  # script flushed: load and retry
-            return bool(done)
-
-        return confirm
+    @_wrap_errors
+    def _confirm_insert(
+        self, answer: Callable[[], Any], record: Record, deadlines: dict[str, float | None]
+    ) -> bool:
+        """The reply to an insert :meth:`_insert_begin` sent."""
+        try:
+            done = answer()
+        except LOST:  # sent again: the script recognises its own earlier insert
+            return self._insert(record, deadlines)
+        if done is MISSED:
+            return self._insert(record, deadlines)  # script flushed: load and retry
+        return bool(done)
 
     def insert_pushing(
         self, record: Record, deadlines: dict[str, float | None], queue_key: str, message: str
@@ -226,16 +228,16 @@ class RedisStore(JobStore):
         :class:`StoreUncertain` when the store cannot tell, as :meth:`create` does."""
         keys = [*self._job_keys(record.job.id), queue_key]
         args = [*self._args(record, 1, deadlines), message]
-
-        @_wrap_errors
-        def insert() -> bool:
-            done = self._lane.call("EVALSHA", self._insert_push_script.sha, len(keys), *keys,
-                                   *args)
-            if done is MISSED:  # lost or NOSCRIPT: redis-py's retries, the script loaded
-                done = self._insert_push_script(keys, args)
-            return bool(done)
-
+        insert = functools.partial(self._insert_push, keys, args)
         return self._insert_settled(record, deadlines, insert, insert)
+
+    @_wrap_errors
+    def _insert_push(self, keys: list[str], args: list[str]) -> bool:
+        """One call of the insert-and-push script (see :meth:`insert_pushing`)."""
+        done = self._lane.call("EVALSHA", self._insert_push_script.sha, len(keys), *keys, *args)
+        if done is MISSED:  # lost or NOSCRIPT: redis-py's retries, the script loaded
+            done = self._insert_push_script(keys, args)
+        return bool(done)
 
     @_wrap_errors
     def _insert_many(self, rows: Sequence[NewRow]) -> str | None:
