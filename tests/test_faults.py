@@ -123,3 +123,49 @@ def test_a_batch_redis_refuses_as_a_whole_stays_owed_and_is_sent_once_later(
         runtime.close()
         app.close()
         server.stop()
+
+
+def test_a_job_message_redis_refuses_or_loses_stays_owed_then_goes_once(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis broker with the job store elsewhere: each OJS message is pushed with the kombu
+    client kept for the channel. Refused (an error reply: out of memory), the job is stored
+    and owed, one line says so, and the sweeper sends it once the broker takes writes again;
+    after the broker cut every connection, the next job's message still arrives, once."""
+    server = PrivateRedis(tmp_path)
+    app = Celery("putfail", broker=server.url, set_as_current=False)
+    app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
+    runtime = install(app)
+
+    @app.task(shared=False, name="put.one", base=OJSTask)
+    def job_task() -> None:
+        return None
+
+    def queued_ids() -> list[str]:
+        lists = [key for key in server.admin.keys("celery*") if server.admin.type(key) == "list"]
+        return sorted(json.loads(message)["headers"]["id"]
+                      for key in lists for message in server.admin.lrange(key, 0, -1))
+
+    try:
+        first = enqueue({"type": "put.one", "args": [0]}, app=app)  # declares, keeps a client
+        assert runtime.joint_store is None
+        server.admin.config_set("maxmemory", 1)  # every write is refused from now on
+        with caplog.at_level(logging.ERROR, logger="ojs_celery"):
+            refused = enqueue({"type": "put.one", "args": [1]}, app=app)
+        assert refused.state == "available"
+        said = [r.getMessage() for r in caplog.records if refused.id in r.getMessage()]
+        assert len(said) == 1 and "could not be published" in said[0]
+        runtime.flush()
+        owed = runtime.store.due("dispatch", now=time.time() + 3600, limit=10)
+        assert [job_id for job_id, _ in owed] == [refused.id]
+        assert queued_ids() == [first.id]
+        server.admin.config_set("maxmemory", 0)
+        assert sweep(runtime, now=time.time() + 60).error is None
+        assert queued_ids() == sorted([first.id, refused.id])
+        server.admin.client_kill_filter(_type="normal", skipme=True)  # the broker cuts us off
+        after_cut = enqueue({"type": "put.one", "args": [2]}, app=app)
+        assert queued_ids() == sorted([first.id, refused.id, after_cut.id])
+    finally:
+        runtime.close()
+        app.close()
+        server.stop()
