@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pathlib
 import socket
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -18,7 +19,7 @@ from ojs_celery import OJSTask, enqueue, enqueue_batch, install
 from ojs_celery.producer import bound_queue
 from ojs_celery.runtime import get_runtime
 from tests.services import amqp_url, redis_url
-from tests.workers import unique
+from tests.workers import unique, wait_for
 
 TYPE = "binding.noop"
 
@@ -96,7 +97,7 @@ def test_a_missing_rabbitmq_queue_is_made_by_the_first_message_and_after_a_recon
 ) -> None:
     queue = unique("bq-routed")
     first = enqueue({"type": TYPE, "args": [], "queue": queue}, app=rabbit_app)
-    assert waiting_on_rabbitmq(queue) == 1
+    wait_for(lambda: waiting_on_rabbitmq(queue) == 1, 15, "the first job's message")
     with Connection(amqp_url()) as connection:
         connection.default_channel.queue_delete(queue)
     assert waiting_on_rabbitmq(queue) is None
@@ -106,7 +107,7 @@ def test_a_missing_rabbitmq_queue_is_made_by_the_first_message_and_after_a_recon
         producer.connection.connection.transport.sock.shutdown(socket.SHUT_RDWR)  # cut
     second = enqueue({"type": TYPE, "args": [], "queue": queue}, app=rabbit_app)
     assert second.id != first.id
-    assert waiting_on_rabbitmq(queue) == 1
+    wait_for(lambda: waiting_on_rabbitmq(queue) == 1, 15, "the second job's message")
 
 
 def test_a_batch_to_a_missing_rabbitmq_queue_makes_it_and_fills_it(rabbit_app: Celery) -> None:
@@ -114,4 +115,28 @@ def test_a_batch_to_a_missing_rabbitmq_queue_makes_it_and_fills_it(rabbit_app: C
     jobs = enqueue_batch([{"type": TYPE, "args": [], "queue": queue} for _ in range(25)],
                          app=rabbit_app)
     assert len(jobs) == 25
-    assert waiting_on_rabbitmq(queue) == 25
+    wait_for(lambda: waiting_on_rabbitmq(queue) == 25, 15, "the batch's 25 messages")
+
+
+def test_threads_publishing_at_once_each_use_their_own_channel(rabbit_app: Celery) -> None:
+    """Producers in threads take pooled connections of their own: each binds the queue to its
+    channel, and every job's message arrives, once."""
+    queue = unique("bq-threads")
+    task = rabbit_app.tasks[TYPE]
+    ids: list[str] = []
+    lock = threading.Lock()
+
+    def produce() -> None:
+        for _ in range(50):
+            job_id = task.apply_async(queue=queue).id
+            with lock:
+                ids.append(job_id)
+
+    threads = [threading.Thread(target=produce) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(set(ids)) == 300
+    wait_for(lambda: waiting_on_rabbitmq(queue) == 300, 15, "300 messages in the queue")
+    assert waiting_on_rabbitmq(queue) == 300  # and no more
