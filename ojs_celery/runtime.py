@@ -118,9 +118,8 @@ class Runtime:
             # a Redis broker (so kombu's Redis transport and redis-py import), and Celery's
             # message protocol 2, whose headers name the task id that kombu's _put looks for
             if self.broker_driver == "redis" and int(self.app.conf.task_protocol) == 2:
-                from .joint import install_put, joint_store
+                from .joint import joint_store
 
-                install_put()  # also pushes the OJS messages of a store elsewhere
                 with self.app.connection_for_write() as connection:
                     found = joint_store(store, connection)
             self._joint, self._joint_known = found, True
@@ -161,6 +160,10 @@ class Runtime:
                     self._broker_driver = str(connection.transport.driver_type)
             except ImportError:
                 self._broker_driver = "unknown"
+            if self._broker_driver == "redis":  # known at this process's first OJS publish
+                from .joint import install_put
+
+                install_put()  # kombu's Redis _put for OJS messages (see ojs_celery.joint)
         return self._broker_driver
 
     def flush(self) -> None:
