@@ -1,4 +1,5 @@
-"""Faults: a broker that is down during a sweep, a store that is down when a message arrives."""
+"""Faults: a broker that is down during a sweep or refuses a publish, a store that is down when a
+message arrives."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import json
 import logging
 import pathlib
 import time
+from collections.abc import Iterator
 
 import pytest
 from celery import Celery
 from kombu import Producer
 
 from ojs_celery import OJSTask, enqueue, enqueue_batch, install, parse_envelope
+from ojs_celery.runtime import Runtime
 from ojs_celery.sweeper import sweep
 from tests.conftest import start_env
 from tests.test_store_faults import PrivateRedis
@@ -81,91 +84,86 @@ def test_a_batch_with_the_broker_down_is_stored_and_owed(tmp_path: pathlib.Path)
     assert sorted(job_id for job_id, _ in owed) == sorted(job.id for job in jobs)
 
 
-@pytest.mark.skipif(not hasattr(Producer, "batch"), reason="kombu < 5.7 sends each at once")
-def test_a_batch_redis_refuses_as_a_whole_stays_owed_and_is_sent_once_later(
-    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """On a Redis broker a batch's messages go in one pipeline (kombu's publish batch). When
-    Redis refuses it (an error reply: out of memory), every job stays stored and owed (none
-    is acknowledged), one line says so, and the sweeper sends each once the broker is back."""
+APART = "apart.job"
+
+
+@pytest.fixture
+def broker_apart(tmp_path: pathlib.Path) -> Iterator[tuple[PrivateRedis, Celery, Runtime]]:
+    """A private Redis as broker, with the job store apart from it (SQLite): its faults are
+    the test's own."""
     server = PrivateRedis(tmp_path)
-    app = Celery("flushfail", broker=server.url, set_as_current=False)
+    app = Celery(unique("apart"), broker=server.url, set_as_current=False)
     app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
     runtime = install(app)
 
-    @app.task(shared=False, name="flush.batch", base=OJSTask)
+    @app.task(shared=False, name=APART, base=OJSTask)
     def job_task() -> None:
         return None
 
-    def queued_ids() -> list[str]:  # kombu keeps a list per priority step (celery\x06\x163)
-        lists = [key for key in server.admin.keys("celery*") if server.admin.type(key) == "list"]
-        return sorted(json.loads(message)["headers"]["id"]
-                      for key in lists for message in server.admin.lrange(key, 0, -1))
-
     try:
-        first = enqueue({"type": "flush.batch", "args": [0]}, app=app)  # declares the queue
-        runtime.flush()
-        server.admin.config_set("maxmemory", 1)  # every write is refused from now on
-        with caplog.at_level(logging.ERROR, logger="ojs_celery.api"):
-            jobs = enqueue_batch([{"type": "flush.batch", "args": [n]} for n in (1, 2, 3)],
-                                 app=app)
-        assert [job.state for job in jobs] == ["available"] * 3
-        said = [r.getMessage() for r in caplog.records if r.name == "ojs_celery.api"]
-        assert len(said) == 1 and "3 stored job(s) of a batch may not have been" in said[0]
-        runtime.flush()
-        owed = runtime.store.due("dispatch", now=time.time() + 3600, limit=10)
-        assert sorted(job_id for job_id, _ in owed) == sorted(job.id for job in jobs)
-        assert queued_ids() == [first.id]
-        server.admin.config_set("maxmemory", 0)
-        assert sweep(runtime, now=time.time() + 60).error is None
-        assert queued_ids() == sorted([first.id, *(job.id for job in jobs)])
+        yield server, app, runtime
     finally:
         runtime.close()
         app.close()
         server.stop()
 
 
+def queued_ids(server: PrivateRedis) -> list[str]:
+    """The job ids of the messages in the default queue's lists (kombu keeps a list per
+    priority step: celery\x06\x163)."""
+    lists = [key for key in server.admin.keys("celery*") if server.admin.type(key) == "list"]
+    return sorted(json.loads(message)["headers"]["id"]
+                  for key in lists for message in server.admin.lrange(key, 0, -1))
+
+
+@pytest.mark.skipif(not hasattr(Producer, "batch"), reason="kombu < 5.7 sends each at once")
+def test_a_batch_redis_refuses_as_a_whole_stays_owed_and_is_sent_once_later(
+    broker_apart: tuple[PrivateRedis, Celery, Runtime], caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a Redis broker a batch's messages go in one pipeline (kombu's publish batch). When
+    Redis refuses it (an error reply: out of memory), every job stays stored and owed (none
+    is acknowledged), one line says so, and the sweeper sends each once the broker is back."""
+    server, app, runtime = broker_apart
+    first = enqueue({"type": APART, "args": [0]}, app=app)  # declares the queue
+    runtime.flush()
+    server.admin.config_set("maxmemory", 1)  # every write is refused from now on
+    with caplog.at_level(logging.ERROR, logger="ojs_celery.api"):
+        jobs = enqueue_batch([{"type": APART, "args": [n]} for n in (1, 2, 3)], app=app)
+    assert [job.state for job in jobs] == ["available"] * 3
+    said = [r.getMessage() for r in caplog.records if r.name == "ojs_celery.api"]
+    assert len(said) == 1 and "3 stored job(s) of a batch may not have been" in said[0]
+    runtime.flush()
+    owed = runtime.store.due("dispatch", now=time.time() + 3600, limit=10)
+    assert sorted(job_id for job_id, _ in owed) == sorted(job.id for job in jobs)
+    assert queued_ids(server) == [first.id]
+    server.admin.config_set("maxmemory", 0)
+    assert sweep(runtime, now=time.time() + 60).error is None
+    assert queued_ids(server) == sorted([first.id, *(job.id for job in jobs)])
+
+
 def test_a_job_message_redis_refuses_or_loses_stays_owed_then_goes_once(
-    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+    broker_apart: tuple[PrivateRedis, Celery, Runtime], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A Redis broker with the job store elsewhere: each OJS message is pushed with the kombu
     client kept for the channel. Refused (an error reply: out of memory), the job is stored
     and owed, one line says so, and the sweeper sends it once the broker takes writes again;
     after the broker cut every connection, the next job's message still arrives, once."""
-    server = PrivateRedis(tmp_path)
-    app = Celery("putfail", broker=server.url, set_as_current=False)
-    app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
-    runtime = install(app)
-
-    @app.task(shared=False, name="put.one", base=OJSTask)
-    def job_task() -> None:
-        return None
-
-    def queued_ids() -> list[str]:
-        lists = [key for key in server.admin.keys("celery*") if server.admin.type(key) == "list"]
-        return sorted(json.loads(message)["headers"]["id"]
-                      for key in lists for message in server.admin.lrange(key, 0, -1))
-
-    try:
-        first = enqueue({"type": "put.one", "args": [0]}, app=app)  # declares, keeps a client
-        assert runtime.joint_store is None
-        server.admin.config_set("maxmemory", 1)  # every write is refused from now on
-        with caplog.at_level(logging.ERROR, logger="ojs_celery"):
-            refused = enqueue({"type": "put.one", "args": [1]}, app=app)
-        assert refused.state == "available"
-        said = [r.getMessage() for r in caplog.records if refused.id in r.getMessage()]
-        assert len(said) == 1 and "could not be published" in said[0]
-        runtime.flush()
-        owed = runtime.store.due("dispatch", now=time.time() + 3600, limit=10)
-        assert [job_id for job_id, _ in owed] == [refused.id]
-        assert queued_ids() == [first.id]
-        server.admin.config_set("maxmemory", 0)
-        assert sweep(runtime, now=time.time() + 60).error is None
-        assert queued_ids() == sorted([first.id, refused.id])
-        server.admin.client_kill_filter(_type="normal", skipme=True)  # the broker cuts us off
-        after_cut = enqueue({"type": "put.one", "args": [2]}, app=app)
-        assert queued_ids() == sorted([first.id, refused.id, after_cut.id])
-    finally:
-        runtime.close()
-        app.close()
-        server.stop()
+    server, app, runtime = broker_apart
+    first = enqueue({"type": APART, "args": [0]}, app=app)  # declares, keeps a client
+    assert runtime.joint_store is None
+    server.admin.config_set("maxmemory", 1)  # every write is refused from now on
+    with caplog.at_level(logging.ERROR, logger="ojs_celery"):
+        refused = enqueue({"type": APART, "args": [1]}, app=app)
+    assert refused.state == "available"
+    said = [r.getMessage() for r in caplog.records if refused.id in r.getMessage()]
+    assert len(said) == 1 and "could not be published" in said[0]
+    runtime.flush()
+    owed = runtime.store.due("dispatch", now=time.time() + 3600, limit=10)
+    assert [job_id for job_id, _ in owed] == [refused.id]
+    assert queued_ids(server) == [first.id]
+    server.admin.config_set("maxmemory", 0)
+    assert sweep(runtime, now=time.time() + 60).error is None
+    assert queued_ids(server) == sorted([first.id, refused.id])
+    server.admin.client_kill_filter(_type="normal", skipme=True)  # the broker cuts us off
+    after_cut = enqueue({"type": APART, "args": [2]}, app=app)
+    assert queued_ids(server) == sorted([first.id, refused.id, after_cut.id])
