@@ -16,16 +16,14 @@ If the message never reaches ``_put`` (the publish failed before it), the record
 alone afterwards with its outbox entry, as for any job whose message is owed.
 
 The same ``_put`` pushes every other OJS message (a store elsewhere, a retry, the sweeper's
-publishes) with one Redis client kept per kombu channel: kombu builds a ``redis.Redis`` client
-for each publish, and with redis-py's table of reply callbacks that costs about 50 µs, a fifth
-of a plain publish. The push is kombu's own (its list key, its client class, so its
-``global_keyprefix``); a batch and a queue with ``x-expires`` go through kombu's ``_put``, and
-so does every message that is not an OJS job's.
+publishes) with the Redis client kept per kombu channel (:mod:`ojs_celery.kept_client`) instead
+of the one kombu builds for each publish. The push is kombu's own (its list key, its client
+class, so its ``global_keyprefix``); a batch and a queue with ``x-expires`` go through kombu's
+``_put``, and so does every message that is not an OJS job's.
 """
 
 from __future__ import annotations
 
-import weakref
 from contextvars import ContextVar
 from typing import Any
 
@@ -34,6 +32,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
 from . import header
+from .kept_client import client_of
 from .lifecycle import Transition, deadlines
 from .store import DuplicateJob, JobStore, StoreError
 from .store.redis import RedisStore
@@ -133,19 +132,6 @@ def joint_store(store: JobStore, broker: Connection) -> RedisStore | None:
     return store if theirs == ours else None
 
 
-#: kombu's Redis client of each channel, made once (see the module docstring).
-_clients: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
-def _client_of(channel: Any) -> Any:
-    """The client kombu's ``_put`` would make for ``channel``, made once per channel and its
-    connection pool (kombu makes a new pool after a reconnect)."""
-    client = _clients.get(channel)
-    if client is None or client.connection_pool is not channel.pool:
-        client = _clients[channel] = channel._create_client()
-    return client
-
-
 def install_put() -> None:
     """Let kombu's Redis channel hand a joint job's message to its :class:`JointCreate`, and
     push the other OJS messages with a client kept per channel (idempotent; process-wide,
@@ -171,7 +157,7 @@ def install_put() -> None:
         if joint is None or joint.written is not None or headers.get("id") != joint.job_id:
             # not the job being created (a retry, the sweeper, a store elsewhere; another queue
             # of a fanout exchange, or kombu's retry of its own push after store_first)
-            _client_of(self).lpush(key, payload)
+            client_of(self).lpush(key, payload)
             return None
         joint.push(getattr(self, "global_keyprefix", "") + key, payload)
         return None

@@ -153,17 +153,21 @@ class Runtime:
     @property
     def broker_driver(self) -> str:
         """The broker's kind (``amqp``, ``redis``, ``filesystem``...), asked of kombu once
-        without connecting (``unknown`` when the transport's client library is missing)."""
+        without connecting (``unknown`` when the transport's client library is missing). On a
+        Redis broker, learning it installs the hooks that spare kombu's per-command client for
+        OJS messages in this process."""
         if self._broker_driver is None:
             try:
                 with self.app.connection_for_write() as connection:
                     self._broker_driver = str(connection.transport.driver_type)
             except ImportError:
                 self._broker_driver = "unknown"
-            if self._broker_driver == "redis":  # known at this process's first OJS publish
+            if self._broker_driver == "redis":  # known at a first OJS publish, a worker's start
                 from .joint import install_put
+                from .kept_client import install_qos
 
                 install_put()  # kombu's Redis _put for OJS messages (see ojs_celery.joint)
+                install_qos()  # and its QoS bookkeeping of them (ojs_celery.kept_client)
         return self._broker_driver
 
     def flush(self) -> None:

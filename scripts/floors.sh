@@ -2,8 +2,8 @@
 # Install the lowest version of every dependency that pyproject.toml allows (the floors) in a
 # scratch virtualenv and run the store contract suite (SQLite, PostgreSQL, Redis), the SQLite
 # store's lane (SQLAlchemy's pool hands it its connection), the Redis store's own tests (its
-# lane and scripts, the joint write and the kept client through kombu's Redis channel, the
-# queue bound once per channel) and the tests of what the other floors carry (pydantic:
+# lane and scripts, the joint write and the kept client through kombu's Redis channel and
+# QoS, the queue bound once per channel) and the tests of what the other floors carry (pydantic:
 # envelope and settings; click: the CLI).
 # Raise a floor in pyproject.toml and here together.
 #
@@ -23,7 +23,7 @@ FLOORS=(
     "hiredis==2.1.0"              # the oldest with wheels for Python 3.11
     "psycopg==3.1.4" "psycopg-binary==3.1.4"   # the oldest binary wheels for Python 3.11
 )
-TESTS=${FLOORS_TESTS:-"tests/test_store_contract.py tests/test_sqlite_lane.py tests/test_redis_indexes.py tests/test_joint.py tests/test_publish_binding.py tests/test_compat.py tests/test_envelope.py tests/test_conf.py tests/test_cli.py"}
+TESTS=${FLOORS_TESTS:-"tests/test_store_contract.py tests/test_sqlite_lane.py tests/test_redis_indexes.py tests/test_joint.py tests/test_kept_client.py tests/test_publish_binding.py tests/test_compat.py tests/test_envelope.py tests/test_conf.py tests/test_cli.py"}
 PYTHON=${PYTHON:-python3}
 ROOT=${COMPAT_DIR:-.compat}
 venv="$ROOT/venv-floors"

@@ -25,7 +25,9 @@ class RegistrationStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def start(self, parent: Any) -> None:
         if getattr(parent, "ojs", None) is not None:
             return  # consumer restarts (broker reconnects) start steps again
-        node = WorkerNode(get_runtime(parent.app), parent)
+        runtime = get_runtime(parent.app)
+        runtime.broker_driver  # noqa: B018 - on Redis, kombu's hooks for OJS messages (runtime)
+        node = WorkerNode(runtime, parent)
         parent.ojs = node
         info = node.info()
         try:

@@ -1,0 +1,80 @@
+"""One kombu Redis client per channel for what kombu does with OJS messages.
+
+kombu's Redis transport builds a new ``redis.Redis`` client for every command it sends outside
+its consumer loop: each publish (``Channel._put``) and, in a worker, each message's bookkeeping
+(``QoS.append`` when it is delivered, ``QoS.ack`` or ``QoS.reject`` when it is done). With
+redis-py's table of reply callbacks a client costs about 50 µs to build, so a worker's main
+process pays two per message, as much as a fifth of its work per job.
+
+For OJS messages (those with an ``ojs`` header) the client kombu would build is built once per
+channel and kept: :func:`client_of` here, used by the ``_put`` of :mod:`ojs_celery.joint` and
+by the QoS hooks that :func:`install_qos` adds. The commands, their keys and the client's class
+(so its ``global_keyprefix``) stay kombu's; only the client object is reused. Every other
+message keeps kombu's own path.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextvars import ContextVar
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+
+from . import header
+
+__all__ = ["client_of", "install_qos"]
+
+#: kombu's Redis client of each channel, made once (see the module docstring).
+_clients: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+#: Set while kombu's QoS handles an OJS message: its pipelines come from the kept client.
+_keeping: ContextVar[bool] = ContextVar("ojs_celery_kept_client", default=False)
+
+
+def client_of(channel: Any) -> Any:
+    """The client kombu would make for ``channel``, made once per channel and its connection
+    pool (kombu makes a new pool after a reconnect)."""
+    client = _clients.get(channel)
+    if client is None or client.connection_pool is not channel.pool:
+        client = _clients[channel] = channel._create_client()
+    return client
+
+
+def _is_ojs(message: Any) -> bool:
+    headers = getattr(message, "headers", None)
+    return isinstance(headers, dict) and header.NAME in headers
+
+
+def install_qos() -> None:
+    """Let kombu's Redis QoS record, acknowledge and reject OJS messages with the channel's
+    kept client (idempotent; process-wide, a no-op for every other message)."""
+    qos: Any = kombu_redis.QoS
+    if getattr(qos.pipe_or_acquire, "__ojs_kept__", False):
+        return
+    pipe_or_acquire, append, ack, reject = qos.pipe_or_acquire, qos.append, qos.ack, qos.reject
+
+    def kept_pipe_or_acquire(self: Any, pipe: Any = None, client: Any = None) -> Any:
+        if pipe is None and client is None and _keeping.get():
+            client = client_of(self.channel)
+        return pipe_or_acquire(self, pipe, client)
+
+    def kept(method: Any, message_of: Any) -> Any:
+        def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not _is_ojs(message_of(self, args)):
+                return method(self, *args, **kwargs)
+            token = _keeping.set(True)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                _keeping.reset(token)
+
+        return hooked
+
+    def delivered(self: Any, args: tuple[Any, ...]) -> Any:
+        return self._delivered.get(args[0]) if args else None
+
+    kept_pipe_or_acquire.__ojs_kept__ = True  # type: ignore[attr-defined]
+    qos.pipe_or_acquire = kept_pipe_or_acquire
+    qos.append = kept(append, lambda self, args: args[0] if args else None)
+    qos.ack = kept(ack, delivered)
+    qos.reject = kept(reject, delivered)
