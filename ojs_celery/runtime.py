@@ -171,14 +171,9 @@ class Runtime:
         return self._broker_driver
 
     def flush(self) -> None:
-        """Wait for this process's pending outbox acknowledgements, bus events and, on a
-        Redis broker, kombu's deferred acks of OJS messages."""
+        """Wait for this process's pending outbox acknowledgements and bus events."""
         self.acks.flush()
         self.bus.flush()
-        if self._broker_driver == "redis":
-            from .kept_client import deferred_acks
-
-            deferred_acks.flush()
 
     def close(self) -> None:
         self.acks.flush()

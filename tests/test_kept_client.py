@@ -7,27 +7,20 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import pathlib
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
-from celery import Celery
-from kombu import Connection, Consumer, Queue
+from kombu import Consumer, Queue
 from kombu.transport import redis as kombu_redis
 
-from ojs_celery import OJSTask, enqueue, enqueue_batch, get_job, install
-from ojs_celery.kept_client import deferred_acks, install_qos
+from ojs_celery import enqueue, enqueue_batch, get_job
+from ojs_celery.kept_client import install_qos
 from tests.e2eapp import make_app as e2e_app
 from tests.test_joint import TYPE, make_app
 from tests.test_store_faults import PrivateRedis
-from tests.workers import lines, redis_config, running_worker, unique, wait_for
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.workers import lines, redis_config, running_worker, wait_for
 
 
 @pytest.fixture
@@ -67,8 +60,7 @@ def test_ojs_messages_are_recorded_and_acknowledged_with_one_client(
     """A consumer takes OJS and plain messages from one queue: kombu records each delivery
     and removes it on ack or reject, in its own prefixed keys, but makes no client for an OJS
     message's commands (one is kept for the channel), while each plain message still gets
-    kombu's two. A plain message's removal is done when its ack returns; an OJS message's once
-    the deferred acks are flushed."""
+    kombu's two."""
     app = make_app(server.url, broker_transport_options={"global_keyprefix": "pfx:"})
     install_qos()
     queue = str(app.conf.task_default_queue)
@@ -92,9 +84,6 @@ def test_ojs_messages_are_recorded_and_acknowledged_with_one_client(
         taken[jobs[0]].reject(requeue=False)
         for job_id in jobs[1:] + plain:
             taken[job_id].ack()
-        recorded, _ = unacked(server, "pfx:")
-        assert not recorded & {taken[job_id].delivery_tag for job_id in plain + jobs[:1]}
-        deferred_acks.flush()
         assert unacked(server, "pfx:") == (set(), set())  # every entry removed
         assert delivered == 1 + len(plain)  # the channel's kept client; kombu's per plain one
         assert len(clients_made) == delivered + len(plain)  # acks: none for an OJS message
@@ -135,20 +124,19 @@ def test_an_ojs_message_not_acknowledged_goes_back_to_its_queue(
         assert unacked(server, "pfx:") == (set(), set())
         again = take(connection)
         again.ack()
-        deferred_acks.flush()
         assert unacked(server, "pfx:") == (set(), set())
         assert connection.default_channel.basic_get(queue) is None
     app._ojs_runtime.store.clear()
     app.close()
 
 
-def test_a_worker_records_deliveries_and_removes_them_in_batches(
+def test_a_worker_records_each_delivery_and_removes_it(
     server: PrivateRedis, tmp_path: pathlib.Path
 ) -> None:
-    """A real worker on a private Redis broker (the job store in SQLite, so that every command
-    the server counts is kombu's): a running job's delivery is in kombu's record, every job
-    runs once, and once all are done the record is empty, its removals sent in batches (kombu
-    alone sends one HDEL per message)."""
+    """A real worker on a private Redis broker (its main process installs the hooks at start;
+    the job store in SQLite, so that the server holds kombu's keys alone): a running job's
+    delivery is in kombu's record, every job runs once, and once all are done the record is
+    empty."""
     config = redis_config(tmp_path, server.url)
     config["ojs"]["store_url"] = f"sqlite:///{tmp_path / 'store.sqlite3'}"
     config["ojs"]["events"] = False
@@ -161,7 +149,6 @@ def test_a_worker_records_deliveries_and_removes_them_in_batches(
                        for entry in server.admin.hvals("unacked"))
 
         wait_for(lambda: recorded(slow.id), 15, "the running job's delivery recorded")
-        server.admin.config_resetstat()
         jobs = enqueue_batch([{"type": "e2e.add", "args": [i, 1]} for i in range(40)], app=app)
 
         def completed(job_id: str) -> Any:
@@ -175,117 +162,5 @@ def test_a_worker_records_deliveries_and_removes_them_in_batches(
         wait_for(lambda: unacked(server) == (set(), set()), 15, "every delivery removed")
         runs = lines(config["dir"], "runs")
         assert all(runs.count(f"add {job.id}") == 1 for job in jobs)
-        removals = int(server.admin.info("commandstats")["cmdstat_hdel"]["calls"])
-        assert 1 <= removals < len(jobs) + 1  # 41 acks: fewer batches than acks
     app._ojs_runtime.store.clear()
-    app.close()
-
-
-def test_a_refused_removal_is_reported_and_later_acks_are_removed(
-    server: PrivateRedis, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Redis refuses a batch of deferred removals (an error reply: kombu's index key holds
-    another type): a warning says so, the consumer goes on, and the next ack is removed."""
-    app = make_app(server.url)
-    install_qos()
-    queue = str(app.conf.task_default_queue)
-    jobs = [enqueue({"type": TYPE, "args": [i, i]}, app=app).id for i in range(2)]
-    with app.connection_for_read() as connection:
-        taken: dict[str, Any] = {}
-        with Consumer(connection, [Queue(queue)], accept=["json"],
-                      callbacks=[lambda _body, message: taken.update(
-                          {message.headers["id"]: message})]):
-            while len(taken) < len(jobs):
-                connection.drain_events(timeout=10)
-        index = dict(server.admin.zrange("unacked_index", 0, -1, withscores=True))
-        server.admin.delete("unacked_index")
-        server.admin.set("unacked_index", "not a sorted set")
-        with caplog.at_level(logging.WARNING, logger="ojs_celery.kept_client"):
-            taken[jobs[0]].ack()
-            deferred_acks.flush()
-        assert [r.levelname for r in caplog.records if r.name == "ojs_celery.kept_client"] == [
-            "WARNING"]
-        server.admin.delete("unacked_index")
-        server.admin.zadd("unacked_index", index)
-        taken[jobs[1]].ack()
-        deferred_acks.flush()
-        second = taken[jobs[1]].delivery_tag
-        assert all(second not in keys for keys in unacked(server))
-    app._ojs_runtime.store.clear()
-    app.close()
-
-
-COUNTED = "kept.counted"
-
-
-def counting_app(url: str, queue: str) -> Celery:
-    """Broker and store on ``url``; the task counts its runs in Redis, per job."""
-    app = Celery(f"counting-{queue}", broker=url, set_as_current=False)
-    app.conf.update(task_default_queue=queue)
-    app.conf.ojs = {"store_url": url, "events": False}
-    install(app)
-
-    @app.task(shared=False, name=COUNTED, base=OJSTask, bind=True)
-    def counted(self: Any) -> None:
-        with redis.Redis.from_url(url) as client:
-            client.incr(f"runs:{self.request.id}")
-
-    return app
-
-
-#: A consumer that takes one message and handles it as Celery's worker does (the OJS start, the
-#: handler, the outcome, the ack), then is killed at once: before its deferred removal is sent.
-CONSUMER = """
-import os, sys
-from celery import Celery
-from kombu import Connection, Consumer, Queue
-from kombu.utils.imports import symbol_by_name
-from ojs_celery import install
-from tests.test_kept_client import COUNTED, counting_app
-
-app = counting_app(sys.argv[1], sys.argv[2])
-assert install(app).broker_driver == "redis"  # as a worker's start: the hooks are installed
-task = app.tasks[COUNTED]
-with app.connection_for_read() as connection:
-    taken = []
-    with Consumer(connection, [Queue(sys.argv[2])], accept=["json"],
-                  callbacks=[lambda body, message: taken.append(message)]):
-        while not taken:
-            connection.drain_events(timeout=10)
-    message = taken[0]
-    symbol_by_name(task.Request)(
-        message, app=app, task=task, hostname="consumer@test", on_ack=message.ack_log_error,
-        on_reject=message.reject_log_error, connection_errors=()).execute()
-    os._exit(0)
-"""
-
-
-def test_a_consumer_killed_before_its_removal_leaves_a_copy_that_never_runs(
-    server: PrivateRedis,
-) -> None:
-    """A consumer runs a job and is killed right after its ack, before the removal from
-    kombu's record is sent: the record keeps the delivery, kombu's visibility timeout puts the
-    message back, and the copy is dropped by the refused start: one run, the job completed."""
-    queue = unique("kq")
-    app = counting_app(server.url, queue)
-    job = app.tasks[COUNTED].apply_async()
-
-    def consume() -> None:
-        subprocess.run([sys.executable, "-c", CONSUMER, server.url, queue], check=True,
-                       cwd=ROOT, timeout=60)
-
-    consume()
-    store = app._ojs_runtime.store
-    record = store.get_record(job.id)
-    assert record is not None and record.job.state == "completed"
-    assert server.admin.get(f"runs:{job.id}") == "1"
-    assert unacked(server) != (set(), set())  # the removal was never sent
-    with Connection(server.url, transport_options={"visibility_timeout": 0}) as connection:
-        connection.default_channel.qos.restore_visible(num=10)  # as a worker's poller does
-    assert unacked(server) == (set(), set())
-    consume()  # takes the copy: its start is refused, the handler does not run
-    assert server.admin.get(f"runs:{job.id}") == "1"
-    again = store.get_record(job.id)
-    assert again is not None and (again.job.state, again.job.attempt) == ("completed", 1)
-    store.clear()
     app.close()

@@ -77,4 +77,4 @@ def deregister(node: WorkerNode, reason: str) -> None:
         "worker_id": node.worker_id, "reason": reason,
         "uptime_ms": round((time.time() - node.started_at) * 1000),
     }, subject=node.worker_id)
-    node.runtime.flush()
+    node.runtime.bus.flush()
