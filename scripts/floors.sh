@@ -3,8 +3,8 @@
 # scratch virtualenv and run the store contract suite (SQLite, PostgreSQL, Redis), the SQLite
 # store's lane (SQLAlchemy's pool hands it its connection), the Redis store's own tests (its
 # lane and scripts, the joint write and the kept client through kombu's Redis channel and
-# QoS, the queue bound once per channel) and the tests of what the other floors carry (pydantic:
-# envelope and settings; click: the CLI).
+# QoS, the queue bound once per channel) and the tests of what the other floors carry
+# (pydantic: envelope and settings; click: the CLI).
 # Raise a floor in pyproject.toml and here together.
 #
 #   scripts/floors.sh                       # venv under .compat/, kept between runs

@@ -26,7 +26,8 @@ class RegistrationStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if getattr(parent, "ojs", None) is not None:
             return  # consumer restarts (broker reconnects) start steps again
         runtime = get_runtime(parent.app)
-        runtime.broker_driver  # noqa: B018 - on Redis, kombu's hooks for OJS messages (runtime)
+        # learning the broker's kind installs, on Redis, kombu's hooks for OJS messages
+        runtime.broker_driver  # noqa: B018 - (Runtime.broker_driver, ojs_celery.kept_client)
         node = WorkerNode(runtime, parent)
         parent.ojs = node
         info = node.info()
