@@ -18,6 +18,7 @@ from ojs_celery.events import listen
 from ojs_celery.runtime import get_runtime
 from tests import services
 from tests.e2eapp import make_app
+from tests.test_store_faults import PrivateRedis
 from tests.workers import (
     Beat,
     Worker,
@@ -169,6 +170,17 @@ def app(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Cele
     drop = getattr(store, "drop_tables", None)
     if drop is not None:
         drop()
+
+
+@pytest.fixture
+def redis_server(tmp_path: pathlib.Path) -> Iterator[PrivateRedis]:
+    """A ``redis-server`` of the test's own (its counts and faults are the test's), stopped
+    after it."""
+    server = PrivateRedis(tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import json
 import logging
 import pathlib
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import kombu
@@ -33,12 +32,9 @@ TYPE = "joint.add"
 
 
 @pytest.fixture
-def server(tmp_path: pathlib.Path) -> Iterator[PrivateRedis]:
-    private = PrivateRedis(tmp_path)
-    try:
-        yield private
-    finally:
-        private.stop()
+def server(redis_server: PrivateRedis) -> PrivateRedis:
+    """This module's name for the test's own ``redis-server`` (conftest's ``redis_server``)."""
+    return redis_server
 
 
 def make_app(broker: str, store: str | None = None, **conf: Any) -> Celery:

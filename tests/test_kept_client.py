@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,15 +20,6 @@ from tests.e2eapp import make_app as e2e_app
 from tests.test_joint import TYPE, make_app
 from tests.test_store_faults import PrivateRedis
 from tests.workers import lines, redis_config, running_worker, wait_for
-
-
-@pytest.fixture
-def server(tmp_path: pathlib.Path) -> Iterator[PrivateRedis]:
-    private = PrivateRedis(tmp_path)
-    try:
-        yield private
-    finally:
-        private.stop()
 
 
 @pytest.fixture
@@ -48,20 +38,20 @@ def clients_made(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return made
 
 
-def unacked(server: PrivateRedis, prefix: str = "") -> tuple[set[str], set[str]]:
+def unacked(redis_server: PrivateRedis, prefix: str = "") -> tuple[set[str], set[str]]:
     """kombu's bookkeeping of delivered messages: the tags in its hash and in its index."""
-    return (set(server.admin.hkeys(f"{prefix}unacked")),
-            set(server.admin.zrange(f"{prefix}unacked_index", 0, -1)))
+    return (set(redis_server.admin.hkeys(f"{prefix}unacked")),
+            set(redis_server.admin.zrange(f"{prefix}unacked_index", 0, -1)))
 
 
 def test_ojs_messages_are_recorded_and_acknowledged_with_one_client(
-    server: PrivateRedis, clients_made: list[Any]
+    redis_server: PrivateRedis, clients_made: list[Any]
 ) -> None:
     """A consumer takes OJS and plain messages from one queue: kombu records each delivery
     and removes it on ack or reject, in its own prefixed keys, but makes no client for an OJS
     message's commands (one is kept for the channel), while each plain message still gets
     kombu's two."""
-    app = make_app(server.url, broker_transport_options={"global_keyprefix": "pfx:"})
+    app = make_app(redis_server.url, broker_transport_options={"global_keyprefix": "pfx:"})
     install_qos()
     queue = str(app.conf.task_default_queue)
     jobs = [enqueue({"type": TYPE, "args": [i, i]}, app=app).id for i in range(4)]
@@ -72,7 +62,7 @@ def test_ojs_messages_are_recorded_and_acknowledged_with_one_client(
         def received(body: Any, message: Any) -> None:
             taken[message.headers["id"]] = message
             tags = {message.delivery_tag}
-            assert all(tags <= keys for keys in unacked(server, "pfx:"))  # recorded, prefixed
+            assert all(tags <= keys for keys in unacked(redis_server, "pfx:"))  # recorded, prefixed
 
         # as a worker consumes: kombu's BRPOP on its channel's own client, then QoS.append
         with Consumer(connection, [Queue(queue)], callbacks=[received], accept=["json"]):
@@ -84,7 +74,7 @@ def test_ojs_messages_are_recorded_and_acknowledged_with_one_client(
         taken[jobs[0]].reject(requeue=False)
         for job_id in jobs[1:] + plain:
             taken[job_id].ack()
-        assert unacked(server, "pfx:") == (set(), set())  # every entry removed
+        assert unacked(redis_server, "pfx:") == (set(), set())  # every entry removed
         assert delivered == 1 + len(plain)  # the channel's kept client; kombu's per plain one
         assert len(clients_made) == delivered + len(plain)  # acks: none for an OJS message
     app._ojs_runtime.store.clear()
@@ -92,13 +82,13 @@ def test_ojs_messages_are_recorded_and_acknowledged_with_one_client(
 
 
 def test_an_ojs_message_not_acknowledged_goes_back_to_its_queue(
-    server: PrivateRedis, clients_made: list[Any]
+    redis_server: PrivateRedis, clients_made: list[Any]
 ) -> None:
     """What the kept client recorded is what kombu restores (a key prefix and a priority
     list included): a consumer whose channel closes with an OJS message taken and not
     acknowledged puts it back in the queue, and so does a reject with requeue; each time
     kombu's record ends empty, and the message is taken once more."""
-    app = make_app(server.url, broker_transport_options={"global_keyprefix": "pfx:"})
+    app = make_app(redis_server.url, broker_transport_options={"global_keyprefix": "pfx:"})
     install_qos()
     queue = str(app.conf.task_default_queue)
     job = enqueue({"type": TYPE, "args": [1, 2], "priority": 100}, app=app)
@@ -117,27 +107,27 @@ def test_an_ojs_message_not_acknowledged_goes_back_to_its_queue(
     with app.connection_for_read() as connection:
         take(connection)
         assert len(clients_made) == 1  # the channel's kept client recorded the delivery
-        assert unacked(server, "pfx:") != (set(), set())
-    assert unacked(server, "pfx:") == (set(), set())  # restored when the channel closed
+        assert unacked(redis_server, "pfx:") != (set(), set())
+    assert unacked(redis_server, "pfx:") == (set(), set())  # restored when the channel closed
     with app.connection_for_read() as connection:
         take(connection).reject(requeue=True)
-        assert unacked(server, "pfx:") == (set(), set())
+        assert unacked(redis_server, "pfx:") == (set(), set())
         again = take(connection)
         again.ack()
-        assert unacked(server, "pfx:") == (set(), set())
+        assert unacked(redis_server, "pfx:") == (set(), set())
         assert connection.default_channel.basic_get(queue) is None
     app._ojs_runtime.store.clear()
     app.close()
 
 
 def test_a_worker_records_each_delivery_and_removes_it(
-    server: PrivateRedis, tmp_path: pathlib.Path
+    redis_server: PrivateRedis, tmp_path: pathlib.Path
 ) -> None:
     """A real worker on a private Redis broker (its main process installs the hooks at start;
-    the job store in SQLite, so that the server holds kombu's keys alone): a running job's
+    the job store in SQLite, so that the redis_server holds kombu's keys alone): a running job's
     delivery is in kombu's record, every job runs once, and once all are done the record is
     empty."""
-    config = redis_config(tmp_path, server.url)
+    config = redis_config(tmp_path, redis_server.url)
     config["ojs"]["store_url"] = f"sqlite:///{tmp_path / 'store.sqlite3'}"
     config["ojs"]["events"] = False
     app = e2e_app(config)
@@ -146,7 +136,7 @@ def test_a_worker_records_each_delivery_and_removes_it(
 
         def recorded(job_id: str) -> bool:
             return any(json.loads(entry)[0]["headers"]["id"] == job_id
-                       for entry in server.admin.hvals("unacked"))
+                       for entry in redis_server.admin.hvals("unacked"))
 
         wait_for(lambda: recorded(slow.id), 15, "the running job's delivery recorded")
         jobs = enqueue_batch([{"type": "e2e.add", "args": [i, 1]} for i in range(40)], app=app)
@@ -159,7 +149,7 @@ def test_a_worker_records_each_delivery_and_removes_it(
             done = wait_for(functools.partial(completed, job.id), 30, f"{job.id} completed")
             assert done.result == i + 1
         wait_for(lambda: completed(slow.id), 15, "the slow job completed")
-        wait_for(lambda: unacked(server) == (set(), set()), 15, "every delivery removed")
+        wait_for(lambda: unacked(redis_server) == (set(), set()), 15, "every delivery removed")
         runs = lines(config["dir"], "runs")
         assert all(runs.count(f"add {job.id}") == 1 for job in jobs)
     app._ojs_runtime.store.clear()
