@@ -124,7 +124,7 @@ def test_a_worker_records_each_delivery_and_removes_it(
     redis_server: PrivateRedis, tmp_path: pathlib.Path
 ) -> None:
     """A real worker on a private Redis broker (its main process installs the hooks at start;
-    the job store in SQLite, so that the redis_server holds kombu's keys alone): a running job's
+    the job store in SQLite, so that the server holds kombu's keys alone): a running job's
     delivery is in kombu's record, every job runs once, and once all are done the record is
     empty."""
     config = redis_config(tmp_path, redis_server.url)
