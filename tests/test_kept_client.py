@@ -126,7 +126,8 @@ def test_a_worker_records_each_delivery_and_removes_it(
     """A real worker on a private Redis broker (its main process installs the hooks at start;
     the job store in SQLite, so that the server holds kombu's keys alone): a running job's
     delivery is in kombu's record, every job runs once, and once all are done the record is
-    empty."""
+    empty; the same after the server cuts every connection (kombu reconnects, and the kept
+    clients of the old channels are not used again)."""
     config = redis_config(tmp_path, redis_server.url)
     config["ojs"]["store_url"] = f"sqlite:///{tmp_path / 'store.sqlite3'}"
     config["ojs"]["events"] = False
@@ -145,12 +146,19 @@ def test_a_worker_records_each_delivery_and_removes_it(
             job = get_job(job_id, app=app)
             return job if job is not None and job.state == "completed" else None
 
-        for i, job in enumerate(jobs):
-            done = wait_for(functools.partial(completed, job.id), 30, f"{job.id} completed")
-            assert done.result == i + 1
+        def all_done(jobs: list[Any]) -> None:
+            for i, job in enumerate(jobs):
+                done = wait_for(functools.partial(completed, job.id), 30, f"{job.id} completed")
+                assert done.result == i + 1
+            wait_for(lambda: unacked(redis_server) == (set(), set()), 15,
+                     "every delivery removed")
+            runs = lines(config["dir"], "runs")
+            assert all(runs.count(f"add {job.id}") == 1 for job in jobs)
+
         wait_for(lambda: completed(slow.id), 15, "the slow job completed")
-        wait_for(lambda: unacked(redis_server) == (set(), set()), 15, "every delivery removed")
-        runs = lines(config["dir"], "runs")
-        assert all(runs.count(f"add {job.id}") == 1 for job in jobs)
+        all_done(jobs)
+        redis_server.admin.client_kill_filter(_type="normal", skipme=True)
+        all_done(enqueue_batch([{"type": "e2e.add", "args": [i, 1]} for i in range(10)],
+                               app=app))
     app._ojs_runtime.store.clear()
     app.close()
