@@ -62,7 +62,8 @@ def test_ojs_messages_are_recorded_and_acknowledged_with_one_client(
         def received(body: Any, message: Any) -> None:
             taken[message.headers["id"]] = message
             tags = {message.delivery_tag}
-            assert all(tags <= keys for keys in unacked(redis_server, "pfx:"))  # recorded, prefixed
+            # recorded, in the prefixed keys
+            assert all(tags <= keys for keys in unacked(redis_server, "pfx:"))
 
         # as a worker consumes: kombu's BRPOP on its channel's own client, then QoS.append
         with Consumer(connection, [Queue(queue)], callbacks=[received], accept=["json"]):
@@ -126,8 +127,8 @@ def test_a_worker_records_each_delivery_and_removes_it(
     """A real worker on a private Redis broker (its main process installs the hooks at start;
     the job store in SQLite, so that the server holds kombu's keys alone): a running job's
     delivery is in kombu's record, every job runs once, and once all are done the record is
-    empty; the same after the server cuts every connection (kombu reconnects, and the kept
-    clients of the old channels are not used again)."""
+    empty; the same after the server cuts every connection (kombu reconnects the worker and
+    the producer)."""
     config = redis_config(tmp_path, redis_server.url)
     config["ojs"]["store_url"] = f"sqlite:///{tmp_path / 'store.sqlite3'}"
     config["ojs"]["events"] = False
