@@ -88,10 +88,12 @@ APART = "apart.job"
 
 
 @pytest.fixture
-def broker_apart(tmp_path: pathlib.Path) -> Iterator[tuple[PrivateRedis, Celery, Runtime]]:
+def broker_apart(
+    redis_server: PrivateRedis, tmp_path: pathlib.Path
+) -> Iterator[tuple[PrivateRedis, Celery, Runtime]]:
     """A private Redis as broker, with the job store apart from it (SQLite): its faults are
     the test's own."""
-    server = PrivateRedis(tmp_path)
+    server = redis_server
     app = Celery(unique("apart"), broker=server.url, set_as_current=False)
     app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
     runtime = install(app)
@@ -105,7 +107,6 @@ def broker_apart(tmp_path: pathlib.Path) -> Iterator[tuple[PrivateRedis, Celery,
     finally:
         runtime.close()
         app.close()
-        server.stop()
 
 
 def queued_ids(server: PrivateRedis) -> list[str]:

@@ -86,12 +86,9 @@ class PrivateRedis:
 
 
 @pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path)
-    try:
-        yield server
-    finally:
-        server.stop()
+def private_redis(redis_server: PrivateRedis) -> PrivateRedis:
+    """This module's name for the test's own ``redis-server`` (conftest's ``redis_server``)."""
+    return redis_server
 
 
 class Ops:
