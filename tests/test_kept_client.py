@@ -8,18 +8,23 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
+import subprocess
+import sys
 from typing import Any
 
 import pytest
-from kombu import Consumer, Queue
+import redis
+from kombu import Connection, Consumer, Queue
 from kombu.transport import redis as kombu_redis
 
 from ojs_celery import enqueue, enqueue_batch, get_job
 from ojs_celery.kept_client import install_qos
 from tests.e2eapp import make_app as e2e_app
-from tests.test_joint import TYPE, make_app
+from tests.test_joint import TYPE, make_app, queued
 from tests.test_store_faults import PrivateRedis
 from tests.workers import lines, redis_config, running_worker, wait_for
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -161,5 +166,79 @@ def test_a_worker_records_each_delivery_and_removes_it(
         redis_server.admin.client_kill_filter(_type="normal", skipme=True)
         all_done(enqueue_batch([{"type": "e2e.add", "args": [i, 1]} for i in range(10)],
                                app=app))
+    app._ojs_runtime.store.clear()
+    app.close()
+
+
+def test_an_error_reply_on_the_ack_is_raised_as_kombu_raises_it(
+    redis_server: PrivateRedis, clients_made: list[Any]
+) -> None:
+    """Redis refuses an ack's removal (an error reply: kombu's index key holds another type):
+    an OJS message's ack raises the same error as a plain message's, with no client built for
+    it, and once the key is mended the OJS message is acknowledged and removed."""
+    app = make_app(redis_server.url)
+    install_qos()
+    queue = str(app.conf.task_default_queue)
+    job = enqueue({"type": TYPE, "args": [1, 2]}, app=app).id
+    plain = app.send_task("plain.task", queue=queue).id
+    with app.connection_for_read() as connection:
+        taken: dict[str, Any] = {}
+        with Consumer(connection, [Queue(queue)], accept=["json"],
+                      callbacks=[lambda _body, message: taken.update(
+                          {message.headers["id"]: message})]):
+            while len(taken) < 2:
+                connection.drain_events(timeout=10)
+        index = dict(redis_server.admin.zrange("unacked_index", 0, -1, withscores=True))
+        redis_server.admin.delete("unacked_index")
+        redis_server.admin.set("unacked_index", "not a sorted set")
+        clients_made.clear()
+        for job_id in (plain, job):
+            with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+                taken[job_id].ack()
+        assert len(clients_made) == 1  # kombu's, for the plain message's ack
+        redis_server.admin.delete("unacked_index")
+        redis_server.admin.zadd("unacked_index", index)
+        taken[job].ack()  # its MULTI's HDEL went through the first time; ZREM now does too
+        assert taken[job].delivery_tag not in set().union(*unacked(redis_server))
+    app._ojs_runtime.store.clear()
+    app.close()
+
+
+#: A consumer that takes one message and is killed (``os._exit``) without acknowledging it.
+KILLED_CONSUMER = """
+import os, sys
+from kombu import Connection, Consumer, Queue
+from ojs_celery.kept_client import install_qos
+
+install_qos()
+with Connection(sys.argv[1]) as connection:
+    taken = []
+    with Consumer(connection, [Queue(sys.argv[2])], accept=["json"],
+                  callbacks=[lambda body, message: taken.append(message)]):
+        while not taken:
+            connection.drain_events(timeout=10)
+    assert "ojs" in taken[0].headers
+    os._exit(0)
+"""
+
+
+def test_a_consumer_killed_holding_an_ojs_message_leaves_it_to_be_restored(
+    redis_server: PrivateRedis,
+) -> None:
+    """A consumer takes an OJS message (recorded by the kept client) and is killed before its
+    ack: the record keeps the delivery, and kombu's visibility-timeout restore puts the
+    message back in its queue, once."""
+    app = make_app(redis_server.url)
+    queue = str(app.conf.task_default_queue)
+    job = enqueue({"type": TYPE, "args": [1, 2]}, app=app)
+    subprocess.run([sys.executable, "-c", KILLED_CONSUMER, redis_server.url, queue],
+                   check=True, cwd=ROOT, timeout=60)
+    assert queued(redis_server) == {}
+    assert unacked(redis_server) != (set(), set())
+    with Connection(redis_server.url, transport_options={"visibility_timeout": 0}) as connection:
+        connection.default_channel.qos.restore_visible(num=10)  # as a worker's poller does
+    assert unacked(redis_server) == (set(), set())
+    [key] = queued(redis_server)[job.id]  # in one of kombu's priority lists of the queue
+    assert key.startswith(queue) and len(queued(redis_server)) == 1
     app._ojs_runtime.store.clear()
     app.close()
