@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
@@ -213,11 +214,27 @@ def enqueue_job(
             publish(runtime, transition.record.job, transition.publish, record=transition.record)
         except Exception as exc:  # the store write decides what enqueue reports
             unpublished = exc
+        except BaseException:  # interrupted: Ctrl-C, gevent's Timeout, a worker's exit
+            _settle_interrupted(job.id, confirm)
+            raise
     confirm()  # raises if nothing was stored: the message, if sent, names no job
     runtime.emit(transition)
     if unpublished is not None:
         log_unpublished(job.id, unpublished)
     return transition.record.job
+
+
+def _settle_interrupted(job_id: str, confirm: Callable[[], None]) -> None:
+    """Wait for the store write of an enqueue whose publish was interrupted. The store's
+    connection is held for that write until its reply is read (the fast lanes of
+    ``store/redis_lane.py`` and ``store/pg_lane.py``): read, it is free for the process's next
+    write. The caller sees the interrupt, not this write's outcome; a job that got stored has
+    its message owed, which the sweeper publishes."""
+    try:
+        confirm()
+    except Exception as exc:  # the interrupt is what the caller is told
+        logger.warning("ojs_celery: enqueue of job %s was interrupted and its store write "
+                       "failed: %r", job_id, exc)
 
 
 def _same_job_again(runtime: Runtime, job: Job) -> Job:

@@ -1,0 +1,79 @@
+"""An enqueue interrupted while its message is being published (Ctrl-C, gevent's ``Timeout``,
+a worker told to exit: a ``BaseException``, not an error) leaves the process's store connection
+free and loses no job: the interrupt reaches the caller, the job the store took has its message
+owed, and the sweeper publishes it.
+
+On a store that is not the broker's Redis, ``enqueue`` publishes while the store's insert is in
+flight on the store's fast lane, which is held until the insert's reply is read."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.signals import before_task_publish
+
+from ojs_celery import enqueue
+from ojs_celery.runtime import get_runtime
+from ojs_celery.sweeper import sweep
+from tests import services
+from tests.conftest import messages
+from tests.e2eapp import make_app
+from tests.workers import filesystem_config, unique
+
+
+class Interrupt(BaseException):
+    """What gevent's ``Timeout`` and ``KeyboardInterrupt`` are: not an ``Exception``."""
+
+
+@pytest.fixture(params=["redis", "postgresql"])
+def app(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Celery]:
+    """The embedded broker with a Redis or PostgreSQL job store (whose inserts take the lane)."""
+    config = filesystem_config(tmp_path)
+    url = services.redis_url() if request.param == "redis" else services.postgres_url()
+    config["ojs"] = {"store_url": url, "store_prefix": unique("intr"), "events": False}
+    celery_app = make_app(config)
+    yield celery_app
+    runtime = get_runtime(celery_app)
+    runtime.close()  # first: a lane left in a transaction would keep the tables locked
+    runtime.store.clear()
+    drop = getattr(runtime.store, "drop_tables", None)
+    if drop is not None:
+        drop()
+
+
+def test_an_interrupted_publish_loses_no_job_and_frees_the_store(app: Celery) -> None:
+    enqueue({"type": "e2e.add", "args": [0, 0]}, app=app)  # the lane's connection is made
+    interrupted: list[str] = []
+
+    def interrupt(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        interrupted.append(headers["id"])
+        raise Interrupt()
+
+    before_task_publish.connect(interrupt, weak=False)
+    try:
+        with pytest.raises(Interrupt):
+            enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+    finally:
+        before_task_publish.disconnect(interrupt)
+    [job_id] = interrupted
+    runtime = get_runtime(app)
+    record = runtime.store.get_record(job_id)
+    assert record is not None and record.job.state == "available"
+    assert record.dispatch_due is not None  # its message is owed
+    published = len(messages(app))  # the first enqueue's message only
+    assert published == 1
+
+    lane = runtime.store._lane  # type: ignore[attr-defined]
+    assert not lane._lock.locked(), "the store's lane stayed held by the interrupted insert"
+    after = enqueue({"type": "e2e.add", "args": [3, 4]}, app=app)
+    assert runtime.store.get(after.id) is not None
+
+    assert sweep(runtime, now=time.time() + 60).error is None  # past dispatch_grace
+    assert len(messages(app)) == published + 2  # the next enqueue's, and the one owed
+    owed = runtime.store.get_record(job_id)
+    assert owed is not None and owed.dispatch_due is None
