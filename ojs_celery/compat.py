@@ -29,6 +29,7 @@ __all__ = [
     "filesystem_message_names",
     "hide_setting",
     "jitter_backoff",
+    "keeps_bound_queues",
     "pool_connection",
     "require_backend_extra",
     "require_broker_extra",
@@ -50,6 +51,24 @@ def _copy(items: Iterable[Any]) -> list[Any]:
 
 
 # --- kombu ------------------------------------------------------------------------------------
+
+
+def _kombu_version() -> tuple[int, int]:
+    import kombu
+
+    major, minor = (int(part) for part in kombu.__version__.split(".")[:2])
+    return major, minor
+
+
+def keeps_bound_queues() -> bool:
+    """May a publish name a queue bound to a channel before the call (``producer.bound_queue``)?
+
+    After a lost connection kombu's ``Producer.publish`` retries with the same ``declare``
+    list. kombu 5.7.0 revives an entity still bound to the closed channel onto the new one;
+    kombu 5.5.4 and 5.6.2 raise ``RecoverableConnectionError('channel disconnected')`` on every
+    retry (the message is not sent); kombu 5.4.2 declares on the producer's current channel.
+    """
+    return not (5, 5) <= _kombu_version() < (5, 7)
 
 
 def call_soon(consumer: Any, callback: Any, *args: Any) -> None:
@@ -197,10 +216,7 @@ _STORE_EXTRAS = {
 def _kombu_redis_modules() -> tuple[str, ...]:
     """What kombu's Redis transport imports: also ``packaging`` from kombu 5.5 on (5.7 installs
     it only with its own ``redis`` extra; 5.4.2 does not use it)."""
-    import kombu
-
-    major, minor = (int(part) for part in kombu.__version__.split(".")[:2])
-    return ("redis", "packaging") if (major, minor) >= (5, 5) else ("redis",)
+    return ("redis", "packaging") if _kombu_version() >= (5, 5) else ("redis",)
 
 
 _BROKER_EXTRAS = {

@@ -24,7 +24,7 @@ from kombu.common import Broadcast
 from kombu.entity import Queue
 from kombu.exceptions import OperationalError
 
-from . import header
+from . import compat, header
 from .conf import Settings
 from .envelope import (
     CELERY_KWARGS_FIELD,
@@ -192,6 +192,7 @@ def publish(
 #: with very many queues) rather than a weak one that the values would keep alive.
 _bound_queues: dict[tuple[int, str], tuple[Any, Queue, Queue]] = {}
 _MAX_BOUND = 256
+_KEEPS_BOUND_QUEUES = compat.keeps_bound_queues()
 
 
 def bound_queue(app: Celery, name: str, producer: Any) -> Queue | str:
@@ -204,7 +205,10 @@ def bound_queue(app: Celery, name: str, producer: Any) -> Queue | str:
     the binding): for a queue given by name, kombu binds a fresh copy of it, its exchange and
     its bindings to the channel for each message, about a twentieth of a publish's
     instructions. A queue bound already is used as it is; the declaration, its cache and the
-    routing stay kombu's and Celery's (kombu rebinds the queue itself after a reconnect)."""
+    routing stay kombu's and Celery's (kombu rebinds the queue itself after a reconnect; on
+    kombu 5.5 and 5.6, which cannot, the name is returned: see ``compat.keeps_bound_queues``)."""
+    if not _KEEPS_BOUND_QUEUES:
+        return name
     connection = getattr(producer, "connection", None)
     if connection is None or not connection.connected:
         return name

@@ -23,7 +23,7 @@ FLOORS=(
     "hiredis==2.1.0"              # the oldest with wheels for Python 3.11
     "psycopg==3.1.4" "psycopg-binary==3.1.4"   # the oldest binary wheels for Python 3.11
 )
-TESTS=${FLOORS_TESTS:-"tests/test_store_contract.py tests/test_sqlite_lane.py tests/test_redis_indexes.py tests/test_joint.py tests/test_kept_client.py tests/test_publish_binding.py tests/test_compat.py tests/test_envelope.py tests/test_conf.py tests/test_cli.py"}
+TESTS=${FLOORS_TESTS:-"tests/test_store_contract.py tests/test_sqlite_lane.py tests/test_redis_indexes.py tests/test_joint.py tests/test_kept_client.py tests/test_publish_binding.py tests/test_enqueue_interrupted.py tests/test_compat.py tests/test_envelope.py tests/test_conf.py tests/test_cli.py"}
 PYTHON=${PYTHON:-python3}
 ROOT=${COMPAT_DIR:-.compat}
 venv="$ROOT/venv-floors"

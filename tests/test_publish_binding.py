@@ -1,7 +1,8 @@
 """The queue an OJS message is published to is bound to the broker channel once, not once per
 message (``producer.bound_queue``), and Celery's declaration of that queue still happens as it
 would: a queue missing on the broker is made by the first message, and made again after the
-connection was lost, on a real RabbitMQ and a real Redis."""
+connection was lost, on a real RabbitMQ and a real Redis. On kombu 5.5 and 5.6, whose publish
+retries cannot use a queue bound before a reconnect, the queue is named as Celery names it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from celery import Celery
 from kombu import Connection, Producer, Queue
 from kombu.common import Broadcast
 
-from ojs_celery import OJSTask, enqueue, enqueue_batch, install
+from ojs_celery import OJSTask, compat, enqueue, enqueue_batch, install
 from ojs_celery.producer import bound_queue
 from ojs_celery.runtime import get_runtime
 from tests.services import amqp_url, redis_url
@@ -72,6 +73,9 @@ def test_a_queue_is_bound_once_per_channel_and_follows_the_apps_definition(
             producer = Producer(connection)
             assert bound_queue(app, name, producer) == name  # not connected yet: Celery's way
             connection.ensure_connection(max_retries=1)
+            if not compat.keeps_bound_queues():  # kombu 5.5, 5.6: Celery's way, always
+                assert bound_queue(app, name, producer) == name
+                return
             first = bound_queue(app, name, producer)
             assert isinstance(first, Queue)
             assert first.is_bound and first.channel is producer.connection.default_channel
@@ -103,7 +107,8 @@ def test_a_missing_rabbitmq_queue_is_made_by_the_first_message_and_after_a_recon
     assert waiting_on_rabbitmq(queue) is None
     with rabbit_app.producer_or_acquire() as producer:  # the one the enqueues used (LIFO pool)
         bound = bound_queue(rabbit_app, queue, producer)
-        assert isinstance(bound, Queue) and bound.is_bound  # kept from the first enqueue
+        if compat.keeps_bound_queues():
+            assert isinstance(bound, Queue) and bound.is_bound  # kept from the first enqueue
         producer.connection.connection.transport.sock.shutdown(socket.SHUT_RDWR)  # cut
     second = enqueue({"type": TYPE, "args": [], "queue": queue}, app=rabbit_app)
     assert second.id != first.id
