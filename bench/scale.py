@@ -2,10 +2,14 @@
 
     .venv/bin/python bench/scale.py                        # 10k, 100k, 1M (about 15 min)
     .venv/bin/python bench/scale.py --sizes 10000,100000 -n 1000
+    .venv/bin/python bench/scale.py --store postgres -n 1000   # the job store on PostgreSQL
 
-Not part of the test suite. Everything runs on a PRIVATE ``redis-server`` (no persistence) on
-a free port that the script starts and stops, as broker and as OJS job store: a million jobs
-take about 2 GB, kept out of the shared Redis, and nothing is left behind.
+Not part of the test suite. The broker is a PRIVATE ``redis-server`` (no persistence) on a free
+port that the script starts and stops, and so is the OJS job store by default: a million jobs
+take about 2 GB, kept out of the shared Redis, and nothing is left behind. With ``--store
+postgres`` the job store is the PostgreSQL database at ``--postgres``, in tables of a unique
+prefix that the script drops at the end (a million jobs take about 1.5 GB there); after each
+fill the table is ``VACUUM ANALYZE``d, as autovacuum would after a bulk load.
 
 What is measured
 ----------------
@@ -27,6 +31,11 @@ subprocess (every 2 s) runs for the whole run. At each size, one after the other
   (jobs over first publish to last completion).
 
 Targets: every rate drops by at most 10 % from the smallest to the largest size.
+
+Rates on a shared 2-core machine move by more than that between runs, so each size also reports
+the store server's CPU per job over its trials (the private ``redis-server``, or every process of
+the local PostgreSQL server, exited backends included; the sweeper's passes count too): what the
+store pays for a job as it grows, which the machine's load does not move.
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchapp import make_app  # noqa: E402
 from chaos import RedisServer  # noqa: E402
-from sweep import RedisLoader, Rows  # noqa: E402
+from sweep import PostgresLoader, RedisLoader, Rows  # noqa: E402
 from throughput import (  # noqa: E402
     Keys,
     count_ends,
@@ -66,6 +75,7 @@ from throughput import (  # noqa: E402
 )
 
 from ojs_celery.runtime import get_runtime  # noqa: E402
+from ojs_celery.store.sql import SQLStore  # noqa: E402
 
 #: What the store holds besides the benchmark's own jobs.
 MIX = {"completed": 0.90, "available": 0.05, "scheduled": 0.05}
@@ -77,6 +87,37 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+HERTZ = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: str) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            comm, _, rest = handle.read().rpartition(")")
+    except OSError:
+        return None
+    return [comm.partition("(")[2], *rest.split()]
+
+
+def server_cpu(store: str, redis_pid: int) -> float:
+    """CPU seconds used so far by the job store's server: the private ``redis-server``, or
+    every process of the local PostgreSQL server plus the backends that have exited (which
+    the postmaster reaped: its children's time)."""
+    if store == "redis":
+        fields = _stat(str(redis_pid))
+        return 0.0 if fields is None else (int(fields[12]) + int(fields[13])) / HERTZ
+    ticks = 0
+    for pid in os.listdir("/proc"):
+        fields = _stat(pid) if pid.isdigit() else None
+        if fields is None or fields[0] != "postgres":
+            continue
+        ticks += int(fields[12]) + int(fields[13])
+        parent = _stat(fields[2])
+        if parent is None or parent[0] != "postgres":  # the postmaster
+            ticks += int(fields[14]) + int(fields[15])
+    return ticks / HERTZ
 
 
 @dataclass
@@ -128,12 +169,12 @@ def wait_for(check: Any, timeout: float, what: str) -> None:
 
 
 def many_trial(url: str, keys: Keys, tmp: pathlib.Path, prefix: str, exchange: str, n: int,
-               producers: int, workers: int) -> tuple[float, float, float]:
+               producers: int, workers: int, store_url: str) -> tuple[float, float, float]:
     """``producers`` processes publishing while ``workers`` workers run the jobs; returns the
     producers' summed rate, the end-to-end rate and the producers' CPU ms per call."""
     queue = unique("scale_many_")
     keys.queues.append(queue)
-    config = make_config(url, queue, exchange, prefix)
+    config = make_config(url, queue, exchange, prefix, store_url=store_url)
     stamps = tmp / queue
     stamps.mkdir()
     app = make_app(config)
@@ -174,11 +215,11 @@ def many_trial(url: str, keys: Keys, tmp: pathlib.Path, prefix: str, exchange: s
 
 
 def measure(size: int, url: str, keys: Keys, tmp: pathlib.Path, prefix: str, exchange: str,
-            args: argparse.Namespace) -> Figures:
+            args: argparse.Namespace, store_url: str) -> Figures:
     figures = Figures(size)
     queue = unique("scale_enq_")
     keys.queues.append(queue)
-    app = make_app(make_config(url, queue, exchange, prefix))
+    app = make_app(make_config(url, queue, exchange, prefix, store_url=store_url))
     try:
         cpu = time.process_time()
         figures.rates["enqueue()"] = enqueue_trial(app, "ojs", args.n, keys, queue)
@@ -191,12 +232,12 @@ def measure(size: int, url: str, keys: Keys, tmp: pathlib.Path, prefix: str, exc
     finally:
         get_runtime(app).close()
         app.close()
-    trial = worker_trial("ojs", args.n, url, keys, tmp, prefix, exchange)
+    trial = worker_trial("ojs", args.n, url, keys, tmp, prefix, exchange, store_url=store_url)
     figures.rates["worker"] = trial.rate
     figures.notes["worker"] = (f"worker {trial.cpu_ms:.2f} ms CPU/task, {trial.store_ok} of "
                                f"{trial.n} completed in the store")
     produced, end_to_end, cpu_ms = many_trial(url, keys, tmp, prefix, exchange, args.n,
-                                              args.producers, args.workers)
+                                              args.producers, args.workers, store_url)
     figures.notes["many"] = f"{args.producers}x{args.workers}: {cpu_ms:.2f} ms producer CPU/call"
     label = f"{args.producers}x{args.workers}"
     figures.rates[f"{label} producers"] = produced
@@ -207,18 +248,20 @@ def measure(size: int, url: str, keys: Keys, tmp: pathlib.Path, prefix: str, exc
 # ---------------------------------------------------------------------------------- driver
 
 
-def fill(loader: RedisLoader, count: int, policy: Any) -> float:
+def fill(loader: RedisLoader | PostgresLoader, count: int, policy: Any) -> float:
     """``count`` more stored jobs of ``MIX``, relative to now (fresh ids each call)."""
     rows = Rows(time.time(), policy, seed=count)
     began = time.perf_counter()
     for chunk in rows.chunks("mix", count, MIX):
         loader.load(chunk)
+    loader.after_load()
     return time.perf_counter() - began
 
 
 def report(results: list[Figures], args: argparse.Namespace, took: float) -> None:
     names = list(results[0].rates)
-    print(f"\nrates with N jobs stored (Redis broker + Redis job store, private server; "
+    store = "Redis job store" if args.store == "redis" else "PostgreSQL job store"
+    print(f"\nrates with N jobs stored (Redis broker, private server + {store}; "
           f"-n {args.n}; {os.cpu_count()} CPUs; {took:.0f} s in all):")
     print(f"{'N stored':>10}  " + "  ".join(f"{name:>20}" for name in names))
     for figures in results:
@@ -243,6 +286,9 @@ def main() -> int:
     parser.add_argument("-n", type=int, default=2000, help="jobs per trial")
     parser.add_argument("--producers", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--store", choices=("redis", "postgres"), default="redis",
+                        help="the job store: the private Redis, or PostgreSQL at --postgres")
+    parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/test")
     parser.add_argument("--produce", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -255,18 +301,28 @@ def main() -> int:
     began = time.monotonic()
     results: list[Figures] = []
     sweeper: subprocess.Popen[bytes] | None = None
+    loader: RedisLoader | PostgresLoader | None = None
     try:
         server.start()
+        assert server.process is not None
+        redis_pid = server.process.pid
         url = server.url
+        store_url = url if args.store == "redis" else args.postgres
         run = unique("")
         prefix, exchange = f"scale_{run}", f"scaleev_{run}"
         keys = Keys(redis.Redis.from_url(url))
-        app = make_app(make_config(url, unique("scale_sweep_"), exchange, prefix))
-        loader = RedisLoader(url, prefix)
-        policy = get_runtime(app).store.policy
+        app = make_app(make_config(url, unique("scale_sweep_"), exchange, prefix,
+                                   store_url=store_url))
+        store = get_runtime(app).store
+        if isinstance(store, SQLStore):
+            store.engine  # noqa: B018 - creates the tables (and indexes) the store uses
+            loader = PostgresLoader(store)
+        else:
+            loader = RedisLoader(url, prefix)
+        policy = store.policy
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH_DIR), str(ROOT)]),
                "OJS_BENCH_CONFIG": json.dumps(make_config(url, unique("scale_sweep_"), exchange,
-                                                          prefix))}
+                                                          prefix, store_url=store_url))}
         ojs_celery_cli = pathlib.Path(sys.executable).with_name("ojs-celery")
         with open(tmp / "sweeper.log", "ab") as log:
             sweeper = subprocess.Popen(
@@ -276,13 +332,16 @@ def main() -> int:
         for size in sizes:
             seconds = fill(loader, size - stored, policy)
             stored = size
-            memory = keys.client.info("memory")["used_memory_human"]
             print(f"N={size:,}: filled to {size:,} stored jobs in {seconds:.0f} s "
-                  f"(redis {memory})", flush=True)
+                  f"({loader.describe()})", flush=True)
             if sweeper.poll() is not None:
                 raise RuntimeError("the sweeper exited:\n"
                                    + (tmp / "sweeper.log").read_text()[-3000:])
-            figures = measure(size, url, keys, tmp, prefix, exchange, args)
+            spent = server_cpu(args.store, redis_pid)
+            figures = measure(size, url, keys, tmp, prefix, exchange, args, store_url)
+            spent = server_cpu(args.store, redis_pid) - spent
+            jobs = (3 + args.producers) * args.n  # enqueue(), .apply_async(), worker, 2x2
+            figures.notes["store"] = f"store server {spent / jobs * 1000:.2f} ms CPU/job"
             print(f"N={size:,}: " + ", ".join(f"{k} {v:.0f}/s" for k, v in figures.rates.items())
                   + "; " + "; ".join(figures.notes.values()), flush=True)
             results.append(figures)
@@ -292,6 +351,8 @@ def main() -> int:
         if sweeper is not None and sweeper.poll() is None:
             sweeper.terminate()
             sweeper.wait(30)
+        if isinstance(loader, PostgresLoader):
+            loader.cleanup()  # drops the store's tables
         server.close()
         shutil.rmtree(tmp, ignore_errors=True)
     report(results, args, time.monotonic() - began)

@@ -57,6 +57,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from kombu.transport.redis import PRIORITY_STEPS
+from kombu.transport.redis import Channel as RedisChannel
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
@@ -66,6 +68,7 @@ from benchapp import make_app  # noqa: E402
 
 import ojs_celery  # noqa: E402
 from ojs_celery.runtime import get_runtime  # noqa: E402
+from ojs_celery.store.redis import RedisStore  # noqa: E402
 
 WORKER_TARGET = 0.75
 ENQUEUE_TARGET = 0.6
@@ -91,10 +94,10 @@ class Keys:
 
     def purge_queue(self, queue: str) -> None:
         """Delete the queue's lists (kombu keeps one per priority step: ``queue`` and
-        ``queue\\x06\\x16N``)."""
-        keys = list(self.client.scan_iter(match=_glob(queue) + "*", count=1000))
-        if keys:
-            self.client.unlink(*keys)
+        ``queue\\x06\\x16N``), by name: a ``SCAN`` walks the whole keyspace, which
+        ``bench/scale.py`` fills with a million jobs (a second of server CPU per purge)."""
+        self.client.unlink(queue, *(f"{queue}{RedisChannel.sep}{step}"
+                                    for step in PRIORITY_STEPS if step))
 
     def cleanup(self) -> None:
         client = self.client
@@ -133,12 +136,15 @@ def _glob(text: str) -> str:
 
 
 def make_config(redis_url: str, queue: str, exchange: str, store_prefix: str,
-                events: bool = True) -> dict[str, Any]:
+                events: bool = True, store_url: str | None = None) -> dict[str, Any]:
+    """The bench app's config: a Redis broker, and the job store at ``store_url`` (the same
+    Redis when None)."""
     return {
         "broker_url": redis_url,
         "queue": queue,
         "event_exchange": exchange,
-        "ojs": {"store_url": redis_url, "store_prefix": store_prefix, "events": events},
+        "ojs": {"store_url": store_url or redis_url, "store_prefix": store_prefix,
+                "events": events},
     }
 
 
@@ -249,14 +255,16 @@ def tree_cpu(root: int) -> tuple[float, float]:
 
 def worker_trial(kind: str, n: int, redis_url: str, keys: Keys, tmp: pathlib.Path,
                  store_prefix: str, exchange: str,
-                 extra_env: dict[str, str] | None = None) -> WorkerTrial:
-    """kind: ``plain``, ``ojs``, or ``ojs-noevents`` (OJS with ``events: False``, diagnostic)."""
+                 extra_env: dict[str, str] | None = None,
+                 store_url: str | None = None) -> WorkerTrial:
+    """kind: ``plain``, ``ojs``, or ``ojs-noevents`` (OJS with ``events: False``, diagnostic);
+    ``store_url``: the job store (the broker's Redis when None)."""
     queue = unique(f"bench_{kind.replace('-', '_')}_")
     keys.queues.append(queue)
     hostname = unique("benchw") + "@bench"
     keys.hostnames.append(hostname)
     config = make_config(redis_url, queue, exchange, store_prefix,
-                         events=kind != "ojs-noevents")
+                         events=kind != "ojs-noevents", store_url=store_url)
     app = make_app(config)
     try:
         ids = publish_all(app, kind, n)
@@ -304,7 +312,11 @@ def worker_trial(kind: str, n: int, redis_url: str, keys: Keys, tmp: pathlib.Pat
 
 def completed_in_store(app: Any, ids: list[str]) -> int:
     store = get_runtime(app).store
-    client = store.client  # type: ignore[attr-defined]
+    if not isinstance(store, RedisStore):  # a SQL store: read the records, a chunk at a time
+        return sum(1 for start in range(0, len(ids), 1000)
+                   for record in store.get_records(ids[start:start + 1000])
+                   if record is not None and record.job.state == "completed")
+    client = store.client
     pipe = client.pipeline(transaction=False)
     for job_id in ids:
         pipe.hget(store._job_prefix + job_id, "state")  # type: ignore[attr-defined]
