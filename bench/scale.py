@@ -3,6 +3,7 @@
     .venv/bin/python bench/scale.py                        # 10k, 100k, 1M (about 15 min)
     .venv/bin/python bench/scale.py --sizes 10000,100000 -n 1000
     .venv/bin/python bench/scale.py --store postgres -n 1000   # the job store on PostgreSQL
+    .venv/bin/python bench/scale.py --producer-only -n 4000    # the producer alone
 
 Not part of the test suite. The broker is a PRIVATE ``redis-server`` (no persistence) on a free
 port that the script starts and stops, and so is the OJS job store by default: a million jobs
@@ -232,6 +233,8 @@ def measure(size: int, url: str, keys: Keys, tmp: pathlib.Path, prefix: str, exc
     finally:
         get_runtime(app).close()
         app.close()
+    if args.producer_only:
+        return figures
     trial = worker_trial("ojs", args.n, url, keys, tmp, prefix, exchange, store_url=store_url)
     figures.rates["worker"] = trial.rate
     figures.notes["worker"] = (f"worker {trial.cpu_ms:.2f} ms CPU/task, {trial.store_ok} of "
@@ -246,6 +249,21 @@ def measure(size: int, url: str, keys: Keys, tmp: pathlib.Path, prefix: str, exc
 
 
 # ---------------------------------------------------------------------------------- driver
+
+
+def settle(url: str, keys: Keys, prefix: str, exchange: str, store_url: str, n: int) -> None:
+    """One round of ``enqueue()`` calls, not measured. Right after a fill of a million jobs
+    the machine is still absorbing it: the first round ran at about half the rate, with the
+    store server's time per command doubled for commands that do not depend on its size
+    (``LPUSH``), and the next round as at 10k."""
+    queue = unique("scale_settle_")
+    keys.queues.append(queue)
+    app = make_app(make_config(url, queue, exchange, prefix, store_url=store_url))
+    try:
+        enqueue_trial(app, "ojs", n, keys, queue)
+    finally:
+        get_runtime(app).close()
+        app.close()
 
 
 def fill(loader: RedisLoader | PostgresLoader, count: int, policy: Any) -> float:
@@ -289,6 +307,8 @@ def main() -> int:
     parser.add_argument("--store", choices=("redis", "postgres"), default="redis",
                         help="the job store: the private Redis, or PostgreSQL at --postgres")
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/test")
+    parser.add_argument("--producer-only", action="store_true",
+                        help="only the enqueue() and .apply_async() loops, no worker running")
     parser.add_argument("--produce", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -337,10 +357,12 @@ def main() -> int:
             if sweeper.poll() is not None:
                 raise RuntimeError("the sweeper exited:\n"
                                    + (tmp / "sweeper.log").read_text()[-3000:])
+            settle(url, keys, prefix, exchange, store_url, args.n)
             spent = server_cpu(args.store, redis_pid)
             figures = measure(size, url, keys, tmp, prefix, exchange, args, store_url)
             spent = server_cpu(args.store, redis_pid) - spent
-            jobs = (3 + args.producers) * args.n  # enqueue(), .apply_async(), worker, 2x2
+            # enqueue(), .apply_async(), then the worker and the 2x2 trial
+            jobs = (2 if args.producer_only else 3 + args.producers) * args.n
             figures.notes["store"] = f"store server {spent / jobs * 1000:.2f} ms CPU/job"
             print(f"N={size:,}: " + ", ".join(f"{k} {v:.0f}/s" for k, v in figures.rates.items())
                   + "; " + "; ".join(figures.notes.values()), flush=True)
