@@ -36,7 +36,10 @@ Targets: every rate drops by at most 10 % from the smallest to the largest size.
 Rates on a shared 2-core machine move by more than that between runs, so each size also reports
 the store server's CPU per job over its trials (the private ``redis-server``, or every process of
 the local PostgreSQL server, exited backends included; the sweeper's passes count too): what the
-store pays for a job as it grows, which the machine's load does not move.
+store pays for a job as it grows, which the machine's load does not move. On Redis it also
+reports the server's own time per job in commands and per call of the costliest ones
+(``INFO commandstats``): whether a larger store runs more commands per job, or the same ones
+more slowly.
 """
 
 from __future__ import annotations
@@ -119,6 +122,26 @@ def server_cpu(store: str, redis_pid: int) -> float:
         if parent is None or parent[0] != "postgres":  # the postmaster
             ticks += int(fields[14]) + int(fields[15])
     return ticks / HERTZ
+
+
+def command_times(client: redis.Redis) -> dict[str, tuple[int, int]]:
+    """Redis's own count and time (µs) so far per command (``INFO commandstats``)."""
+    stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"]))
+            for name, v in stats.items()}
+
+
+def command_note(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]],
+                 jobs: int) -> str:
+    """The server's time per job in commands, and the time per call of the costliest ones:
+    at a larger size the same commands (as many per job) take longer, or they do not."""
+    spent = {name: (calls - before.get(name, (0, 0))[0], usec - before.get(name, (0, 0))[1])
+             for name, (calls, usec) in after.items()}
+    top = sorted(spent.items(), key=lambda item: -item[1][1])[:4]
+    total = sum(usec for _, usec in spent.values())
+    return (f"redis {total / jobs:.0f} µs/job in commands ("
+            + ", ".join(f"{name} {calls / jobs:.1f}/job x {usec / max(calls, 1):.1f} µs"
+                        for name, (calls, usec) in top) + ")")
 
 
 @dataclass
@@ -358,12 +381,15 @@ def main() -> int:
                 raise RuntimeError("the sweeper exited:\n"
                                    + (tmp / "sweeper.log").read_text()[-3000:])
             settle(url, keys, prefix, exchange, store_url, args.n)
-            spent = server_cpu(args.store, redis_pid)
+            spent, commands = server_cpu(args.store, redis_pid), command_times(keys.client)
             figures = measure(size, url, keys, tmp, prefix, exchange, args, store_url)
             spent = server_cpu(args.store, redis_pid) - spent
             # enqueue(), .apply_async(), then the worker and the 2x2 trial
             jobs = (2 if args.producer_only else 3 + args.producers) * args.n
             figures.notes["store"] = f"store server {spent / jobs * 1000:.2f} ms CPU/job"
+            if args.store == "redis":
+                figures.notes["commands"] = command_note(commands, command_times(keys.client),
+                                                         jobs)
             print(f"N={size:,}: " + ", ".join(f"{k} {v:.0f}/s" for k, v in figures.rates.items())
                   + "; " + "; ".join(figures.notes.values()), flush=True)
             results.append(figures)
