@@ -9,18 +9,19 @@ Not part of the test suite. The broker is a PRIVATE ``redis-server`` (no persist
 port that the script starts and stops, and so is the OJS job store by default: a million jobs
 take about 2 GB, kept out of the shared Redis, and nothing is left behind. With ``--store
 postgres`` the job store is the PostgreSQL database at ``--postgres``, in tables of a unique
-prefix that the script drops at the end (a million jobs take about 1.5 GB there); after each
-fill the table is ``VACUUM ANALYZE``d, as autovacuum would after a bulk load.
+prefix that the script drops at the end (a million jobs take about 0.9 GB there); after each
+fill the table is ``VACUUM ANALYZE``d, as autovacuum would after a bulk load, and checkpointed.
 
 What is measured
 ----------------
 The store grows in place (10k, then +90k, then +900k stored jobs) and is filled directly, not
-through ``enqueue``: ``bench/sweep.py``'s row generator and raw-protocol Redis loader write
-records in the store's own layout, 90 % ``completed`` in the last 3 days (within the 7-day
-retention, so indexed on the retention clock), 5 % ``available`` created in the last 10 minutes
-(with the TTL, total and redispatch deadlines of ``bench/sweep.py``'s jobs, all ahead) and 5 %
-``scheduled`` 2 to 24 h ahead, held in the store (promote clock). An ``ojs-celery sweep --loop``
-subprocess (every 2 s) runs for the whole run. At each size, one after the other:
+through ``enqueue``: ``bench/sweep.py``'s row generator and loaders (raw-protocol Redis,
+``COPY``) write records in the store's own layout, 90 % ``completed`` in the last 3 days (within
+the 7-day retention, so indexed on the retention clock), 5 % ``available`` created in the last
+10 minutes (with the TTL, total and redispatch deadlines of ``bench/sweep.py``'s jobs, all
+ahead) and 5 % ``scheduled`` 2 to 24 h ahead, held in the store (promote clock). An ``ojs-celery
+sweep --loop`` subprocess (every 2 s) runs for the whole run. At each size, after one round of
+``enqueue()`` calls that is not measured (see :func:`settle`), one after the other:
 
 * enqueue: ``ojs_celery.enqueue()`` and the OJS task's ``.apply_async()``, ``-n`` calls each,
   from this process into a queue nobody consumes (``throughput.enqueue_trial``; purged after);
