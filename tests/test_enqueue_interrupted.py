@@ -39,7 +39,7 @@ def app(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Cele
     celery_app = make_app(config)
     yield celery_app
     runtime = get_runtime(celery_app)
-    runtime.close()  # first: a lane left in a transaction would keep the tables locked
+    runtime.close()  # the store and its lanes; clear and drop reconnect through the pool
     runtime.store.clear()
     drop = getattr(runtime.store, "drop_tables", None)
     if drop is not None:
