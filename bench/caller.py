@@ -67,7 +67,14 @@ ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 
 from callerapp import TASK_NAME, make_app  # noqa: E402
-from throughput import Keys, count_ends, read_stamps, tree_cpu, worker_process  # noqa: E402
+from throughput import (  # noqa: E402
+    Keys,
+    count_ends,
+    proc_cpu,
+    read_stamps,
+    tree_cpu,
+    worker_process,
+)
 
 import ojs_celery  # noqa: E402
 from ojs_celery.embedded import embedded_settings  # noqa: E402
@@ -76,21 +83,10 @@ from ojs_celery.runtime import get_runtime  # noqa: E402
 PAIRS = ("redis-redis", "redis-pg", "amqp-redis", "amqp-pg", "embedded")
 WARMUP = 20
 TIMEOUT = 180.0
-HERTZ = os.sysconf("SC_CLK_TCK")
 
 
 def unique(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:10]}"
-
-
-def proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system) used so far by one process (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / HERTZ
 
 
 # ---------------------------------------------------------------------------------- pairings

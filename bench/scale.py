@@ -70,10 +70,13 @@ from benchapp import make_app  # noqa: E402
 from chaos import RedisServer  # noqa: E402
 from sweep import PostgresLoader, RedisLoader, Rows  # noqa: E402
 from throughput import (  # noqa: E402
+    HERTZ,
     Keys,
     count_ends,
     enqueue_trial,
     make_config,
+    proc_cpu,
+    proc_stat,
     unique,
     worker_process,
     worker_trial,
@@ -94,34 +97,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-HERTZ = os.sysconf("SC_CLK_TCK")
-
-
-def _stat(pid: str) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            comm, _, rest = handle.read().rpartition(")")
-    except OSError:
-        return None
-    return [comm.partition("(")[2], *rest.split()]
-
-
 def server_cpu(store: str, redis_pid: int) -> float:
     """CPU seconds used so far by the job store's server: the private ``redis-server``, or
     every process of the local PostgreSQL server plus the backends that have exited (which
     the postmaster reaped: its children's time)."""
     if store == "redis":
-        fields = _stat(str(redis_pid))
-        return 0.0 if fields is None else (int(fields[12]) + int(fields[13])) / HERTZ
+        return proc_cpu(redis_pid)
     ticks = 0
     for pid in os.listdir("/proc"):
-        fields = _stat(pid) if pid.isdigit() else None
-        if fields is None or fields[0] != "postgres":
+        stat = proc_stat(pid) if pid.isdigit() else None
+        if stat is None or stat[0] != "postgres":
             continue
-        ticks += int(fields[12]) + int(fields[13])
-        parent = _stat(fields[2])
+        fields = stat[1]
+        ticks += int(fields[11]) + int(fields[12])
+        parent = proc_stat(fields[1])
         if parent is None or parent[0] != "postgres":  # the postmaster
-            ticks += int(fields[14]) + int(fields[15])
+            ticks += int(fields[13]) + int(fields[14])
     return ticks / HERTZ
 
 

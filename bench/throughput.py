@@ -233,24 +233,41 @@ def count_ends(directory: pathlib.Path) -> int:
     return total
 
 
+HERTZ = os.sysconf("SC_CLK_TCK")
+
+
+def proc_stat(pid: int | str) -> tuple[str, list[str]] | None:
+    """A process's name and the fields of ``/proc/<pid>/stat`` after it (``[1]`` the parent,
+    ``[11]``/``[12]`` user and system ticks, ``[13]``/``[14]`` those of its reaped children);
+    None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            head, _, rest = handle.read().rpartition(")")
+    except OSError:
+        return None
+    return head.partition("(")[2], rest.split()
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) used so far by one process (0 if it is gone)."""
+    stat = proc_stat(pid)
+    return 0.0 if stat is None else (int(stat[1][11]) + int(stat[1][12])) / HERTZ
+
+
 def tree_cpu(root: int) -> tuple[float, float]:
     """CPU seconds (user + system) used so far by ``root`` and by its children (Linux /proc)."""
     ticks = [0, 0]
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        stat = proc_stat(entry.name) if entry.name.isdigit() else None
+        if stat is None:
             continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as handle:
-                fields = handle.read().rpartition(")")[2].split()
-        except OSError:
-            continue
+        fields = stat[1]
         used = int(fields[11]) + int(fields[12])
         if int(entry.name) == root:
             ticks[0] += used
         elif int(fields[1]) == root:
             ticks[1] += used
-    hertz = os.sysconf("SC_CLK_TCK")
-    return ticks[0] / hertz, ticks[1] / hertz
+    return ticks[0] / HERTZ, ticks[1] / HERTZ
 
 
 def worker_trial(kind: str, n: int, redis_url: str, keys: Keys, tmp: pathlib.Path,
