@@ -23,6 +23,7 @@ from ojs_celery.sweeper import sweep
 from tests import services
 from tests.conftest import messages
 from tests.e2eapp import make_app
+from tests.test_store_faults import PrivateRedis
 from tests.workers import filesystem_config, unique
 
 
@@ -77,3 +78,43 @@ def test_an_interrupted_publish_loses_no_job_and_frees_the_store(app: Celery) ->
     assert len(messages(app)) == published + 2  # the next enqueue's, and the one owed
     owed = runtime.store.get_record(job_id)
     assert owed is not None and owed.dispatch_due is None
+
+
+def test_an_interrupted_publish_whose_store_write_is_refused_stores_nothing(
+    redis_server: PrivateRedis, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis refuses the insert (an error reply: ``NOREPLICAS``) while the publish is
+    interrupted: the caller sees the interrupt, one warning names the job and the refusal,
+    nothing is stored or published, and the store's lane is free for the next enqueue."""
+    config = filesystem_config(tmp_path)
+    config["ojs"] = {"store_url": redis_server.url, "store_prefix": unique("intr"),
+                     "events": False}
+    app = make_app(config)
+    runtime = get_runtime(app)
+    try:
+        enqueue({"type": "e2e.add", "args": [0, 0]}, app=app)  # the lane's connection is made
+        redis_server.admin.config_set("min-replicas-to-write", 1)  # every write is refused
+        interrupted: list[str] = []
+
+        def interrupt(sender: Any = None, headers: Any = None, **_: Any) -> None:
+            interrupted.append(headers["id"])
+            raise Interrupt()
+
+        before_task_publish.connect(interrupt, weak=False)
+        try:
+            with pytest.raises(Interrupt):
+                enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+        finally:
+            before_task_publish.disconnect(interrupt)
+        [job_id] = interrupted
+        [warning] = [r for r in caplog.records if r.levelname == "WARNING"
+                     and job_id in r.getMessage()]
+        assert "interrupted" in warning.getMessage() and "NOREPLICAS" in warning.getMessage()
+        redis_server.admin.config_set("min-replicas-to-write", 0)
+        assert runtime.store.get(job_id) is None
+        assert len(messages(app)) == 1  # the first enqueue's only
+        assert not runtime.store._lane._lock.locked()  # type: ignore[attr-defined]
+        after = enqueue({"type": "e2e.add", "args": [3, 4]}, app=app)
+        assert runtime.store.get(after.id) is not None
+    finally:
+        runtime.close()
