@@ -9,8 +9,10 @@ process pays two per message, as much as a fifth of its work per job.
 For OJS messages (those with an ``ojs`` header) the client kombu would build is built once per
 channel and kept: :func:`client_of` here, used by the ``_put`` of :mod:`ojs_celery.joint` and
 by the QoS hooks that :func:`install_qos` adds. The commands, their keys and the client's class
-(so its ``global_keyprefix``) stay kombu's; only the client object is reused. A reject with
-requeue (kombu's restore, a transaction of its own) and every other message keep kombu's path.
+(so its ``global_keyprefix``) stay kombu's; only the client object is reused. An OJS message's
+ack goes further: its removal from kombu's record is sent later, in a batch
+(:mod:`ojs_celery.unacked`). A reject with requeue (kombu's restore, a transaction of its own)
+and every other message keep kombu's path.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from contextvars import ContextVar
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 
-from . import header
+from . import header, unacked
 
 __all__ = ["client_of", "install_qos"]
 
@@ -52,6 +55,7 @@ def install_qos() -> None:
     if getattr(qos.pipe_or_acquire, "__ojs_kept__", False):
         return
     pipe_or_acquire, append, ack, reject = qos.pipe_or_acquire, qos.append, qos.ack, qos.reject
+    quick_ack: Any = virtual.QoS.ack  # kombu's in-process part of an ack
 
     def kept_pipe_or_acquire(self: Any, pipe: Any = None, client: Any = None) -> Any:
         if pipe is None and client is None and _keeping.get():
@@ -73,8 +77,17 @@ def install_qos() -> None:
     def delivered(self: Any, args: tuple[Any, ...]) -> Any:
         return self._delivered.get(args[0]) if args else None
 
+    def removed_later(self: Any, delivery_tag: str) -> None:
+        """kombu's in-process bookkeeping now, the entry's removal in the next batch."""
+        if not _is_ojs(self._delivered.get(delivery_tag)):
+            ack(self, delivery_tag)
+            return
+        unacked.remove_later(client_of(self.channel), self.unacked_index_key, self.unacked_key,
+                             delivery_tag)
+        quick_ack(self, delivery_tag)
+
     kept_pipe_or_acquire.__ojs_kept__ = True  # type: ignore[attr-defined]
     qos.pipe_or_acquire = kept_pipe_or_acquire
     qos.append = kept(append, lambda self, args: args[0] if args else None)
-    qos.ack = kept(ack, delivered)
+    qos.ack = removed_later
     qos.reject = kept(reject, delivered)

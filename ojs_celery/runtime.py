@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery, current_app
 from celery.exceptions import ImproperlyConfigured
 
-from . import compat
+from . import compat, unacked
 from .conf import Settings, read_settings
 from .events import EventBus
 from .outbox import DispatchAcker
@@ -171,9 +171,11 @@ class Runtime:
         return self._broker_driver
 
     def flush(self) -> None:
-        """Wait for this process's pending outbox acknowledgements and bus events."""
+        """Wait for this process's pending outbox acknowledgements, bus events and removals
+        of acknowledged deliveries from kombu's Redis record (:mod:`ojs_celery.unacked`)."""
         self.acks.flush()
         self.bus.flush()
+        unacked.flush()
 
     def close(self) -> None:
         self.acks.flush()

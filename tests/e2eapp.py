@@ -17,7 +17,7 @@ from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery, signals
 from celery.exceptions import Ignore, Reject
 
-from ojs_celery import JobError, OJSTask, current_job, install
+from ojs_celery import JobError, OJSTask, current_job, install, unacked
 from ojs_celery.store import JobStore
 
 #: Jobs of this type are slowed in their own store writes (with ``slow_bookkeeping`` set).
@@ -51,6 +51,8 @@ def make_app(config: dict[str, Any]) -> Celery:
     directory = config["dir"]
     if config.get("slow_bookkeeping"):
         slow_bookkeeping(runtime.store, directory)
+    if config.get("unacked_linger"):  # hold the removals of acknowledged Redis deliveries
+        unacked.removals.linger = float(config["unacked_linger"])
 
     @app.task(shared=False, name="e2e.add", base=OJSTask)
     def add(a: int, b: int) -> int:

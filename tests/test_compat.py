@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import socket
 import sys
@@ -113,10 +114,14 @@ def test_a_missing_result_backend_extra_is_named(monkeypatch: pytest.MonkeyPatch
     compat.require_backend_extra(None)
 
 
-def test_scheduled_requests_lists_a_countdown_job_held_by_the_worker() -> None:
+def test_scheduled_requests_lists_a_countdown_job_held_by_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     app = Celery("compat", broker="memory://", backend="cache+memory://",
                  set_as_current=False)
     app.conf.worker_hijack_root_logger = False
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", root.level)  # start_worker sets it to ERROR for good
 
     @app.task(name="compat.later", shared=False)
     def later() -> None:

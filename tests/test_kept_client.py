@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -17,12 +19,13 @@ import redis
 from kombu import Connection, Consumer, Queue
 from kombu.transport import redis as kombu_redis
 
+import ojs_celery.unacked
 from ojs_celery import enqueue, enqueue_batch, get_job
 from ojs_celery.kept_client import install_qos
 from tests.e2eapp import make_app as e2e_app
 from tests.test_joint import TYPE, make_app, queued
 from tests.test_store_faults import PrivateRedis
-from tests.workers import lines, redis_config, running_worker, wait_for
+from tests.workers import Worker, lines, redis_config, running_worker, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -53,9 +56,9 @@ def test_ojs_messages_are_recorded_and_acknowledged_with_one_client(
     redis_server: PrivateRedis, clients_made: list[Any]
 ) -> None:
     """A consumer takes OJS and plain messages from one queue: kombu records each delivery
-    and removes it on ack or reject, in its own prefixed keys, but makes no client for an OJS
-    message's commands (one is kept for the channel), while each plain message still gets
-    kombu's two."""
+    and removes it on ack or reject (an OJS message's ack in a later batch), in its own
+    prefixed keys, but makes no client for an OJS message's commands (one is kept for the
+    channel), while each plain message still gets kombu's two."""
     app = make_app(redis_server.url, broker_transport_options={"global_keyprefix": "pfx:"})
     install_qos()
     queue = str(app.conf.task_default_queue)
@@ -80,6 +83,7 @@ def test_ojs_messages_are_recorded_and_acknowledged_with_one_client(
         taken[jobs[0]].reject(requeue=False)
         for job_id in jobs[1:] + plain:
             taken[job_id].ack()
+        ojs_celery.unacked.flush()  # the OJS acks' removals, sent in a batch
         assert unacked(redis_server, "pfx:") == (set(), set())  # every entry removed
         assert delivered == 1 + len(plain)  # the channel's kept client; kombu's per plain one
         assert len(clients_made) == delivered + len(plain)  # acks: none for an OJS message
@@ -120,6 +124,7 @@ def test_an_ojs_message_not_acknowledged_goes_back_to_its_queue(
         assert unacked(redis_server, "pfx:") == (set(), set())
         again = take(connection)
         again.ack()
+        ojs_celery.unacked.flush()
         assert unacked(redis_server, "pfx:") == (set(), set())
         assert connection.default_channel.basic_get(queue) is None
     app._ojs_runtime.store.clear()
@@ -170,36 +175,124 @@ def test_a_worker_records_each_delivery_and_removes_it(
     app.close()
 
 
-def test_an_error_reply_on_the_ack_is_raised_as_kombu_raises_it(
-    redis_server: PrivateRedis, clients_made: list[Any]
+def test_a_refused_removal_leaves_the_delivery_recorded_and_says_so(
+    redis_server: PrivateRedis, clients_made: list[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Redis refuses an ack's removal (an error reply: kombu's index key holds another type):
-    an OJS message's ack raises the same error as a plain message's, with no client built for
-    it, and once the key is mended the OJS message is acknowledged and removed."""
+    """Redis refuses the removal of acknowledged deliveries (an error reply: kombu's index
+    key holds another type). A plain message's ack raises it, as kombu does. An OJS message's
+    ack returns (its removal is sent later, with no client built for it); the refusal is
+    logged once, saying what it means, and what the refused command would have removed stays
+    for kombu's restore (a worker drops what it puts back as already run). Once the key is
+    mended, the next OJS ack's removal goes through."""
     app = make_app(redis_server.url)
     install_qos()
     queue = str(app.conf.task_default_queue)
-    job = enqueue({"type": TYPE, "args": [1, 2]}, app=app).id
+    jobs = [enqueue({"type": TYPE, "args": [i, 2]}, app=app).id for i in range(2)]
     plain = app.send_task("plain.task", queue=queue).id
     with app.connection_for_read() as connection:
         taken: dict[str, Any] = {}
         with Consumer(connection, [Queue(queue)], accept=["json"],
                       callbacks=[lambda _body, message: taken.update(
                           {message.headers["id"]: message})]):
-            while len(taken) < 2:
+            while len(taken) < 3:
                 connection.drain_events(timeout=10)
         index = dict(redis_server.admin.zrange("unacked_index", 0, -1, withscores=True))
         redis_server.admin.delete("unacked_index")
         redis_server.admin.set("unacked_index", "not a sorted set")
         clients_made.clear()
-        for job_id in (plain, job):
-            with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
-                taken[job_id].ack()
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            taken[plain].ack()
         assert len(clients_made) == 1  # kombu's, for the plain message's ack
+        refused = taken[jobs[0]]
+        refused.ack()  # returns: the removal is queued
+        ojs_celery.unacked.flush()
+        assert len(clients_made) == 1
+        [warning] = [r for r in caplog.records if r.name == "ojs_celery.unacked"]
+        assert warning.levelname == "WARNING"
+        assert "1 acknowledged OJS deliveries stay in kombu's unacked record" in warning.message
+        assert "WRONGTYPE" in warning.message
+        # MULTI/EXEC does not roll back: the HDEL went through, the ZREM did not
         redis_server.admin.delete("unacked_index")
         redis_server.admin.zadd("unacked_index", index)
-        taken[job].ack()  # its MULTI's HDEL went through the first time; ZREM now does too
-        assert taken[job].delivery_tag not in set().union(*unacked(redis_server))
+        assert refused.delivery_tag in unacked(redis_server)[1]
+        taken[jobs[1]].ack()
+        ojs_celery.unacked.flush()
+        assert taken[jobs[1]].delivery_tag not in set().union(*unacked(redis_server))
+    app._ojs_runtime.store.clear()
+    app.close()
+
+
+def test_a_worker_killed_before_sending_its_removals_leaves_finished_jobs_to_be_dropped(
+    redis_server: PrivateRedis, tmp_path: pathlib.Path
+) -> None:
+    """A worker runs ten jobs and is killed (SIGKILL, its whole process group) while the
+    removals of their acknowledged deliveries still wait to be sent (the test app holds them):
+    kombu's record keeps all ten. A second worker, with a short visibility timeout, has kombu
+    put them back in the queue; it receives each once more and drops it without running it:
+    every job ran once and stays completed, and the record and the queue end empty."""
+    config = redis_config(tmp_path, redis_server.url)
+    config["ojs"]["store_url"] = f"sqlite:///{tmp_path / 'store.sqlite3'}"
+    config["ojs"]["events"] = False
+    app = e2e_app(config)
+    held = {**config, "unacked_linger": 600}
+    victim = Worker(held, tmp_path / "victim.log")
+    try:
+        victim.wait_ready()
+        jobs = enqueue_batch([{"type": "e2e.add", "args": [i, 1]} for i in range(10)], app=app)
+
+        def completed() -> bool:
+            return all(getattr(get_job(job.id, app=app), "state", None) == "completed"
+                       for job in jobs)
+
+        wait_for(completed, 30, "the ten jobs completed")
+        recorded = {json.loads(entry)[0]["headers"]["id"]
+                    for entry in redis_server.admin.hvals("unacked")}
+        assert recorded == {job.id for job in jobs}  # acknowledged, not yet removed
+    finally:
+        os.killpg(victim.process.pid, signal.SIGKILL)
+        victim.stop()
+    restoring = {**config, "broker_transport_options": {
+        "visibility_timeout": 1, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}}
+    with running_worker(restoring, tmp_path / "restorer.log"):
+        def received_twice() -> bool:
+            received = lines(config["dir"], "received")
+            return all(sum(job.id in line for line in received) == 2 for job in jobs)
+
+        wait_for(received_twice, 30, "kombu to put the ten messages back")
+        wait_for(lambda: unacked(redis_server) == (set(), set()), 15, "the record emptied")
+        assert queued(redis_server) == {}
+        postrun = lines(config["dir"], "postrun")
+        for job in jobs:
+            assert [line.split()[1] for line in postrun if job.id in line] == [
+                "SUCCESS", "IGNORED"]
+    runs = lines(config["dir"], "runs")
+    for i, job in enumerate(jobs):
+        assert runs.count(f"add {job.id}") == 1
+        done = get_job(job.id, app=app)
+        assert done is not None and done.state == "completed" and done.attempt == 1
+        assert done.result == i + 1
+    app._ojs_runtime.store.clear()
+    app.close()
+
+
+def test_a_worker_stopped_warm_sends_its_removals_before_it_exits(
+    redis_server: PrivateRedis, tmp_path: pathlib.Path
+) -> None:
+    """A worker whose removals of acknowledged deliveries wait (the test app holds them)
+    stops warm (SIGTERM, as a deploy sends): it sends them on its way out, so kombu's record
+    ends empty and nothing comes back."""
+    config = redis_config(tmp_path, redis_server.url)
+    config["ojs"]["store_url"] = f"sqlite:///{tmp_path / 'store.sqlite3'}"
+    config["ojs"]["events"] = False
+    app = e2e_app(config)
+    with running_worker({**config, "unacked_linger": 600}, tmp_path / "worker.log") as worker:
+        jobs = enqueue_batch([{"type": "e2e.add", "args": [i, 1]} for i in range(5)], app=app)
+        wait_for(lambda: all(getattr(get_job(job.id, app=app), "state", None) == "completed"
+                             for job in jobs), 30, "the five jobs completed")
+        assert len(redis_server.admin.hkeys("unacked")) == 5  # acknowledged, not yet removed
+        assert worker.stop() == 0
+    assert unacked(redis_server) == (set(), set())
+    assert queued(redis_server) == {}
     app._ojs_runtime.store.clear()
     app.close()
 
