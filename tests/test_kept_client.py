@@ -227,9 +227,10 @@ def test_a_worker_killed_before_sending_its_removals_leaves_finished_jobs_to_be_
 ) -> None:
     """A worker runs ten jobs and is killed (SIGKILL, its whole process group) while the
     removals of their acknowledged deliveries still wait to be sent (the test app holds them):
-    kombu's record keeps all ten. A second worker, with a short visibility timeout, has kombu
-    put them back in the queue; it receives each once more and drops it without running it:
-    every job ran once and stays completed, and the record and the queue end empty."""
+    kombu's record keeps all ten. kombu's visibility-timeout restore (as a worker's poller runs
+    it) puts them back in the queue; a second worker receives each once more and drops it
+    without running it: every job ran once and stays completed, and the record and the queue
+    end empty."""
     config = redis_config(tmp_path, redis_server.url)
     config["ojs"]["store_url"] = f"sqlite:///{tmp_path / 'store.sqlite3'}"
     config["ojs"]["events"] = False
@@ -251,9 +252,10 @@ def test_a_worker_killed_before_sending_its_removals_leaves_finished_jobs_to_be_
     finally:
         os.killpg(victim.process.pid, signal.SIGKILL)
         victim.stop()
-    restoring = {**config, "broker_transport_options": {
-        "visibility_timeout": 1, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}}
-    with running_worker(restoring, tmp_path / "restorer.log"):
+    with Connection(redis_server.url, transport_options={"visibility_timeout": 0}) as connection:
+        connection.default_channel.qos.restore_visible(num=10)  # as a worker's poller does
+    assert set(queued(redis_server)) == {job.id for job in jobs}
+    with running_worker(config, tmp_path / "second.log"):
         def received_twice() -> bool:
             received = lines(config["dir"], "received")
             return all(sum(job.id in line for line in received) == 2 for job in jobs)
