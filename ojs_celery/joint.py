@@ -61,6 +61,10 @@ class JointCreate:
         self.record.dispatch_due = None  # the message goes in the record's own write
         self.record.version = 1  # what it is once written (the message carries the snapshot)
         self._deadlines = deadlines(self.record, store.policy)
+        #: The script's record arguments, encoded once when the publish begins: the message's
+        #: snapshot (built before the push) reuses the job's JSON they hold. Only the push uses
+        #: them: a record that comes to owe its message (:meth:`_owe`) gets arguments anew.
+        self._args: list[str] | None = None
         #: ``_put`` began writing the record: its outcome is the write's, raised through the
         #: publish if it failed.
         self.attempted = False
@@ -70,6 +74,7 @@ class JointCreate:
         self._token: Any = None
 
     def __enter__(self) -> JointCreate:
+        self._args = self.store.insert_args(self.record, self._deadlines)
         self._token = _pending.set(self)
         return self
 
@@ -80,7 +85,8 @@ class JointCreate:
         """Write the record and push ``message`` in one script (sent again as it is if kombu
         retries the publish: the script finds its own record and pushes nothing more)."""
         self.attempted = True
-        if not self.store.insert_pushing(self.record, self._deadlines, queue_key, message):
+        if not self.store.insert_pushing(self.record, self._deadlines, queue_key, message,
+                                         self._args):
             raise DuplicateJob(self.job_id)
         self.written = "joint"
 

@@ -18,7 +18,7 @@ from celery.signals import before_task_publish
 from kombu import Queue
 from kombu.transport import redis as kombu_redis
 
-from ojs_celery import DuplicateJob, OJSTask, enqueue, install, parse_envelope
+from ojs_celery import DuplicateJob, OJSTask, enqueue, header, install, parse_envelope
 from ojs_celery.joint import JointCreate
 from ojs_celery.store import StoreError
 from ojs_celery.store.redis import RedisStore
@@ -85,6 +85,14 @@ def test_a_new_job_is_stored_and_published_in_one_script_call(server: PrivateRed
     assert sorted(queued(server)) == sorted(stored_ids(server))
     assert job.id in queued(server) and result.id in queued(server)
     assert runtime.store.due("dispatch", now=time.time() + 3600, limit=10) == []
+    for job_id in (job.id, result.id):  # each message's snapshot is the record as written
+        [key] = queued(server)[job_id]
+        [message] = [json.loads(m) for m in server.admin.lrange(key, 0, -1)
+                     if json.loads(m)["headers"]["id"] == job_id]
+        fields, _, data = message["headers"][header.NAME][header.SNAPSHOT].partition("\n")
+        stored = server.admin.hgetall(f"ojs:job:{job_id}")
+        assert data == stored["data"]
+        assert json.loads(fields)[:2] == [int(stored["version"]), int(stored["token"])]
     app.close()
 
 

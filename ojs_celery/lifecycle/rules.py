@@ -101,7 +101,7 @@ class Record:
     dead_letter: bool = False
     nonce: str = ""
     origin: str = ""
-    #: The job's JSON as the store last wrote it for this record (set by the store's write,
+    #: The job's JSON as the store encoded it for this record's write (set by the store,
     #: never read by it): the message's snapshot reuses it instead of encoding the job again.
     written_json: str | None = field(default=None, repr=False, compare=False)
 

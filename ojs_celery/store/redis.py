@@ -218,16 +218,26 @@ class RedisStore(JobStore):
             return self._insert(record, deadlines)  # script flushed: load and retry
         return bool(done)
 
+    def insert_args(self, record: Record, deadlines: dict[str, float | None]) -> list[str]:
+        """The record's arguments to an insert, encoded now (the job's JSON then also serves
+        the message's snapshot, see :attr:`Record.written_json`): for :meth:`insert_pushing`
+        of this record as it is now."""
+        return self._args(record, 1, deadlines)
+
     def insert_pushing(
-        self, record: Record, deadlines: dict[str, float | None], queue_key: str, message: str
+        self, record: Record, deadlines: dict[str, float | None], queue_key: str, message: str,
+        record_args: list[str] | None = None,
     ) -> bool:
         """Insert a new record and ``LPUSH`` its ``message`` onto ``queue_key`` in the same
         script (the broker is this Redis, see :mod:`ojs_celery.joint`): both or neither. True
         when done (or done already), False when another job has the id (nothing pushed).
         Raises :class:`StoreError` when refused (nothing written, nothing pushed) and
-        :class:`StoreUncertain` when the store cannot tell, as :meth:`create` does."""
+        :class:`StoreUncertain` when the store cannot tell, as :meth:`create` does.
+        ``record_args``: :meth:`insert_args` of the record, if the caller made them."""
         keys = [*self._job_keys(record.job.id), queue_key]
-        args = [*self._args(record, 1, deadlines), message]
+        if record_args is None:
+            record_args = self._args(record, 1, deadlines)
+        args = [*record_args, message]
         insert = functools.partial(self._insert_push, keys, args)
         return self._insert_settled(record, deadlines, insert, insert)
 
