@@ -49,8 +49,9 @@ def _is_ojs(message: Any) -> bool:
 
 
 def install_qos() -> None:
-    """Let kombu's Redis QoS record, acknowledge and reject OJS messages with the channel's
-    kept client (idempotent; process-wide, a no-op for every other message)."""
+    """Let kombu's Redis QoS record and reject OJS messages with the channel's kept client,
+    and send the removals of acknowledged ones in batches (:mod:`ojs_celery.unacked`)
+    (idempotent; process-wide, a no-op for every other message)."""
     qos: Any = kombu_redis.QoS
     if getattr(qos.pipe_or_acquire, "__ojs_kept__", False):
         return
