@@ -5,7 +5,8 @@ and both cost one round trip per batch instead of one per item. After taking the
 thread lingers (up to ``linger`` seconds, or until ``max_batch`` items) so that a burst becomes
 one batch; :meth:`Batcher.flush` ends the linger at once. Items are handled in the order they
 were put. Each process has its own thread and queue: a forked child starts them on first use
-(the parent's thread does not exist there), and every process flushes at exit.
+(the parent's thread does not exist there), and every process flushes at exit. A fork waits
+for the batch being handled (see :meth:`Batcher.before_fork`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from .forking import forget_in_children
+from .forking import forget_in_children, hold_forks
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Handler = Callable[[list[T]], None]
+#: How long a fork waits for a batch being handled (one round trip, unless a server hangs:
+#: then the fork goes on, as it did before it waited).
+FORK_WAIT = 1.0
 
 
 class _Flush:
@@ -52,13 +56,31 @@ class Batcher(ABC, Generic[T]):
         self._wake = threading.Event()  # ends a linger early: a flush, or a full batch
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        #: Held while a batch is handled, and by a fork (see :meth:`before_fork`).
+        self._handling = threading.Lock()
+        self._held_for_fork = False
         forget_in_children(self)
+        hold_forks(self)
 
     def forget_parent(self) -> None:
         """A forked child has no thread yet: forget the parent's at the fork itself, so that
         put() need not compare pids (a system call) every time."""
         self._thread = None
         self._lock = threading.Lock()
+        self._handling = threading.Lock()
+        self._held_for_fork = False
+
+    def before_fork(self) -> None:
+        """A fork waits (at most :data:`FORK_WAIT`) until no batch is being handled: the thread
+        would otherwise be inside a client library at the fork, maybe holding a connection
+        pool's lock, which the child then finds held for ever (see :mod:`ojs_celery.forking`).
+        Celery's prefork pool forks a replacement child while this process's thread runs."""
+        self._held_for_fork = self._handling.acquire(timeout=FORK_WAIT)
+
+    def after_fork_in_parent(self) -> None:
+        if self._held_for_fork:
+            self._held_for_fork = False
+            self._handling.release()
 
     @abstractmethod
     def _open(self) -> Handler[T]:
@@ -73,14 +95,15 @@ class Batcher(ABC, Generic[T]):
         if self._queue.qsize() >= self.max_batch:
             self._wake.set()
 
-    def flush(self, timeout: float = 5.0) -> None:
-        """Wait until everything put so far in this process is handled (at exit, in tests)."""
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until everything put so far in this process is handled (at exit, in tests);
+        False if that took longer than ``timeout`` (the items stay queued)."""
         if self._thread is None or self._pid != os.getpid():
-            return
+            return True
         marker = _Flush()
         self._queue.put(marker)
         self._wake.set()
-        marker.done.wait(timeout)
+        return marker.done.wait(timeout)
 
     def _ensure_thread(self) -> None:
         if self._thread is not None:
@@ -101,11 +124,12 @@ class Batcher(ABC, Generic[T]):
         while True:
             batch, flushes = self._take_batch()
             if batch:
-                try:
-                    handle(batch)
-                except Exception:  # a handler logs its own failures; never let the thread die
-                    logger.exception("ojs_celery: %s failed on %d item(s)", self.thread_name,
-                                     len(batch))
+                with self._handling:
+                    try:
+                        handle(batch)
+                    except Exception:  # a handler logs its own failures; the thread lives on
+                        logger.exception("ojs_celery: %s failed on %d item(s)", self.thread_name,
+                                         len(batch))
             for marker in flushes:
                 marker.done.set()
 

@@ -109,11 +109,15 @@ class CeleryProcess:
     end-to-end helpers build on it."""
 
     def __init__(self, arguments: list[str], log: pathlib.Path, env: dict[str, str],
-                 cwd: str | os.PathLike[str] | None = None) -> None:
+                 cwd: str | os.PathLike[str] | None = None,
+                 program: list[str] | None = None) -> None:
+        """``program``: what runs ``celery`` (default ``python -m celery``; Celery's SIGHUP
+        restart re-runs its ``argv[0]``, which works with the ``celery`` script only)."""
         self.log_path = log
         self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen([sys.executable, "-m", "celery", *arguments], cwd=cwd,
-                                        env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        command = program or [sys.executable, "-m", "celery"]
+        self.process = subprocess.Popen([*command, *arguments], cwd=cwd, env=env,
+                                        stdout=self._log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
 
     def log(self) -> str:

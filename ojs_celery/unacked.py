@@ -71,5 +71,10 @@ def remove_later(client: Any, index_key: str, unacked_key: str, delivery_tag: st
 
 
 def flush(timeout: float = 5.0) -> None:
-    """Send what is queued and wait for it (the process exiting, tests)."""
-    removals.flush(timeout)
+    """Send what is queued and wait for it (a worker shutting down, the process exiting,
+    tests); say so if that did not finish in ``timeout`` seconds."""
+    if not removals.flush(timeout):
+        logger.warning(
+            "ojs_celery: the removals of acknowledged OJS deliveries from kombu's unacked record "
+            "were not all sent within %ss; after the broker's visibility_timeout kombu restores "
+            "what is left, and workers drop those messages as already run", timeout)

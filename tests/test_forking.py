@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
+import time
 import weakref
 
-from ojs_celery import forking
+import pytest
+
+from ojs_celery import batching, forking
+from ojs_celery.batching import Batcher, Handler
 
 
 class Holder:
@@ -48,3 +53,59 @@ def test_the_hook_holds_its_objects_weakly() -> None:
     gc.collect()
     assert all(ref() is None for ref in refs)
     assert not [o for o in list(forking._owners) if isinstance(o, Holder)]
+
+
+class SlowBatcher(Batcher[int]):
+    """A batcher whose handler takes ``seconds`` (a client library's call in progress)."""
+
+    thread_name = "test-slow-batcher"
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(linger=0.0, max_batch=10)
+        self.seconds = seconds
+        self.entered = threading.Event()
+        self.finished = threading.Event()
+
+    def _open(self) -> Handler[int]:
+        def handle(_batch: list[int]) -> None:
+            self.entered.set()
+            time.sleep(self.seconds)
+            self.finished.set()
+
+        return handle
+
+
+def fork_during_a_batch(batcher: SlowBatcher) -> bool:
+    """Fork while ``batcher``'s thread handles a batch; was the batch done when fork returned?"""
+    batcher.put(1)
+    assert batcher.entered.wait(10)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os._exit(0)
+    done_at_fork = batcher.finished.is_set()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return done_at_fork
+
+
+def test_a_fork_waits_for_the_batch_a_thread_is_handling() -> None:
+    """A batcher's thread is inside its handler (where a client library may hold its
+    connection pool's lock, which a child would find held for ever) when the process forks:
+    the fork waits until the batch is handled, and the next batches are handled as before."""
+    batcher = SlowBatcher(0.3)
+    assert fork_during_a_batch(batcher)
+    batcher.finished.clear()
+    batcher.put(2)
+    assert batcher.flush(10) and batcher.finished.is_set()
+
+
+def test_a_fork_waits_for_a_batch_no_longer_than_fork_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handler that hangs (a server that does not answer) holds a fork back for
+    ``FORK_WAIT`` at most; then the fork goes on."""
+    monkeypatch.setattr(batching, "FORK_WAIT", 0.1)
+    batcher = SlowBatcher(3.0)
+    started = time.monotonic()
+    assert not fork_during_a_batch(batcher)
+    assert time.monotonic() - started < 2.5

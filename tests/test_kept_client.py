@@ -246,6 +246,8 @@ def test_a_worker_killed_before_sending_its_removals_leaves_finished_jobs_to_be_
                        for job in jobs)
 
         wait_for(completed, 30, "the ten jobs completed")
+        wait_for(lambda: len(lines(config["dir"], "postrun")) == 10, 15,
+                 "Celery's postrun of the ten")  # it follows the outcome's write
         recorded = {json.loads(entry)[0]["headers"]["id"]
                     for entry in redis_server.admin.hvals("unacked")}
         assert recorded == {job.id for job in jobs}  # acknowledged, not yet removed
@@ -295,6 +297,42 @@ def test_a_worker_stopped_warm_sends_its_removals_before_it_exits(
         assert worker.stop() == 0
     assert unacked(redis_server) == (set(), set())
     assert queued(redis_server) == {}
+    app._ojs_runtime.store.clear()
+    app.close()
+
+
+def test_a_worker_restarted_by_sighup_sends_its_removals_first(
+    redis_server: PrivateRedis, tmp_path: pathlib.Path
+) -> None:
+    """A worker whose removals of acknowledged deliveries wait (the test app holds them) is
+    restarted with SIGHUP, Celery's restart, which execs the new worker from an atexit
+    handler: the removals are sent at the worker's shutdown, before that, so kombu's record
+    ends empty; the restarted worker runs new jobs."""
+    config = redis_config(tmp_path, redis_server.url)
+    config["ojs"]["store_url"] = f"sqlite:///{tmp_path / 'store.sqlite3'}"
+    config["ojs"]["events"] = False
+    app = e2e_app(config)
+
+    def all_completed(jobs: list[Any]) -> bool:
+        return all(getattr(get_job(job.id, app=app), "state", None) == "completed"
+                   for job in jobs)
+
+    celery = str(pathlib.Path(sys.executable).with_name("celery"))  # restartable (see Worker)
+    worker = Worker({**config, "unacked_linger": 600}, tmp_path / "worker.log", program=[celery])
+    try:
+        worker.wait_ready()
+        jobs = enqueue_batch([{"type": "e2e.add", "args": [i, 1]} for i in range(5)], app=app)
+        wait_for(lambda: all_completed(jobs), 30, "the five jobs completed")
+        assert len(redis_server.admin.hkeys("unacked")) == 5  # acknowledged, not yet removed
+        worker.process.send_signal(signal.SIGHUP)
+        wait_for(lambda: worker.log().count(" ready.") == 2, 30, "the worker restarted")
+        assert unacked(redis_server) == (set(), set())
+        more = enqueue_batch([{"type": "e2e.add", "args": [i, 2]} for i in range(3)], app=app)
+        wait_for(lambda: all_completed(more), 30, "the restarted worker ran new jobs")
+    finally:
+        worker.stop()
+    runs = lines(config["dir"], "runs")
+    assert all(runs.count(f"add {job.id}") == 1 for job in jobs + more)
     app._ojs_runtime.store.clear()
     app.close()
 

@@ -95,14 +95,15 @@ class Worker(CeleryProcess):
     """A ``celery worker`` subprocess running ``tests.e2eapp``."""
 
     def __init__(self, config: dict[str, Any], log: pathlib.Path, pool: str = "prefork",
-                 concurrency: int = 2, extra: list[str] | None = None) -> None:
+                 concurrency: int = 2, extra: list[str] | None = None,
+                 program: list[str] | None = None) -> None:
         self.config = config
         super().__init__(
             ["-A", "tests.e2eapp:app", "worker", "--pool", pool, "--concurrency",
              str(concurrency), "--loglevel", "INFO",
              "--queues", ",".join(config.get("worker_queues") or [config["queue"]]),
              "--hostname", f"{unique('w')}@%h", "--without-gossip", "--without-mingle",
-             *(extra or [])], log, _env(config), cwd=ROOT)
+             *(extra or [])], log, _env(config), cwd=ROOT, program=program)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         super().wait_ready(timeout)

@@ -48,6 +48,9 @@ class RegistrationStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def shutdown(self, parent: Any) -> None:
         self._leave(parent)
+        # Send this process's queued background work now: on a restart (SIGHUP) Celery's
+        # atexit handler execs the new worker before the batchers' own atexit flushes run.
+        get_runtime(parent.app).flush()
 
     def _leave(self, parent: Any) -> None:
         """A shutdown that did not go through the drain (Celery's own, e.g. the ``shutdown``
