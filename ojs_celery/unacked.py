@@ -10,10 +10,12 @@ message's ack does kombu's in-process bookkeeping at once and queues the removal
 thread removes a batch of entries in one round trip.
 
 If the process dies before a batch is sent (a SIGKILL, the machine), those entries stay: after
-the broker's ``visibility_timeout`` kombu puts their messages back, and a worker drops each as
-stale (its job's record says it already ran). The recording of a delivery (``QoS.append``), a
-reject, and every plain message keep kombu's synchronous path: delaying those could lose or
-redeliver a message that has not run.
+the broker's ``visibility_timeout`` kombu puts their messages back, and a worker drops each
+whose attempt started (its token is spent). A message that was acknowledged without starting
+its attempt (a header it could not use, a task with ``acks_late`` off) may then start that
+attempt, once, as the sweeper's redispatch backstop would. The recording of a delivery
+(``QoS.append``), a reject, and every plain message keep kombu's synchronous path: delaying
+those could lose or redeliver a message that has not run.
 """
 
 from __future__ import annotations
