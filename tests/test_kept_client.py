@@ -1,7 +1,10 @@
 """kombu's Redis QoS records, acknowledges and rejects OJS messages with one client kept per
 channel (``ojs_celery/kept_client.py``) instead of a new client per command, and its
 bookkeeping stays kombu's: the same keys (prefix included), the same entries, the same
-restore of what was never acknowledged. On a private ``redis-server`` (broker and store)."""
+restore of what was never acknowledged. An OJS message's ack leaves kombu's record in a later
+batch (``ojs_celery/unacked.py``): sent before a worker stops or restarts, and, when a killed
+worker never sent it, harmless (the restored messages are dropped). On a private
+``redis-server`` (broker and store)."""
 
 from __future__ import annotations
 
