@@ -31,6 +31,25 @@ class Interrupt(BaseException):
     """What gevent's ``Timeout`` and ``KeyboardInterrupt`` are: not an ``Exception``."""
 
 
+def interrupted_enqueue(app: Celery) -> str:
+    """Enqueue a job whose publish is interrupted (a ``before_task_publish`` receiver raises
+    :class:`Interrupt`); check that the interrupt reached the caller; the job's id."""
+    interrupted: list[str] = []
+
+    def interrupt(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        interrupted.append(headers["id"])
+        raise Interrupt()
+
+    before_task_publish.connect(interrupt, weak=False)
+    try:
+        with pytest.raises(Interrupt):
+            enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+    finally:
+        before_task_publish.disconnect(interrupt)
+    [job_id] = interrupted
+    return job_id
+
+
 @pytest.fixture(params=["redis", "postgresql"])
 def app(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Celery]:
     """The embedded broker with a Redis or PostgreSQL job store (whose inserts take the lane)."""
@@ -49,19 +68,7 @@ def app(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Cele
 
 def test_an_interrupted_publish_loses_no_job_and_frees_the_store(app: Celery) -> None:
     enqueue({"type": "e2e.add", "args": [0, 0]}, app=app)  # the lane's connection is made
-    interrupted: list[str] = []
-
-    def interrupt(sender: Any = None, headers: Any = None, **_: Any) -> None:
-        interrupted.append(headers["id"])
-        raise Interrupt()
-
-    before_task_publish.connect(interrupt, weak=False)
-    try:
-        with pytest.raises(Interrupt):
-            enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
-    finally:
-        before_task_publish.disconnect(interrupt)
-    [job_id] = interrupted
+    job_id = interrupted_enqueue(app)
     runtime = get_runtime(app)
     record = runtime.store.get_record(job_id)
     assert record is not None and record.job.state == "available"
@@ -94,19 +101,7 @@ def test_an_interrupted_publish_whose_store_write_is_refused_stores_nothing(
     try:
         enqueue({"type": "e2e.add", "args": [0, 0]}, app=app)  # the lane's connection is made
         redis_server.admin.config_set("min-replicas-to-write", 1)  # every write is refused
-        interrupted: list[str] = []
-
-        def interrupt(sender: Any = None, headers: Any = None, **_: Any) -> None:
-            interrupted.append(headers["id"])
-            raise Interrupt()
-
-        before_task_publish.connect(interrupt, weak=False)
-        try:
-            with pytest.raises(Interrupt):
-                enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
-        finally:
-            before_task_publish.disconnect(interrupt)
-        [job_id] = interrupted
+        job_id = interrupted_enqueue(app)
         [warning] = [r for r in caplog.records if r.levelname == "WARNING"
                      and job_id in r.getMessage()]
         assert "interrupted" in warning.getMessage() and "NOREPLICAS" in warning.getMessage()
