@@ -85,8 +85,9 @@ class JointCreate:
         """Write the record and push ``message`` in one script (sent again as it is if kombu
         retries the publish: the script finds its own record and pushes nothing more)."""
         self.attempted = True
-        if not self.store.insert_pushing(self.record, self._deadlines, queue_key, message,
-                                         self._args):
+        assert self._args is not None  # made as the publish began (__enter__)
+        if not self.store.insert_pushing(self.record, self._deadlines, self._args, queue_key,
+                                         message):
             raise DuplicateJob(self.job_id)
         self.written = "joint"
 

@@ -225,18 +225,16 @@ class RedisStore(JobStore):
         return self._args(record, 1, deadlines)
 
     def insert_pushing(
-        self, record: Record, deadlines: dict[str, float | None], queue_key: str, message: str,
-        record_args: list[str] | None = None,
+        self, record: Record, deadlines: dict[str, float | None], record_args: list[str],
+        queue_key: str, message: str,
     ) -> bool:
         """Insert a new record and ``LPUSH`` its ``message`` onto ``queue_key`` in the same
         script (the broker is this Redis, see :mod:`ojs_celery.joint`): both or neither. True
         when done (or done already), False when another job has the id (nothing pushed).
         Raises :class:`StoreError` when refused (nothing written, nothing pushed) and
         :class:`StoreUncertain` when the store cannot tell, as :meth:`create` does.
-        ``record_args``: :meth:`insert_args` of the record, if the caller made them."""
+        ``record_args``: :meth:`insert_args` of ``record`` with ``deadlines``."""
         keys = [*self._job_keys(record.job.id), queue_key]
-        if record_args is None:
-            record_args = self._args(record, 1, deadlines)
         args = [*record_args, message]
         insert = functools.partial(self._insert_push, keys, args)
         return self._insert_settled(record, deadlines, insert, insert)
