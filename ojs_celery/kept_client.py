@@ -9,10 +9,13 @@ process pays two per message, as much as a fifth of its work per job.
 For OJS messages (those with an ``ojs`` header) the client kombu would build is built once per
 channel and kept: :func:`client_of` here, used by the ``_put`` of :mod:`ojs_celery.joint` and
 by the QoS hooks that :func:`install_qos` adds. The commands, their keys and the client's class
-(so its ``global_keyprefix``) stay kombu's; only the client object is reused. An OJS message's
-ack goes further: its removal from kombu's record is sent later, in a batch
-(:mod:`ojs_celery.unacked`). A reject with requeue (kombu's restore, a transaction of its own)
-and every other message keep kombu's path.
+(so its ``global_keyprefix``) stay kombu's; only the client object is reused. The ack of an OJS
+message that this process runs as an OJS task goes further: its removal from kombu's record is
+sent later, in a batch (:mod:`ojs_celery.unacked`), which only fencing makes safe (a message
+restored after a lost removal is dropped at its start). A reject with requeue (kombu's restore,
+a transaction of its own), the ack of an OJS message that a plain task ran (a ``type_map``
+entry naming one, a worker deployed before the task became an OJS task) and every other
+message keep kombu's path.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ __all__ = ["client_of", "install_qos"]
 
 #: kombu's Redis client of each channel, made once (see the module docstring).
 _clients: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+#: The apps whose workers' QoS was hooked (:func:`install_qos`): a message's task is fenced when
+#: one of them registers it as an OJS task.
+_apps: weakref.WeakSet[Any] = weakref.WeakSet()
 #: Set while kombu's QoS handles an OJS message: its pipelines come from the kept client.
 _keeping: ContextVar[bool] = ContextVar("ojs_celery_kept_client", default=False)
 
@@ -48,10 +54,20 @@ def _is_ojs(message: Any) -> bool:
     return isinstance(headers, dict) and header.NAME in headers
 
 
-def install_qos() -> None:
+def _runs_fenced(message: Any) -> bool:
+    """Whether ``message`` is an OJS message whose task an app of this process runs as an OJS
+    task: its start is then fenced, so a restore after a lost removal cannot run it again."""
+    if not _is_ojs(message):
+        return False
+    name = message.headers.get("task")
+    return any(getattr(app.tasks.get(name), "__ojs_task__", False) for app in list(_apps))
+
+
+def install_qos(app: Any) -> None:
     """Let kombu's Redis QoS record and reject OJS messages with the channel's kept client,
-    and send the removals of acknowledged ones in batches (:mod:`ojs_celery.unacked`)
-    (idempotent; process-wide, a no-op for every other message)."""
+    and send the removals of acknowledged ones that ``app`` runs as OJS tasks in batches
+    (:mod:`ojs_celery.unacked`) (idempotent; process-wide, a no-op for every other message)."""
+    _apps.add(app)
     qos: Any = kombu_redis.QoS
     if getattr(qos.pipe_or_acquire, "__ojs_kept__", False):
         return
@@ -80,7 +96,7 @@ def install_qos() -> None:
 
     def removed_later(self: Any, delivery_tag: str) -> None:
         """kombu's in-process bookkeeping now, the entry's removal in the next batch."""
-        if not _is_ojs(self._delivered.get(delivery_tag)):
+        if not _runs_fenced(self._delivered.get(delivery_tag)):
             ack(self, delivery_tag)
             return
         unacked.remove_later(client_of(self.channel), self.unacked_index_key, self.unacked_key,

@@ -167,7 +167,7 @@ class Runtime:
                 from .kept_client import install_qos
 
                 install_put()  # kombu's Redis _put for OJS messages (see ojs_celery.joint)
-                install_qos()  # and its QoS bookkeeping of them (ojs_celery.kept_client)
+                install_qos(self.app)  # and its QoS bookkeeping of them (ojs_celery.kept_client)
         return self._broker_driver
 
     def flush(self) -> None:

@@ -28,7 +28,7 @@ from ojs_celery.kept_client import install_qos
 from tests.e2eapp import make_app as e2e_app
 from tests.test_joint import TYPE, make_app, queued
 from tests.test_store_faults import PrivateRedis
-from tests.workers import Worker, lines, redis_config, running_worker, wait_for
+from tests.workers import Worker, lines, redis_config, running_worker, unique, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ def test_ojs_messages_are_recorded_and_acknowledged_with_one_client(
     prefixed keys, but makes no client for an OJS message's commands (one is kept for the
     channel), while each plain message still gets kombu's two."""
     app = make_app(redis_server.url, broker_transport_options={"global_keyprefix": "pfx:"})
-    install_qos()
+    install_qos(app)
     queue = str(app.conf.task_default_queue)
     jobs = [enqueue({"type": TYPE, "args": [i, i]}, app=app).id for i in range(4)]
     plain = [app.send_task("plain.task", queue=queue).id for _ in range(2)]
@@ -102,7 +102,7 @@ def test_an_ojs_message_not_acknowledged_goes_back_to_its_queue(
     acknowledged puts it back in the queue, and so does a reject with requeue; each time
     kombu's record ends empty, and the message is taken once more."""
     app = make_app(redis_server.url, broker_transport_options={"global_keyprefix": "pfx:"})
-    install_qos()
+    install_qos(app)
     queue = str(app.conf.task_default_queue)
     job = enqueue({"type": TYPE, "args": [1, 2], "priority": 100}, app=app)
 
@@ -188,7 +188,7 @@ def test_a_refused_removal_leaves_the_delivery_recorded_and_says_so(
     for kombu's restore (a worker drops what it puts back as already run). Once the key is
     mended, the next OJS ack's removal goes through."""
     app = make_app(redis_server.url)
-    install_qos()
+    install_qos(app)
     queue = str(app.conf.task_default_queue)
     jobs = [enqueue({"type": TYPE, "args": [i, 2]}, app=app).id for i in range(2)]
     plain = app.send_task("plain.task", queue=queue).id
@@ -221,6 +221,43 @@ def test_a_refused_removal_leaves_the_delivery_recorded_and_says_so(
         taken[jobs[1]].ack()
         ojs_celery.unacked.flush()
         assert taken[jobs[1]].delivery_tag not in set().union(*unacked(redis_server))
+    app._ojs_runtime.store.clear()
+    app.close()
+
+
+def test_an_ojs_message_that_a_plain_task_runs_is_acknowledged_at_once(
+    redis_server: PrivateRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message with an ``ojs`` header whose task the consuming app runs as a plain task (a
+    ``type_map`` entry naming one, or a worker deployed before the task became an OJS task)
+    has no fenced start to drop it if kombu restored it after a lost removal: its ack removes
+    kombu's record at once, as kombu does, while an OJS task's ack still waits for the batch."""
+    app = make_app(redis_server.url)
+    plain_name = unique("plain")
+
+    @app.task(shared=False, name=plain_name)
+    def plain() -> None: ...
+
+    install_qos(app)
+    monkeypatch.setattr(ojs_celery.unacked.removals, "linger", 600.0)  # hold the batch
+    queue = str(app.conf.task_default_queue)
+    job = enqueue({"type": TYPE, "args": [1, 2]}, app=app).id
+    headed = app.send_task(plain_name, queue=queue, headers={"ojs": {"token": 1}}).id
+    with app.connection_for_read() as connection:
+        taken: dict[str, Any] = {}
+        with Consumer(connection, [Queue(queue)], accept=["json"],
+                      callbacks=[lambda _body, message: taken.update(
+                          {message.headers["id"]: message})]):
+            while len(taken) < 2:
+                connection.drain_events(timeout=10)
+        assert "ojs" in taken[headed].headers
+        taken[headed].ack()
+        held = unacked(redis_server)
+        assert held[0] == {taken[job].delivery_tag} == held[1]  # the plain task's: removed
+        taken[job].ack()
+        assert unacked(redis_server) == held  # the OJS task's removal waits for its batch
+        ojs_celery.unacked.flush()
+        assert unacked(redis_server) == (set(), set())
     app._ojs_runtime.store.clear()
     app.close()
 
@@ -343,10 +380,11 @@ def test_a_worker_restarted_by_sighup_sends_its_removals_first(
 #: A consumer that takes one message and is killed (``os._exit``) without acknowledging it.
 KILLED_CONSUMER = """
 import os, sys
+from celery import Celery
 from kombu import Connection, Consumer, Queue
 from ojs_celery.kept_client import install_qos
 
-install_qos()
+install_qos(Celery("killed", set_as_current=False))
 with Connection(sys.argv[1]) as connection:
     taken = []
     with Consumer(connection, [Queue(sys.argv[2])], accept=["json"],
