@@ -300,9 +300,8 @@ def celery_time_fields(
     ``task_soft_time_limit``/``task_time_limit``): the soft limit (or the hard one) is the
     timeout, hard − soft the grace. No limit at all: ``settings.default_timeout`` (the
     worker warns at start for such tasks, see :func:`tasks_without_limit`)."""
-    soft = _first(options.get("soft_time_limit"), task.soft_time_limit,
-                  app.conf.task_soft_time_limit)
-    hard = _first(options.get("time_limit"), task.time_limit, app.conf.task_time_limit)
+    soft = _time_limit(app, task, options, "soft_time_limit")
+    hard = _time_limit(app, task, options, "time_limit")
     if soft is not None:
         timeout = max(math.ceil(float(soft)), 1)
         if hard is None:
@@ -311,6 +310,13 @@ def celery_time_fields(
     if hard is not None:
         return {"timeout": max(math.ceil(float(hard)), 1), "grace_period": 0}
     return {"timeout": settings.default_timeout}
+
+
+def _time_limit(app: Celery, task: Task, options: dict[str, Any], name: str) -> Any:
+    """Celery's ``name`` limit of a call: the call's, else the task's, else the app's setting
+    (``task_<name>``), which is read only when needed (a settings lookup costs a few µs)."""
+    given = _first(options.get(name), getattr(task, name))
+    return given if given is not None else app.conf[f"task_{name}"]
 
 
 def celery_expires_at(task: Task, options: dict[str, Any], now: float) -> str | None:

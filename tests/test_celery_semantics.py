@@ -63,6 +63,9 @@ def test_time_limits_give_timeout_and_grace(app: Celery) -> None:
     assert tasks_without_limit(app) == ["m.ojs", "m.plain"]
     app.conf.task_soft_time_limit = 20
     assert celery_time_fields(app, plain, {}, settings) == {"timeout": 20}
+    app.conf.task_time_limit = 26  # the app's limits fill what the call and the task leave
+    assert celery_time_fields(app, plain, {}, settings) == {"timeout": 20, "grace_period": 6}
+    assert celery_time_fields(app, limited, {}, settings) == {"timeout": 10, "grace_period": 15}
     assert tasks_without_limit(app) == []
 
 
