@@ -324,6 +324,9 @@ def main() -> int:
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/test")
     parser.add_argument("--producer-only", action="store_true",
                         help="only the enqueue() and .apply_async() loops, no worker running")
+    parser.add_argument("--redis-config", action="append", default=[], metavar="NAME=VALUE",
+                        help="a CONFIG SET on the private Redis before the fill (an operator's "
+                        "setting to measure, e.g. hash-max-listpack-value=1024)")
     parser.add_argument("--produce", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -342,6 +345,10 @@ def main() -> int:
         assert server.process is not None
         redis_pid = server.process.pid
         url = server.url
+        for setting in args.redis_config:
+            name, _, value = setting.partition("=")
+            redis.Redis.from_url(url).config_set(name, value)
+            print(f"private Redis: {name} {value}", flush=True)
         store_url = url if args.store == "redis" else args.postgres
         run = unique("")
         prefix, exchange = f"scale_{run}", f"scaleev_{run}"
@@ -382,6 +389,8 @@ def main() -> int:
             if args.store == "redis":
                 figures.notes["commands"] = command_note(commands, command_times(keys.client),
                                                          jobs)
+            memory = keys.client.info("memory")["used_memory"]
+            figures.notes["memory"] = f"private Redis {memory / 2**20:.0f} MiB"
             print(f"N={size:,}: " + ", ".join(f"{k} {v:.0f}/s" for k, v in figures.rates.items())
                   + "; " + "; ".join(figures.notes.values()), flush=True)
             results.append(figures)
