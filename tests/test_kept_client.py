@@ -55,6 +55,20 @@ def unacked(redis_server: PrivateRedis, prefix: str = "") -> tuple[set[str], set
             set(redis_server.admin.zrange(f"{prefix}unacked_index", 0, -1)))
 
 
+def take_by_id(connection: Any, queue: str, count: int) -> dict[str, Any]:
+    """``count`` messages taken from ``queue`` as a worker's consumer takes them (kombu records
+    each delivery), by task id; none acknowledged."""
+    taken: dict[str, Any] = {}
+
+    def received(_body: Any, message: Any) -> None:
+        taken[message.headers["id"]] = message
+
+    with Consumer(connection, [Queue(queue)], accept=["json"], callbacks=[received]):
+        while len(taken) < count:
+            connection.drain_events(timeout=10)
+    return taken
+
+
 def test_ojs_messages_are_recorded_and_acknowledged_with_one_client(
     redis_server: PrivateRedis, clients_made: list[Any]
 ) -> None:
@@ -193,12 +207,7 @@ def test_a_refused_removal_leaves_the_delivery_recorded_and_says_so(
     jobs = [enqueue({"type": TYPE, "args": [i, 2]}, app=app).id for i in range(2)]
     plain = app.send_task("plain.task", queue=queue).id
     with app.connection_for_read() as connection:
-        taken: dict[str, Any] = {}
-        with Consumer(connection, [Queue(queue)], accept=["json"],
-                      callbacks=[lambda _body, message: taken.update(
-                          {message.headers["id"]: message})]):
-            while len(taken) < 3:
-                connection.drain_events(timeout=10)
+        taken = take_by_id(connection, queue, 3)
         index = dict(redis_server.admin.zrange("unacked_index", 0, -1, withscores=True))
         redis_server.admin.delete("unacked_index")
         redis_server.admin.set("unacked_index", "not a sorted set")
@@ -244,12 +253,7 @@ def test_an_ojs_message_that_a_plain_task_runs_is_acknowledged_at_once(
     job = enqueue({"type": TYPE, "args": [1, 2]}, app=app).id
     headed = app.send_task(plain_name, queue=queue, headers={"ojs": {"token": 1}}).id
     with app.connection_for_read() as connection:
-        taken: dict[str, Any] = {}
-        with Consumer(connection, [Queue(queue)], accept=["json"],
-                      callbacks=[lambda _body, message: taken.update(
-                          {message.headers["id"]: message})]):
-            while len(taken) < 2:
-                connection.drain_events(timeout=10)
+        taken = take_by_id(connection, queue, 2)
         assert "ojs" in taken[headed].headers
         taken[headed].ack()
         held = unacked(redis_server)
