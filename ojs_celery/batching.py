@@ -101,8 +101,8 @@ class Batcher(ABC, Generic[T]):
         if self._thread is None or self._pid != os.getpid():
             return True
         marker = _Flush()
+        self._wake.set()  # before the marker: the thread that takes it first clears the wake
         self._queue.put(marker)
-        self._wake.set()
         return marker.done.wait(timeout)
 
     def _ensure_thread(self) -> None:
@@ -140,7 +140,9 @@ class Batcher(ABC, Generic[T]):
         batch: list[T] = []
         flushes: list[_Flush] = []
         item = self._queue.get()
-        if not isinstance(item, _Flush):
+        if isinstance(item, _Flush):
+            self._wake.clear()  # a flush of an idle thread: the next batch lingers as usual
+        else:
             self._wake.wait(self.linger)
             self._wake.clear()
         while True:
