@@ -14,8 +14,8 @@ message that this process runs as an OJS task goes further: its removal from kom
 sent later, in a batch (:mod:`ojs_celery.unacked`), which only fencing makes safe (a message
 restored after a lost removal is dropped at its start). A reject with requeue (kombu's restore,
 a transaction of its own), the ack of an OJS message that a plain task ran (a ``type_map``
-entry naming one, a worker deployed before the task became an OJS task) and every other
-message keep kombu's path.
+entry naming one, a worker deployed before the task became an OJS task, or a message without a
+``task`` header: Celery's message protocol 1) and every other message keep kombu's path.
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ def _runs_fenced(message: Any) -> bool:
     name = message.headers.get("task")
     for ref in _apps:
         app = ref()
-        if app is not None and getattr(app.tasks.get(name), "__ojs_task__", False):
+        # the registry itself: ``app.tasks`` would take a lock, or finalize an app, inside
+        # kombu's ack; a task not registered yet is not fenced here (kombu's ack: safe)
+        if app is not None and getattr(app._tasks.get(name), "__ojs_task__", False):
             return True
     return False
 

@@ -5,17 +5,19 @@ is acknowledged, so that it can put back what a dead consumer held. kombu's ``Qo
 the entry with a blocking round trip (a MULTI/EXEC of ``ZREM`` and ``HDEL``) in the worker's
 main process, once per message. For an OJS message that removal only keeps the message from
 being delivered again, which the job's fencing already makes harmless: a message whose attempt
-was started (and ended) is dropped by the start's compare-and-set, never run twice. So an OJS
-message's ack does kombu's in-process bookkeeping at once and queues the removal; a background
-thread removes a batch of entries in one round trip.
+was started (and ended) is dropped by the start's compare-and-set, never run twice. So the ack of
+an OJS message that this process runs as an OJS task (see :mod:`ojs_celery.kept_client`) does
+kombu's in-process bookkeeping at once and queues the removal; a background thread removes a
+batch of entries in one round trip.
 
 If the process dies before a batch is sent (a SIGKILL, the machine), those entries stay: after
 the broker's ``visibility_timeout`` kombu puts their messages back, and a worker drops each
 whose attempt started (its token is spent). A message that was acknowledged without starting
 its attempt (a header it could not use, a task with ``acks_late`` off) may then start that
 attempt, once, as the sweeper's redispatch backstop would. The recording of a delivery
-(``QoS.append``), a reject, and every plain message keep kombu's synchronous path: delaying
-those could lose or redeliver a message that has not run.
+(``QoS.append``), a reject, an OJS message that a plain task ran, and every plain message keep
+kombu's synchronous path: delaying those could lose or redeliver a message that has not run, or
+run one again.
 """
 
 from __future__ import annotations
