@@ -334,6 +334,9 @@ def main() -> int:
         produce(json.loads(args.config), args.produce)
         return 0
     sizes = sorted(int(s) for s in args.sizes.split(","))
+    redis_config = [setting.split("=", 1) for setting in args.redis_config]
+    if any(len(pair) != 2 or not all(pair) for pair in redis_config):
+        parser.error("--redis-config: give NAME=VALUE, e.g. hash-max-listpack-value=1024")
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="ojs-bench-scale-"))
     server = RedisServer(tmp, free_port(), durable=False)
     began = time.monotonic()
@@ -345,10 +348,10 @@ def main() -> int:
         assert server.process is not None
         redis_pid = server.process.pid
         url = server.url
-        for setting in args.redis_config:
-            name, _, value = setting.partition("=")
-            redis.Redis.from_url(url).config_set(name, value)
-            print(f"private Redis: {name} {value}", flush=True)
+        with redis.Redis.from_url(url) as admin:
+            for name, value in redis_config:
+                admin.config_set(name, value)
+                print(f"private Redis: {name} {value}", flush=True)
         store_url = url if args.store == "redis" else args.postgres
         run = unique("")
         prefix, exchange = f"scale_{run}", f"scaleev_{run}"
@@ -389,7 +392,7 @@ def main() -> int:
             if args.store == "redis":
                 figures.notes["commands"] = command_note(commands, command_times(keys.client),
                                                          jobs)
-            memory = keys.client.info("memory")["used_memory"]
+            memory = keys.client.info("memory")["used_memory"]  # the trials' jobs included
             figures.notes["memory"] = f"private Redis {memory / 2**20:.0f} MiB"
             print(f"N={size:,}: " + ", ".join(f"{k} {v:.0f}/s" for k, v in figures.rates.items())
                   + "; " + "; ".join(figures.notes.values()), flush=True)
