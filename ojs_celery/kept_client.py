@@ -102,10 +102,12 @@ def install_qos(app: Any) -> None:
     def delivered(self: Any, args: tuple[Any, ...]) -> Any:
         return self._delivered.get(args[0]) if args else None
 
+    kept_ack = kept(ack, delivered)  # an unfenced ack: kombu's, on the kept client if OJS
+
     def removed_later(self: Any, delivery_tag: str) -> None:
         """kombu's in-process bookkeeping now, the entry's removal in the next batch."""
         if not _runs_fenced(self._delivered.get(delivery_tag)):
-            ack(self, delivery_tag)
+            kept_ack(self, delivery_tag)
             return
         unacked.remove_later(client_of(self.channel), self.unacked_index_key, self.unacked_key,
                              delivery_tag)

@@ -235,7 +235,7 @@ def test_a_refused_removal_leaves_the_delivery_recorded_and_says_so(
 
 
 def test_an_ojs_message_that_a_plain_task_runs_is_acknowledged_at_once(
-    redis_server: PrivateRedis, monkeypatch: pytest.MonkeyPatch
+    redis_server: PrivateRedis, monkeypatch: pytest.MonkeyPatch, clients_made: list[Any]
 ) -> None:
     """A message with an ``ojs`` header whose task the consuming app runs as a plain task (a
     ``type_map`` entry naming one, or a worker deployed before the task became an OJS task)
@@ -255,7 +255,9 @@ def test_an_ojs_message_that_a_plain_task_runs_is_acknowledged_at_once(
     with app.connection_for_read() as connection:
         taken = take_by_id(connection, queue, 2)
         assert "ojs" in taken[headed].headers
+        clients_made.clear()
         taken[headed].ack()
+        assert clients_made == []  # kombu's ack, sent with the channel's kept client
         held = unacked(redis_server)
         assert held[0] == {taken[job].delivery_tag} == held[1]  # the plain task's: removed
         taken[job].ack()
