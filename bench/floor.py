@@ -1,0 +1,132 @@
+"""Hand-run measure of the least one more store request can cost: CPU per bare request.
+
+    .venv/bin/python bench/floor.py                 # the local Redis and PostgreSQL
+    .venv/bin/python bench/floor.py -n 40000 --no-postgres
+
+Not part of the test suite. Every OJS job pays Celery's own work plus a few store requests that
+must each be answered before the job goes on (the fencing: the start and the outcome, and the
+insert where the store is not the broker's Redis). On a 2-core machine a run's rate follows
+the CPU it spends per job, so the cheapest such request, in the client and in the server
+together, is the floor under what the design can cost. This times requests that do as little as
+a request can, on one connection, past every library layer: on Redis ``PING``, an ``EVALSHA`` of
+``return 1`` and an ``HSET`` of twenty fields; on PostgreSQL a prepared ``SELECT 1`` and a
+prepared one-row ``UPDATE`` in autocommit, with ``synchronous_commit`` on and off (on waits for
+the WAL's flush, whose system time the server's backend pays).
+
+CPU is this process's (user + system) and the server's: the ``redis-server`` process, or the
+PostgreSQL backend serving the connection, read from /proc, so both must run on this machine.
+Compare the figures with ``bench/caller.py``'s CPU per job taken in the same hour: the machine's
+state moves both. It writes one key (``ojsfloor:hash``) and one table (``ojsfloor``) and removes
+them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import redis
+from hiredis import pack_command as _pack_command
+
+WARMUP = 500
+KEY = "ojsfloor:hash"
+TABLE = "ojsfloor"
+#: hiredis's packer, as the store's Redis lane uses it (its stub types only one argument).
+pack_command: Any = _pack_command
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process of this machine."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(request: Callable[[], Any], n: int, server_pid: int) -> tuple[float, float, float]:
+    """Client CPU, server CPU and wall time per request, in µs, over ``n`` requests."""
+    for _ in range(WARMUP):
+        request()
+    server, client, wall = proc_cpu(server_pid), time.process_time(), time.perf_counter()
+    for _ in range(n):
+        request()
+    server = proc_cpu(server_pid) - server
+    client, wall = time.process_time() - client, time.perf_counter() - wall
+    return client / n * 1e6, server / n * 1e6, wall / n * 1e6
+
+
+def report(store: str, what: str, figures: tuple[float, float, float]) -> None:
+    client, server, wall = figures
+    print(f"| {store} | {what} | {client:.1f} | {server:.1f} | {client + server:.1f} | "
+          f"{wall:.1f} |", flush=True)
+
+
+def redis_floor(url: str, n: int) -> None:
+    client = redis.Redis.from_url(url)
+    pid = int(client.info("server")["process_id"])
+    connection: Any = client.connection_pool.get_connection()
+    try:
+        sha = client.script_load("return 1")
+        fields = [part for i in range(20) for part in (f"f{i}", "v" * 20)]
+        for what, command in (("PING", ("PING",)), ("EVALSHA of `return 1`", ("EVALSHA", sha, 0)),
+                              ("HSET of 20 fields", ("HSET", KEY, *fields))):
+            packed = [pack_command(command)]
+
+            def request(packed: list[bytes] = packed) -> None:
+                connection.send_packed_command(packed)
+                connection.read_response()
+
+            report("Redis", what, timed(request, n, pid))
+    finally:
+        client.connection_pool.release(connection)
+        client.delete(KEY)
+        client.close()
+
+
+def postgres_floor(url: str, n: int) -> None:
+    with psycopg.connect(url, autocommit=True) as connection:
+        pid = connection.info.backend_pid
+        connection.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (id int PRIMARY KEY, v text)")
+        try:
+            connection.execute(f"INSERT INTO {TABLE} VALUES (1, '') ON CONFLICT DO NOTHING")
+            pgconn = connection.pgconn
+            statements: tuple[tuple[str, bytes, list[bytes]], ...] = (("SELECT 1", b"SELECT 1", []),
+                          ("one-row UPDATE", f"UPDATE {TABLE} SET v = $1 WHERE id = 1".encode(),
+                           [b"v" * 200]))
+            for sync in ("on", "off"):
+                connection.execute(f"SET synchronous_commit = {sync}")
+                for index, (what, sql, params) in enumerate(statements):
+                    name = f"ojsfloor_{sync}_{index}".encode()
+                    pgconn.prepare(name, sql)
+
+                    def request(name: bytes = name, params: list[bytes] = params) -> None:
+                        pgconn.exec_prepared(name, params)
+
+                    report("PostgreSQL", f"{what}, synchronous_commit {sync}",
+                           timed(request, n // 4, pid))
+        finally:
+            connection.execute(f"DROP TABLE IF EXISTS {TABLE}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/test")
+    parser.add_argument("-n", type=int, default=20000,
+                        help="requests per Redis figure (a quarter of it on PostgreSQL)")
+    parser.add_argument("--no-postgres", action="store_true")
+    options = parser.parse_args()
+    if options.n < 4:
+        parser.error("-n: at least 4")
+    print("CPU per request, µs\n\n| store | request | client | server | both | wall |\n"
+          "|---|---|---|---|---|---|")
+    redis_floor(options.redis, options.n)
+    if not options.no_postgres:
+        postgres_floor(options.postgres, options.n)
+
+
+if __name__ == "__main__":
+    main()
