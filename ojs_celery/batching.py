@@ -136,13 +136,14 @@ class Batcher(ABC, Generic[T]):
     def _take_batch(self) -> tuple[list[T], list[_Flush]]:
         """Block for one item, linger, then take what is waiting (up to ``max_batch``, and
         only up to a flush request). The linger is a plain wait, not a wait on the queue, so
-        the callers' puts meanwhile do not wake this thread one by one."""
+        the callers' puts meanwhile do not wake this thread one by one. A full batch already
+        waiting (a backlog: a burst, or a slow handler) goes at once, without a linger."""
         batch: list[T] = []
         flushes: list[_Flush] = []
         item = self._queue.get()
         if isinstance(item, _Flush):
             self._wake.clear()  # a flush of an idle thread: the next batch lingers as usual
-        else:
+        elif self._queue.qsize() + 1 < self.max_batch:
             self._wake.wait(self.linger)
             self._wake.clear()
         while True:
