@@ -10,20 +10,22 @@ the CPU it spends per job, so the cheapest such request, in the client and in th
 together, is the floor under what the design can cost. This times requests that do as little as
 a request can, on one connection, past every library layer: on Redis ``PING``, an ``EVALSHA`` of
 ``return 1`` and an ``HSET`` of twenty fields; on PostgreSQL a prepared ``SELECT 1`` and a
-prepared one-row ``UPDATE`` in autocommit, with ``synchronous_commit`` on and off (on waits for
-the WAL's flush, whose system time the server's backend pays).
+prepared one-row ``UPDATE`` in autocommit (of an unindexed column: PostgreSQL updates the row in
+place, a HOT update), with ``synchronous_commit`` on and off. With ``on`` the backend waits for
+the WAL's flush and pays its system time; with ``off`` the WAL writer process flushes later,
+which is not counted here.
 
-CPU is this process's (user + system) and the server's: the ``redis-server`` process, or the
-PostgreSQL backend serving the connection, read from /proc, so both must run on this machine.
-Compare the figures with ``bench/caller.py``'s CPU per job taken in the same hour: the machine's
-state moves both. It writes one key (``ojsfloor:hash``) and one table (``ojsfloor``) and removes
-them.
+CPU is this process's (user + system) and the server's: the ``redis-server`` process (all its
+threads), or the PostgreSQL backend serving the connection, read from ``/proc/<pid>/task/*/
+schedstat`` (nanoseconds), so both must run on this machine. Other clients of the same server
+count too: run it while the servers are otherwise idle. Compare the figures with
+``bench/caller.py``'s CPU per job taken in the same hour: the machine's state moves both. It
+writes one key (``ojsfloor:hash``) and one table (``ojsfloor``) and removes them.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import time
 from collections.abc import Callable
@@ -32,6 +34,9 @@ from typing import Any
 import psycopg
 import redis
 from hiredis import pack_command as _pack_command
+from psycopg import pq
+
+from ojs_celery.compat import pool_connection
 
 WARMUP = 500
 KEY = "ojsfloor:hash"
@@ -40,10 +45,20 @@ TABLE = "ojsfloor"
 pack_command: Any = _pack_command
 
 
+def server_process(pid: int, name: str) -> int:
+    """``pid``, after checking that it is a process of this machine named ``name``."""
+    comm = pathlib.Path(f"/proc/{pid}/comm")
+    found = comm.read_text().strip() if comm.exists() else ""
+    if not found.startswith(name):
+        raise SystemExit(f"the server's process {pid} is not a local {name} (found "
+                         f"{found or 'nothing'}): run this on the server's machine")
+    return pid
+
+
 def proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of a process of this machine."""
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds so far of every thread of a process of this machine (ns resolution)."""
+    tasks = pathlib.Path(f"/proc/{pid}/task").glob("*/schedstat")
+    return sum(int(path.read_text().split()[0]) for path in tasks) / 1e9
 
 
 def timed(request: Callable[[], Any], n: int, server_pid: int) -> tuple[float, float, float]:
@@ -66,8 +81,8 @@ def report(store: str, what: str, figures: tuple[float, float, float]) -> None:
 
 def redis_floor(url: str, n: int) -> None:
     client = redis.Redis.from_url(url)
-    pid = int(client.info("server")["process_id"])
-    connection: Any = client.connection_pool.get_connection()
+    pid = server_process(int(client.info("server")["process_id"]), "redis-server")
+    connection: Any = pool_connection(client.connection_pool)
     try:
         sha = client.script_load("return 1")
         fields = [part for i in range(20) for part in (f"f{i}", "v" * 20)]
@@ -80,33 +95,44 @@ def redis_floor(url: str, n: int) -> None:
                 connection.read_response()
 
             report("Redis", what, timed(request, n, pid))
+    except BaseException:
+        connection.disconnect()  # a reply may be left unread
+        raise
     finally:
         client.connection_pool.release(connection)
         client.delete(KEY)
         client.close()
 
 
+def checked(result: Any) -> None:
+    """Raise if a libpq call failed (libpq returns a failed result, it does not raise)."""
+    if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
+        raise SystemExit(bytes(result.error_message or b"").decode(errors="replace"))
+
+
 def postgres_floor(url: str, n: int) -> None:
     with psycopg.connect(url, autocommit=True) as connection:
-        pid = connection.info.backend_pid
+        pid = server_process(connection.info.backend_pid, "postgres")
         connection.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (id int PRIMARY KEY, v text)")
         try:
             connection.execute(f"INSERT INTO {TABLE} VALUES (1, '') ON CONFLICT DO NOTHING")
             pgconn = connection.pgconn
-            statements: tuple[tuple[str, bytes, list[bytes]], ...] = (("SELECT 1", b"SELECT 1", []),
-                          ("one-row UPDATE", f"UPDATE {TABLE} SET v = $1 WHERE id = 1".encode(),
-                           [b"v" * 200]))
-            for sync in ("on", "off"):
+            statements: tuple[tuple[str, str, bytes, list[bytes]], ...] = (
+                ("SELECT 1", "on", b"SELECT 1", []),
+                ("one-row UPDATE, synchronous_commit on", "on",
+                 f"UPDATE {TABLE} SET v = $1 WHERE id = 1".encode(), [b"v" * 200]),
+                ("one-row UPDATE, synchronous_commit off", "off",
+                 f"UPDATE {TABLE} SET v = $1 WHERE id = 1".encode(), [b"v" * 200]),
+            )
+            for index, (what, sync, sql, params) in enumerate(statements):
                 connection.execute(f"SET synchronous_commit = {sync}")
-                for index, (what, sql, params) in enumerate(statements):
-                    name = f"ojsfloor_{sync}_{index}".encode()
-                    pgconn.prepare(name, sql)
+                name = f"ojsfloor_{index}".encode()
+                checked(pgconn.prepare(name, sql))
 
-                    def request(name: bytes = name, params: list[bytes] = params) -> None:
-                        pgconn.exec_prepared(name, params)
+                def request(name: bytes = name, params: list[bytes] = params) -> None:
+                    checked(pgconn.exec_prepared(name, params))
 
-                    report("PostgreSQL", f"{what}, synchronous_commit {sync}",
-                           timed(request, n // 4, pid))
+                report("PostgreSQL", what, timed(request, n // 4, pid))
         finally:
             connection.execute(f"DROP TABLE IF EXISTS {TABLE}")
 
@@ -121,7 +147,8 @@ def main() -> None:
     options = parser.parse_args()
     if options.n < 4:
         parser.error("-n: at least 4")
-    print("CPU per request, µs\n\n| store | request | client | server | both | wall |\n"
+    print("µs per request: CPU of this client, of the server, of both; wall time\n\n"
+          "| store | request | client CPU | server CPU | both | wall |\n"
           "|---|---|---|---|---|---|")
     redis_floor(options.redis, options.n)
     if not options.no_postgres:
