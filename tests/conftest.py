@@ -24,6 +24,7 @@ from tests.workers import (
     Worker,
     amqp_config,
     filesystem_config,
+    forget_made,
     forget_redis_names,
     lines,
     redis_config,
@@ -32,6 +33,13 @@ from tests.workers import (
 )
 
 BROKERS = ("filesystem", "redis", "amqp")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove from the shared Redis and RabbitMQ what this process's tests named and left
+    (queues a worker was given, stores, exchanges): each xdist worker its own names."""
+    forget_made(services.reachable_url("OJS_TEST_REDIS_URL", services.DEFAULT_REDIS_URL, 6379),
+                services.reachable_url("OJS_TEST_AMQP_URL", services.DEFAULT_AMQP_URL, 5672))
 
 
 def broker_config(kind: str, tmp: pathlib.Path) -> dict[str, Any]:

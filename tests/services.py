@@ -57,6 +57,12 @@ def unreachable(url: str, default_port: int, timeout: float = 1.0) -> str | None
     return None
 
 
+def reachable_url(env: str, default: str, default_port: int) -> str | None:
+    """The URL of a service if it can be reached, else None (never skips or fails)."""
+    url = os.environ.get(env) or default
+    return None if unreachable(url, default_port) is not None else url
+
+
 def service_url(name: str, env: str, default: str, default_port: int) -> str:
     """The URL of service ``name`` if reachable; otherwise skip (or fail, when required)."""
     url = os.environ.get(env) or default

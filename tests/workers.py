@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,8 +19,66 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 
+#: Every name this test process made with :func:`unique` or gave a worker (queues, exchanges,
+#: key prefixes): what the session's end removes from the shared Redis and RabbitMQ
+#: (:func:`forget_made`), whatever a test's own cleanup missed.
+MADE: set[str] = set()
+
+
 def unique(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex[:10]}"
+    name = f"{prefix}{uuid.uuid4().hex[:10]}"
+    MADE.add(name)
+    return name
+
+
+def forget_made(redis_url: str | None, amqp_url: str | None) -> None:
+    """Remove what carries a name of :data:`MADE` from the shared servers (None: not
+    reachable, skipped): Redis keys (kombu's queues and bindings, job stores, counters) and
+    members of kombu's binding-expiry index; RabbitMQ queues and exchanges of those names.
+    Other runs' names are never touched. Best effort: a failure is reported, not raised."""
+    names = sorted(name for name in MADE if name)
+    if not names:
+        return
+    if redis_url is not None:
+        _forget_in_redis(redis_url, re.compile(b"|".join(re.escape(n.encode()) for n in names)))
+    if amqp_url is not None:
+        _forget_in_rabbitmq(amqp_url, names)
+
+
+def _forget_in_redis(redis_url: str, pattern: re.Pattern[bytes]) -> None:
+    """Keys are matched as bytes: a shared Redis may hold keys that are not UTF-8."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = [key for key in client.scan_iter(count=1000) if pattern.search(key)]
+        for start in range(0, len(keys), 500):
+            client.unlink(*keys[start:start + 500])
+        index = "_kombu.binding_deadlines"  # kombu 5.7's expiry times of fanout bindings
+        if client.type(index) == b"zset":
+            members = [m for m in client.zrange(index, 0, -1) if pattern.search(m)]
+            if members:
+                client.zrem(index, *members)
+    except Exception as exc:
+        print(f"tests: could not remove this run's Redis keys: {exc!r}")
+    finally:
+        client.close()
+
+
+def _forget_in_rabbitmq(amqp_url: str, names: list[str]) -> None:
+    from kombu.connection import Connection
+
+    try:
+        with Connection(amqp_url, connect_timeout=5) as connection:
+            channel = connection.channel()
+            for name in names:
+                for delete in ("queue_delete", "exchange_delete"):
+                    try:
+                        getattr(channel, delete)(name)
+                    except connection.channel_errors:  # not there: the channel is closed
+                        channel = connection.channel()
+    except Exception as exc:
+        print(f"tests: could not remove this run's RabbitMQ queues: {exc!r}")
 
 
 def filesystem_config(tmp: pathlib.Path) -> dict[str, Any]:
@@ -98,6 +157,7 @@ class Worker(CeleryProcess):
                  concurrency: int = 2, extra: list[str] | None = None,
                  program: list[str] | None = None) -> None:
         self.config = config
+        MADE.update(config.get("worker_queues") or [config["queue"]])
         super().__init__(
             ["-A", "tests.e2eapp:app", "worker", "--pool", pool, "--concurrency",
              str(concurrency), "--loglevel", "INFO",
