@@ -33,36 +33,19 @@ def unique(prefix: str) -> str:
 
 def forget_made(redis_url: str | None, amqp_url: str | None) -> None:
     """Remove what carries a name of :data:`MADE` from the shared servers (None: not
-    reachable, skipped): Redis keys (kombu's queues and bindings, job stores, counters) and
-    members of kombu's binding-expiry index; RabbitMQ queues and exchanges of those names.
-    Other runs' names are never touched. Best effort: a failure is reported, not raised."""
+    reachable, skipped): Redis keys and binding-expiry members (:func:`forget_redis_names`);
+    RabbitMQ queues and exchanges of those names. Other runs' names are never touched. Best
+    effort: a failure is reported, not raised."""
     names = sorted(name for name in MADE if name)
     if not names:
         return
     if redis_url is not None:
-        _forget_in_redis(redis_url, re.compile(b"|".join(re.escape(n.encode()) for n in names)))
+        try:
+            forget_redis_names(redis_url, names)
+        except Exception as exc:
+            print(f"tests: could not remove this run's Redis keys: {exc!r}")
     if amqp_url is not None:
         _forget_in_rabbitmq(amqp_url, names)
-
-
-def _forget_in_redis(redis_url: str, pattern: re.Pattern[bytes]) -> None:
-    """Keys are matched as bytes: a shared Redis may hold keys that are not UTF-8."""
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = [key for key in client.scan_iter(count=1000) if pattern.search(key)]
-        for start in range(0, len(keys), 500):
-            client.unlink(*keys[start:start + 500])
-        index = "_kombu.binding_deadlines"  # kombu 5.7's expiry times of fanout bindings
-        if client.type(index) == b"zset":
-            members = [m for m in client.zrange(index, 0, -1) if pattern.search(m)]
-            if members:
-                client.zrem(index, *members)
-    except Exception as exc:
-        print(f"tests: could not remove this run's Redis keys: {exc!r}")
-    finally:
-        client.close()
 
 
 def _forget_in_rabbitmq(amqp_url: str, names: list[str]) -> None:
@@ -118,15 +101,24 @@ def redis_config(tmp: pathlib.Path, redis_url: str) -> dict[str, Any]:
 
 def forget_redis_names(redis_url: str, names: list[str]) -> None:
     """Delete what a test left in the shared Redis under its unique ``names`` (kombu's
-    queue and binding keys, event exchanges); other runs' keys are never touched."""
+    queue and binding keys, event exchanges, job stores), and those names' members of kombu's
+    binding-expiry index; other runs' keys are never touched. Keys are matched as bytes: a
+    shared Redis may hold keys that are not UTF-8."""
     import redis
 
+    if not names:
+        return
+    pattern = re.compile(b"|".join(re.escape(name.encode()) for name in names))
     client = redis.Redis.from_url(redis_url)
     try:
-        for name in names:
-            keys = list(client.scan_iter(match=f"*{name}*", count=1000))
-            if keys:
-                client.delete(*keys)
+        keys = [key for key in client.scan_iter(count=1000) if pattern.search(key)]
+        for start in range(0, len(keys), 500):
+            client.delete(*keys[start:start + 500])
+        index = "_kombu.binding_deadlines"  # kombu 5.7's expiry times of fanout bindings
+        if client.type(index) == b"zset":
+            members = [m for m in client.zrange(index, 0, -1) if pattern.search(m)]
+            if members:
+                client.zrem(index, *members)
     finally:
         client.close()
 
