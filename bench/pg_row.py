@@ -1,53 +1,68 @@
 """Hand-run measure of what a job's writes cost PostgreSQL, and what the deadline indexes add.
 
     .venv/bin/python bench/pg_row.py                 # the local PostgreSQL
-    .venv/bin/python bench/pg_row.py -n 4000 --rounds 3
+    .venv/bin/python bench/pg_row.py -n 4000 --rounds 6
 
 Not part of the test suite. Each job goes through the store the way a worker takes it: the
-insert, the start and the outcome (``create``, ``start`` with the record as its hint, and
-``complete``), one compare-and-set each, on the store's own tables and fast lane. The job is the
-one a Celery caller's ``.apply_async()`` of a task without arguments stores (about 600 bytes of
-JSON). It runs twice per round: on the store's schema, whose jobs table has one partial index
-per clock (nine), and on the same table with those indexes dropped; each at
-``synchronous_commit`` on and off.
+insert (``INSERT ... ON CONFLICT DO NOTHING``), the start with the record as its hint and the
+outcome (each a compare-and-set ``UPDATE``), on the store's own tables and fast lane. The job is
+like the one a Celery caller's ``.apply_async()`` of a task without arguments stores (500 – 600
+bytes of JSON). Four runs make a round: the store's schema, whose jobs table has one partial
+index per clock (nine), and a schema with those indexes dropped, each at ``synchronous_commit``
+on and off; every run has a store of its own (``pgrow<random>`` tables, dropped at its end), and
+each round takes the four in the reverse order of the round before, so that a machine drifting
+during the run does not favour one.
 
-Reported per job: the CPU of every PostgreSQL process of this machine (the backends, the WAL
-writer, the checkpointer...: ``/proc/<pid>/task/*/schedstat``, nanoseconds), of this client,
-and the wall time. Other clients of the same server count too: run it while the server is
-otherwise idle. The table is written by this run only (a ``pgrow<random>`` prefix) and
-dropped at the end. The sweeper's ``due`` needs the indexes: without them it scans the table,
-which is why the store keeps them; this measures only what they cost the writes.
+Reported per job, as the median and the range over the rounds: the CPU of the local PostgreSQL
+server (every ``postgres`` process, plus the postmaster's reaped children: a backend that exits
+during a run is counted), of this client, and the wall time. Other clients of the same server
+count too: run it while the server is otherwise idle. Only the writes are measured, on a small
+table whose indexes stay in memory: not vacuuming, nor the bloat of updates that cannot be made
+in place, which the indexes also cost a long-lived table. A run killed midway leaves its
+``pgrow*`` tables behind (``DROP TABLE`` them by hand).
 """
 
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
+import sys
 import time
 import uuid
+from pathlib import Path
 
+import psycopg
 import sqlalchemy as sa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from floor import server_process
+from throughput import HERTZ, proc_stat
 
 from ojs_celery.envelope import Job, parse_envelope
 from ojs_celery.lifecycle import CLOCKS
 from ojs_celery.store.sql import SQLStore
 
 WORKER = "worker_pgrow"
+WARMUP = 50
+#: A round's runs: (deadline indexes kept, synchronous_commit).
+RUNS = ((True, "on"), (False, "on"), (True, "off"), (False, "off"))
 
 
 def postgres_cpu() -> float:
-    """CPU seconds so far of every process of this machine named ``postgres``."""
-    total = 0
-    for comm in pathlib.Path("/proc").glob("[0-9]*/comm"):
-        try:
-            if not comm.read_text().startswith("postgres"):
-                continue
-            for stat in comm.parent.glob("task/*/schedstat"):
-                total += int(stat.read_text().split()[0])
-        except OSError:  # the process ended meanwhile
+    """CPU seconds so far of the local PostgreSQL server: every process named ``postgres``,
+    and the children the postmaster has reaped (backends that exited)."""
+    ticks = 0
+    for entry in Path("/proc").iterdir():
+        stat = proc_stat(entry.name) if entry.name.isdigit() else None
+        if stat is None or stat[0] != "postgres":
             continue
-    return total / 1e9
+        fields = stat[1]
+        ticks += int(fields[11]) + int(fields[12])
+        parent = proc_stat(fields[1])
+        if parent is None or parent[0] != "postgres":  # the postmaster
+            ticks += int(fields[13]) + int(fields[14])
+    return ticks / HERTZ
 
 
 def one_run(url: str, n: int, indexed: bool, sync: str) -> tuple[float, float, float]:
@@ -58,53 +73,61 @@ def one_run(url: str, n: int, indexed: bool, sync: str) -> tuple[float, float, f
             with store.engine.begin() as connection:
                 for clock in CLOCKS:
                     connection.execute(sa.text(f"DROP INDEX ix_{store.prefix}_jobs_due_{clock}"))
-        jobs = [parse_envelope({"type": "caller.task", "args": []}) for _ in range(n + 50)]
-        for job in jobs[:50]:  # warm-up: the lane's connection and its prepared statements
+        jobs = [parse_envelope({"type": "caller.task", "args": []}) for _ in range(n + WARMUP)]
+        for job in jobs[:WARMUP]:  # the lane's connection and its prepared statements
             lifecycle(store, job)
-        server, client, wall = postgres_cpu(), time.process_time(), time.perf_counter()
-        for job in jobs[50:]:
+        wall, client, server = time.perf_counter(), time.process_time(), postgres_cpu()
+        for job in jobs[WARMUP:]:
             lifecycle(store, job)
+        wall, client = time.perf_counter() - wall, time.process_time() - client
         server = postgres_cpu() - server
-        client, wall = time.process_time() - client, time.perf_counter() - wall
         return server / n * 1e6, client / n * 1e6, wall / n * 1e6
     finally:
-        store.metadata.drop_all(store.engine)
-        store.close()
+        try:
+            store.drop_tables()
+        finally:
+            store.close()
 
 
 def lifecycle(store: SQLStore, job: Job) -> None:
     """The insert, the start and the outcome of one job; raises if one is not applied."""
     created = store.create(job)
+    if not created.applied or created.record is None:
+        raise RuntimeError(f"insert not applied: {created.reason}")
     record = created.record
-    assert created.applied and record is not None
     started = store.start(record.job.id, record.token, WORKER, hint=record)
-    assert started.applied and started.record is not None
+    if not started.applied or started.record is None:
+        raise RuntimeError(f"start not applied: {started.reason}")
     done = store.complete(record.job.id, started.record.job.attempt, WORKER, None,
                           hint=started.record)
-    assert done.applied, done.reason
+    if not done.applied:
+        raise RuntimeError(f"outcome not applied: {done.reason}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/test")
-    parser.add_argument("-n", type=int, default=2000, help="jobs per figure")
-    parser.add_argument("--rounds", type=int, default=2, help="runs per figure (median)")
+    parser.add_argument("-n", type=int, default=2000, help="jobs per run")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of the four runs")
     options = parser.parse_args()
     if options.n < 1 or options.rounds < 1:
         parser.error("-n and --rounds: at least 1")
-    figures: dict[tuple[bool, str], list[tuple[float, float, float]]] = {}
-    for _ in range(options.rounds):
-        for sync in ("on", "off"):
-            for indexed in (True, False):
-                figures.setdefault((indexed, sync), []).append(
-                    one_run(options.postgres, options.n, indexed, sync))
-    print(f"µs per job (insert + start + outcome), median of {options.rounds} run(s) of "
-          f"{options.n} jobs\n\n| deadline indexes | synchronous_commit | PostgreSQL CPU | "
-          "client CPU | wall |\n|---|---|---|---|---|")
+    with psycopg.connect(options.postgres) as connection:  # the server must be this machine's
+        server_process(connection.info.backend_pid, "postgres")
+    figures: dict[tuple[bool, str], list[tuple[float, float, float]]] = {run: [] for run in RUNS}
+    for round_ in range(options.rounds):
+        for indexed, sync in RUNS if round_ % 2 == 0 else reversed(RUNS):
+            figures[indexed, sync].append(one_run(options.postgres, options.n, indexed, sync))
+    print(f"µs per job (insert + start + outcome): median (min – max) of {options.rounds} "
+          f"run(s) of {options.n} jobs\n\n| deadline indexes | synchronous_commit | "
+          "PostgreSQL CPU | client CPU | wall |\n|---|---|---|---|---|")
     for (indexed, sync), runs in figures.items():
-        server, client, wall = (statistics.median(run[i] for run in runs) for i in range(3))
-        print(f"| {'nine' if indexed else 'none'} | {sync} | {server:.0f} | {client:.0f} | "
-              f"{wall:.0f} |")
+        cells = []
+        for i in range(3):
+            values = [run[i] for run in runs]
+            cells.append(f"{statistics.median(values):.0f} ({min(values):.0f} – "
+                         f"{max(values):.0f})")
+        print(f"| {'nine' if indexed else 'none'} | {sync} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
