@@ -15,11 +15,12 @@ during the run does not favour one.
 
 Reported per job, as the median and the range over the rounds: the CPU of the local PostgreSQL
 server (every ``postgres`` process, plus the postmaster's reaped children: a backend that exits
-during a run is counted), of this client, and the wall time. Other clients of the same server
-count too: run it while the server is otherwise idle. Only the writes are measured, on a small
-table whose indexes stay in memory: not vacuuming, nor the bloat of updates that cannot be made
-in place, which the indexes also cost a long-lived table. A run killed midway leaves its
-``pgrow*`` tables behind (``DROP TABLE`` them by hand).
+during a run is counted; read in clock ticks, so keep ``-n`` in the thousands), of this client,
+and the wall time. Other clients of the same server count too: run it while the server is
+otherwise idle. Only the writes are measured, on a small table whose indexes stay in memory: not
+vacuuming, nor the bloat of updates that cannot be made in place, which the indexes also cost a
+long-lived table. A run killed midway leaves its ``pgrow*`` tables behind (``DROP TABLE`` them
+by hand).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import sqlalchemy as sa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from floor import server_process
-from throughput import HERTZ, proc_stat
+from scale import server_cpu
 
 from ojs_celery.envelope import Job, parse_envelope
 from ojs_celery.lifecycle import CLOCKS
@@ -47,22 +48,6 @@ WORKER = "worker_pgrow"
 WARMUP = 50
 #: A round's runs: (deadline indexes kept, synchronous_commit).
 RUNS = ((True, "on"), (False, "on"), (True, "off"), (False, "off"))
-
-
-def postgres_cpu() -> float:
-    """CPU seconds so far of the local PostgreSQL server: every process named ``postgres``,
-    and the children the postmaster has reaped (backends that exited)."""
-    ticks = 0
-    for entry in Path("/proc").iterdir():
-        stat = proc_stat(entry.name) if entry.name.isdigit() else None
-        if stat is None or stat[0] != "postgres":
-            continue
-        fields = stat[1]
-        ticks += int(fields[11]) + int(fields[12])
-        parent = proc_stat(fields[1])
-        if parent is None or parent[0] != "postgres":  # the postmaster
-            ticks += int(fields[13]) + int(fields[14])
-    return ticks / HERTZ
 
 
 def one_run(url: str, n: int, indexed: bool, sync: str) -> tuple[float, float, float]:
@@ -76,11 +61,11 @@ def one_run(url: str, n: int, indexed: bool, sync: str) -> tuple[float, float, f
         jobs = [parse_envelope({"type": "caller.task", "args": []}) for _ in range(n + WARMUP)]
         for job in jobs[:WARMUP]:  # the lane's connection and its prepared statements
             lifecycle(store, job)
-        wall, client, server = time.perf_counter(), time.process_time(), postgres_cpu()
+        wall, client, server = time.perf_counter(), time.process_time(), server_cpu("postgres", 0)
         for job in jobs[WARMUP:]:
             lifecycle(store, job)
         wall, client = time.perf_counter() - wall, time.process_time() - client
-        server = postgres_cpu() - server
+        server = server_cpu("postgres", 0) - server
         return server / n * 1e6, client / n * 1e6, wall / n * 1e6
     finally:
         try:
