@@ -27,7 +27,6 @@ from pydantic import (
     StringConstraints,
     ValidationError,
     ValidationInfo,
-    field_serializer,
     field_validator,
 )
 from pydantic import JsonValue as JsonValue  # explicit re-export: the package's JSON type
@@ -159,8 +158,9 @@ def from_epoch(seconds: float) -> datetime:
 
 
 def format_timestamp(value: datetime) -> str:
-    """RFC 3339 with microseconds; UTC is written ``Z``, other offsets are kept."""
-    text = value.isoformat(timespec="microseconds")
+    """RFC 3339 as pydantic writes a job's timestamps (microseconds unless zero, UTC as ``Z``,
+    other offsets kept), so that events and errors quote a job's times as its JSON does."""
+    text = value.isoformat()
     return text[:-6] + "Z" if text.endswith("+00:00") else text
 
 
@@ -317,21 +317,6 @@ class Job(BaseModel):
         if value is not None and timeout is not None and value < timeout:
             raise ValueError(f"must be greater than or equal to timeout ({timeout})")
         return value
-
-    @field_serializer(
-        "scheduled_at",
-        "expires_at",
-        "created_at",
-        "enqueued_at",
-        "started_at",
-        "completed_at",
-        "cancelled_at",
-        "discarded_at",
-        "next_retry_at",
-        when_used="unless-none",
-    )
-    def _timestamp(self, value: datetime) -> str:
-        return format_timestamp(value)
 
     @property
     def extensions(self) -> dict[str, Any]:
