@@ -17,6 +17,7 @@ from ojs_celery.envelope import (
     InvalidJob,
     Job,
     RetryPolicy,
+    format_timestamp,
     parse_batch,
     parse_duration,
     parse_envelope,
@@ -286,6 +287,18 @@ def test_timestamp_with_zone_accepted_and_offset_preserved() -> None:
 def test_timestamp_utc_written_with_z() -> None:
     job = parse_envelope(env(expires_at="2030-01-02T03:04:05.123Z"))
     assert job.to_dict()["expires_at"] == "2030-01-02T03:04:05.123000Z"
+
+
+@pytest.mark.parametrize("sent", [
+    "2030-01-02T03:04:05.123456Z", "2030-01-02T03:04:05Z", "2030-01-02T03:04:05.5-07:30",
+    "2030-01-02T03:04:05+00:00",
+])
+def test_timestamps_quoted_as_the_job_writes_them(sent: str) -> None:
+    """Events and error entries (format_timestamp) quote a time as the job's JSON has it."""
+    job = parse_envelope(env(scheduled_at=sent))
+    assert job.scheduled_at is not None
+    written = json.loads(job.model_dump_json())["scheduled_at"]
+    assert format_timestamp(job.scheduled_at) == written == job.to_dict()["scheduled_at"]
 
 
 @pytest.mark.parametrize("field", ["scheduled_at", "expires_at"])
