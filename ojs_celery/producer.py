@@ -263,8 +263,11 @@ def trusted_options(job: Job) -> dict[str, Any]:
 
 
 def scheduled_at_from(eta: datetime | None, countdown: float | None) -> datetime | None:
+    """When a Celery caller's ``eta``/``countdown`` schedules the job. A naive ``eta`` is UTC,
+    as Celery's worker reads it (``maybe_make_aware``), like a naive ``expires``."""
     if eta is not None:
-        return eta
+        aware: datetime = maybe_make_aware(eta)
+        return aware
     if countdown:
         return from_epoch(time.time() + float(countdown))
     return None

@@ -6,7 +6,8 @@ job's ``timeout``/``grace_period`` and ``expires_at``. Envelopes keep the OJS de
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 from celery import Celery
@@ -14,6 +15,7 @@ from celery.result import AsyncResult
 
 from ojs_celery import InvalidJob, OJSTask, enqueue, install
 from ojs_celery.conf import Settings
+from ojs_celery.embedded import embedded_settings
 from ojs_celery.envelope import CELERY_SEMANTICS_FIELD, Job, parse_envelope
 from ojs_celery.lifecycle import decide
 from ojs_celery.lifecycle.rules import celery_retries
@@ -24,8 +26,10 @@ from ojs_celery.producer import (
     celery_time_fields,
     ojs_priority_of,
     ojs_queue_of,
+    scheduled_at_from,
     tasks_without_limit,
 )
+from ojs_celery.runtime import get_runtime
 from tests.conftest import Env
 from tests.workers import unique, wait_for
 
@@ -78,6 +82,24 @@ def test_expires_becomes_expires_at(app: Celery) -> None:
     assert abs(datetime.fromisoformat(at).timestamp() - (now + 60)) < 0.01
     when = datetime(2031, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
     assert datetime.fromisoformat(str(celery_expires_at(plain, {"expires": when}, now))) == when
+
+
+def test_eta_schedules_the_job_and_a_naive_one_is_utc_as_celery_reads_it(tmp_path: Path) -> None:
+    naive = datetime(2031, 1, 2, 3, 4, 5)
+    assert scheduled_at_from(naive, None) == naive.replace(tzinfo=timezone.utc)
+    offset = datetime(2031, 1, 2, 3, 4, 5, tzinfo=timezone(timedelta(hours=2)))
+    assert scheduled_at_from(offset, None) == offset
+    app = Celery("eta", set_as_current=False)
+    app.conf.update(embedded_settings(tmp_path))
+    install(app)
+
+    @app.task(shared=False, name="m.later", base=OJSTask)
+    def later() -> None: ...
+
+    due = datetime.now(timezone.utc).replace(tzinfo=None) + timedelta(hours=1)
+    job = get_runtime(app).store.get(later.apply_async(eta=due).id)  # plain Celery accepts it
+    assert job is not None and job.state == "scheduled"
+    assert job.scheduled_at == due.replace(tzinfo=timezone.utc)
 
 
 def test_semantics_marker_from_the_task_and_the_settings(app: Celery) -> None:
