@@ -39,7 +39,10 @@ def get_job(job_id: str, *, app: Celery | None = None) -> Job | None:
 
 
 def cancel(job_id: str, *, app: Celery | None = None) -> Job:
-    """Cancel a job that has not ended; an active attempt's late outcome is then rejected.
+    """Cancel a job that has not ended. A running attempt is stopped (its pool process is
+    killed, by job id and token) and its late outcome, should it come first, is rejected; the
+    result backend reads REVOKED, as after Celery's ``revoke``, so ``AsyncResult.get()``
+    raises instead of waiting.
 
     Cancelling a cancelled job returns it unchanged; a completed or discarded job raises
     ``ValueError``; an unknown id raises :class:`JobNotFound`.
@@ -47,7 +50,7 @@ def cancel(job_id: str, *, app: Celery | None = None) -> Job:
     runtime = get_runtime(app)
     done = runtime.store.cancel(job_id.lower())
     if done.record is not None:
-        carry_out(runtime, done)
+        carry_out(runtime, done, stop_attempt=True, report_result=True)
         return done.record.job
     job = runtime.store.get(job_id.lower())
     if job is None:

@@ -3,6 +3,7 @@ outcomes, and what a producer sees when something is wrong."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 from collections.abc import Iterator
 
@@ -116,21 +117,33 @@ def test_a_batch_over_one_pipeline_runs_every_job_once(env: Env) -> None:
     assert not ids & {job_id for job_id, _ in runtime.store.due("dispatch", 1e12, 10_000)}
 
 
-def test_late_outcome_of_a_cancelled_attempt_is_rejected(env: Env) -> None:
-    callback = env.app.tasks["e2e.callback"].s(tag="late")
-    result = env.app.tasks["e2e.sleep"].apply_async(args=[1.5, "late"], link=callback)
+def test_cancel_stops_the_running_attempt_and_reports_revoked(env: Env) -> None:
+    callback = env.app.tasks["e2e.callback"].s(tag="cancelled")
+    result = env.app.tasks["e2e.sleep"].apply_async(args=[60, "late"], link=callback)
     env.wait_state(result.id, "active")
+    wait_for(lambda: [r for r in env.lines("runs") if result.id in r], 15, "the handler to run")
+    pid = int(next(r for r in env.lines("runs") if result.id in r).rsplit("pid=", 1)[1])
+
     cancelled = cancel(result.id, app=env.app)
     assert cancelled.state == "cancelled"
+    assert AsyncResult(result.id, app=env.app).state == "REVOKED"  # as after Celery's revoke
 
-    wait_for(lambda: f"{result.id} IGNORED" in env.lines("postrun"), 15,
-             "the worker to drop the late outcome")
-    assert [f for f in env.lines("finished") if result.id in f]  # the handler did finish
+    wait_for(lambda: not _alive(pid), 15, "the pool process running the attempt to be stopped")
+    assert not [f for f in env.lines("finished") if result.id in f]
     assert env.job(result.id).state == "cancelled"
-    assert AsyncResult(result.id, app=env.app).state == "PENDING"  # nothing reached Celery
-    assert not [c for c in env.lines("callbacks") if c.startswith("late ")]
+    assert not [c for c in env.lines("callbacks") if c.startswith("cancelled ")]
     types = env.events.types(result.id)
     assert "job.cancelled" in types and "job.completed" not in types
+    after = env.app.tasks["e2e.add"].delay(1, 2)  # the worker replaced the pool process
+    assert env.wait_state(after.id, "completed").result == 3
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_unknown_type_and_plain_task_are_rejected_before_anything_is_stored(env: Env) -> None:
