@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import time
 from collections.abc import Callable
@@ -400,18 +401,23 @@ def field_violations(
 
 def _field_violations_before_model(data: dict[Any, Any]) -> list[tuple[Any, str]]:
     """``(key, rule)`` for the top-level fields the model cannot be trusted with: a key that is
-    no string, a value nested deeper than :data:`MAX_NESTING`, an ``x_celery_*`` field that an
+    no string, a value nested deeper than :data:`MAX_NESTING` or holding a number that is not
+    finite, an ``x_celery_*`` field that an
     envelope may not set or that is malformed. One pass, on every enqueue's path."""
     found: list[tuple[Any, str]] = []
     for key, value in data.items():
         if not isinstance(key, str):
             found.append((key, "must be a string field name"))
-        elif isinstance(value, (list, dict, tuple)) and _nests_too_deep(value):
-            found.append((key, _NESTING_RULE))
-        elif key[:9].lower() == CELERY_NAMESPACE:
+            continue
+        rule: str | None = None
+        if isinstance(value, (list, dict, tuple)):
+            rule = _data_rule(value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            rule = _FINITE_RULE
+        if rule is None and key[:9].lower() == CELERY_NAMESPACE:
             rule = _celery_field_rule(key, value)
-            if rule is not None:
-                found.append((key, rule))
+        if rule is not None:
+            found.append((key, rule))
     return found
 
 
@@ -560,18 +566,28 @@ MAX_NESTING = 64
 _NESTING_RULE = f"must not nest arrays and objects more than {MAX_NESTING} levels deep"
 
 
-def _nests_too_deep(value: list[Any] | dict[Any, Any] | tuple[Any, ...]) -> bool:
-    """Whether ``value`` nests arrays and objects deeper than :data:`MAX_NESTING` (walked
-    without recursion, stopping at the limit)."""
+#: JSON has no NaN or infinities: stored, they would make the job's JSON unreadable to every
+#: strict parser (other languages', ``jq``'s). ``1e400`` is valid JSON text that no double holds:
+#: Python reads it as an infinity.
+_FINITE_RULE = ("must hold only finite numbers (JSON has no NaN or Infinity; a number such "
+                "as 1e400 is beyond a double's range)")
+
+
+def _data_rule(value: list[Any] | dict[Any, Any] | tuple[Any, ...]) -> str | None:
+    """What is wrong with the JSON data ``value``: arrays and objects nested deeper than
+    :data:`MAX_NESTING`, or a number that is not finite (None: nothing). Walked without
+    recursion, stopping at the first fault."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if depth > MAX_NESTING:
-            return True
+            return _NESTING_RULE
         for child in item.values() if isinstance(item, dict) else item:
             if isinstance(child, (list, dict, tuple)):
                 stack.append((child, depth + 1))
-    return False
+            elif isinstance(child, float) and not math.isfinite(child):
+                return _FINITE_RULE
+    return None
 
 
 def parse_batch(data: str | bytes | list[Any], *, rules: Rules | None = None) -> list[Job]:

@@ -142,7 +142,7 @@ def run_handler(call: Callable[[], Any]) -> Outcome:
     finally:
         pending_retry.reset(reset)
     try:
-        json.dumps(value)
+        json.dumps(value, allow_nan=False)  # NaN and infinities are not JSON either
     except (TypeError, ValueError) as bad:
         return Failed(TypeError(f"result is not JSON-serialisable: {bad}"))
     return Completed(value)

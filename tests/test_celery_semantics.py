@@ -102,6 +102,30 @@ def test_eta_schedules_the_job_and_a_naive_one_is_utc_as_celery_reads_it(tmp_pat
     assert job.scheduled_at == due.replace(tzinfo=timezone.utc)
 
 
+def test_a_call_with_nan_or_an_infinity_is_refused_before_anything_is_stored(
+        tmp_path: Path) -> None:
+    """Celery's JSON serializer would send ``Infinity``; a job's JSON may not hold it (every
+    strict parser, other languages' included, refuses it), so the call is refused, like one
+    with any other value JSON cannot carry, naming the field."""
+    app = Celery("finite", set_as_current=False)
+    app.conf.update(embedded_settings(tmp_path))
+    install(app)
+
+    @app.task(shared=False, name="m.add", base=OJSTask)
+    def add(a: float, b: float = 0.0) -> float: ...
+
+    for call, field in [(lambda: add.delay(float("inf"), 1), "args"),
+                        (lambda: add.delay(1, b=float("nan")), "x_celery_kwargs"),
+                        (lambda: add.apply_async(([1, [float("-inf")]],)), "args")]:
+        with pytest.raises(InvalidJob) as refused:
+            call()
+        assert refused.value.violations == [
+            (field, "must hold only finite numbers (JSON has no NaN or Infinity; a number such "
+                    "as 1e400 is beyond a double's range)")]
+    assert not list((tmp_path / "broker").glob("*.msg"))  # nothing published
+    assert get_runtime(app).store.due("dispatch", 1e12, 10) == []  # nothing stored
+
+
 def test_semantics_marker_from_the_task_and_the_settings(app: Celery) -> None:
     assert celery_semantics_of(app.tasks["m.limited"], Settings()) == {
         "max_retries": 5, "default_retry_delay": 7.0}
