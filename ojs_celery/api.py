@@ -63,23 +63,17 @@ def cancel(job_id: str, *, app: Celery | None = None) -> Job:
 def enqueue_batch(
     envelopes: str | bytes | list[object], *, app: Celery | None = None
 ) -> list[Job]:
-    """Validate every envelope, store them all in one atomic step (all or none: a duplicate
-    id stores nothing), then publish them: sent together, up to :data:`PUBLISH_CHUNK` in one
-    Redis pipeline, where kombu can (kombu 5.7 and later). As with :func:`enqueue`, once the
-    batch is stored this returns: a message that could not be published stays in the outbox,
-    and the sweeper publishes it."""
+    """Validate every envelope, store them all in one atomic step (all or none: an id taken
+    by another job stores nothing), then publish them: sent together, up to
+    :data:`PUBLISH_CHUNK` in one Redis pipeline, where kombu can (kombu 5.7 and later). As with
+    :func:`enqueue`, an envelope whose id names the job it made before (the batch sent again)
+    returns that job, and once the batch is stored this returns: a message that could not be
+    published stays in the outbox, and the sweeper publishes it."""
     runtime = get_runtime(app)
     jobs = parse_batch(envelopes, rules=publish_rules(runtime))
     for job in jobs:
         runtime.task_name_for(job.type)
-    try:
-        transitions = runtime.store.create_many(jobs)
-    except StoredDuplicate as exc:
-        existing = runtime.store.get_records([job.id for job in jobs])
-        if all(r is not None and r.job.same_request(job) for r, job in zip(existing, jobs,
-                                                                             strict=True)):
-            return [r.job for r in existing if r is not None]  # the same batch again
-        raise DuplicateJob(exc.job_id) from None
+    earlier, transitions = _store_batch(runtime, jobs)
     with ExitStack() as held:
         try:  # one producer (one pooled connection) for every message of the batch
             producer = held.enter_context(runtime.app.producer_or_acquire())
@@ -89,7 +83,36 @@ def enqueue_batch(
         for start in range(0, len(transitions), PUBLISH_CHUNK):
             broker_down = _publish_chunk(runtime, transitions[start:start + PUBLISH_CHUNK],
                                          producer, broker_down)
-    return [transition.record.job for transition in transitions if transition.record]
+    made = iter(transition.record.job for transition in transitions if transition.record)
+    return [earlier[index] if index in earlier else next(made) for index in range(len(jobs))]
+
+
+def _store_batch(runtime: Runtime, jobs: list[Job]) -> tuple[dict[int, Job], list[Transition]]:
+    """Store ``jobs`` in one atomic step, but those that exist already as the same request
+    (sent before, by this batch's earlier sending or one ``enqueue``): returns those, by their
+    index in ``jobs``, and the transitions of the jobs stored now. Raises
+    :class:`DuplicateJob`, storing nothing, when another job has one of the ids."""
+    earlier: dict[int, Job] = {}
+    pending = list(range(len(jobs)))
+    taken = ""
+    for _ in range(runtime.store.max_conflicts):
+        if not pending:
+            break
+        try:
+            return earlier, runtime.store.create_many([jobs[i] for i in pending])
+        except StoredDuplicate as exc:
+            taken = exc.job_id
+        records = runtime.store.get_records([jobs[i].id for i in pending])
+        for index, record in zip(list(pending), records, strict=True):
+            if record is None:
+                continue
+            if not record.job.same_request(jobs[index]):
+                raise DuplicateJob(jobs[index].id) from None
+            earlier[index] = record.job
+            pending.remove(index)
+    if pending:  # the store kept refusing ids it then could not find: give up as before
+        raise DuplicateJob(taken)
+    return earlier, []
 
 
 #: Messages of an ``enqueue_batch`` sent together (one Redis pipeline): bounds what a batch

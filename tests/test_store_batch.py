@@ -68,3 +68,35 @@ def test_create_many_on_an_in_memory_sqlite_store() -> None:
         assert all(store.get(job.id) is not None for job in fresh)
     finally:
         store.close()
+
+
+def test_the_same_batch_again_returns_its_jobs_and_stores_only_what_is_new(
+    app: Celery, seen: Counter[str]
+) -> None:
+    """As with ``enqueue``: an envelope with the id of the job it made before returns that
+    job, one without an id makes a new job (sent again, a batch mixing both is not refused)."""
+    chosen = str(Job.model_validate(envelope(1)).id)
+    batch: list[Any] = [envelope(1, id=chosen), envelope(2)]
+    first = enqueue_batch(batch, app=app)
+    published = len(messages(app))
+    again = enqueue_batch(batch, app=app)
+    assert again[0].id == first[0].id == chosen and again[0].created_at == first[0].created_at
+    assert again[1].id != first[1].id and again[1].args == [2, 1]
+    assert len(messages(app)) == published + 1  # only the new job's message
+    store = get_runtime(app).store
+    assert store.get(again[1].id) is not None
+    assert seen["job.enqueued"] == 3
+
+    same = [envelope(3, id=str(Job.model_validate(envelope(3)).id))]
+    assert enqueue_batch(same, app=app)[0].id == enqueue_batch(same, app=app)[0].id
+
+
+def test_a_batch_sent_again_with_a_changed_envelope_stores_nothing(app: Celery) -> None:
+    chosen = str(Job.model_validate(envelope(1)).id)
+    enqueue_batch([envelope(1, id=chosen)], app=app)
+    published = messages(app)
+    fresh = str(Job.model_validate(envelope(5)).id)
+    with pytest.raises(InvalidJob, match=chosen):
+        enqueue_batch([envelope(5, id=fresh), envelope(9, id=chosen)], app=app)
+    assert get_runtime(app).store.get(fresh) is None
+    assert messages(app) == published
