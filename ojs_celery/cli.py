@@ -42,7 +42,8 @@ EXIT_STATUSES = {
     EXIT_FAILED: "not done: no such job or worker, a job that already ended, a failed sweep",
     EXIT_INVALID: "invalid input, settings or usage (one line per problem; nothing stored)",
     EXIT_DUPLICATE: "a different job with this id exists (nothing stored)",
-    EXIT_STORE: "the job store cannot be reached",
+    EXIT_STORE: "the job store cannot be reached (nothing stored, unless the message says "
+                "the job may be stored: then it names the job's id)",
 }
 _EPILOG = "\b\nExit status:\n" + "\n".join(
     f"  {code}  {text}" for code, text in EXIT_STATUSES.items())
@@ -123,7 +124,8 @@ def enqueue_command(ctx: click.Context, source: Any, batch: bool) -> None:
 
     Exit status 2 for invalid input (one line per problem on stderr, nothing stored), 3 if a
     different job with the same id exists (the same envelope again prints the existing job),
-    4 if the store and 5 if the broker cannot be reached.
+    4 if the store cannot be reached. A broker that cannot be reached is no failure: the job
+    is stored, printed, and published by the sweeper later (a warning says so), exit status 0.
     """
     app = _app(ctx)
     text = source.read()

@@ -56,7 +56,9 @@ class StoreError(RuntimeError):
 
 
 class StoreUncertain(StoreError):
-    """The store was lost after an insert was sent: the job may or may not be stored.
+    """The store failed during an insert and could not be asked afterwards whether the insert
+    was done: the job may or may not be stored. (A refused connection cannot tell either: an
+    earlier try of the same call, retried by the driver, may have been sent.)
 
     Look the job up by ``job_id`` later, or repeat the call with that id (an insert sent again
     recognises its own earlier success).
@@ -65,8 +67,9 @@ class StoreUncertain(StoreError):
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
         super().__init__(
-            f"job {job_id}: the job store was lost after the write was sent; the job may or "
-            "may not be stored (look it up, or enqueue again with this id)"
+            f"job {job_id}: the job store failed during the write and could not be asked "
+            "whether it was done; the job may or may not be stored (look it up, or enqueue the "
+            "same envelope again with this id: it returns the job if it was stored)"
         )
 
     def __reduce__(self) -> tuple[type[StoreUncertain], tuple[str]]:
