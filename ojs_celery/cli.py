@@ -207,8 +207,8 @@ def sweep_command(ctx: click.Context, mode: str | None, interval: float | None) 
 @click.pass_context
 def inspect_command(ctx: click.Context, as_json: bool) -> None:
     """Migration report: every registered task (OJS or not, its OJS type, the queue it routes
-    to, the envelope fields its options map to) and what works against OJS in the app's
-    settings. Reads the app only; connects to nothing."""
+    to, the job fields a Celery call of it gets from its options) and what works against OJS
+    in the app's settings. Reads the app only; connects to nothing."""
     report = build_report(_app(ctx))
     if as_json:
         _line(report.as_dict())
@@ -219,7 +219,7 @@ def inspect_command(ctx: click.Context, as_json: bool) -> None:
                    + (f" (OJS queue {task.ojs_queue})" if task.ojs_queue else ""))
         fields = ", ".join(f"{key}={json.dumps(value, separators=(',', ':'))}"
                            for key, value in task.envelope.items())
-        click.echo(f"    envelope: {fields}")
+        click.echo(f"    a Celery call's job: {fields}")
         for warning in task.warnings:
             click.echo(f"    warning: {warning}")
     for warning in report.warnings:

@@ -15,9 +15,9 @@ from typing import Any
 
 from celery import Celery
 
-from .envelope import QUEUE_PATTERN, TYPE_PATTERN
+from .envelope import QUEUE_PATTERN, TYPE_PATTERN, Job
 from .install import _WEAK_POOLS, check_sweep_queue, pool_name
-from .producer import broker_driver, ojs_queue_of, tasks_without_limit
+from .producer import broker_driver, celery_time_fields, ojs_queue_of, tasks_without_limit
 from .runtime import get_runtime
 from .sweeper import SWEEP_TASK
 
@@ -111,15 +111,9 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
     report = TaskReport(name=name, ojs=is_ojs or mapped_type is not None, ojs_type=ojs_type,
                         queue=queue, ojs_queue=ojs_queue_of(app, queue) if is_ojs else None)
     envelope = report.envelope
-    soft = _limit(task, "soft_time_limit", conf.get("task_soft_time_limit"))
-    hard = _limit(task, "time_limit", conf.get("task_time_limit"))
-    if soft is not None or hard is not None:
-        timeout = soft if soft is not None else hard
-        assert timeout is not None
-        envelope["timeout"] = timeout
-        envelope["grace_period"] = max((hard or timeout) - timeout, 0)
-    else:
-        envelope["timeout"] = default_timeout or get_runtime(app).settings.default_timeout
+    settings = get_runtime(app).settings
+    envelope.update(celery_time_fields(app, task, {}, settings))  # as a call's job gets them
+    envelope.setdefault("grace_period", Job.model_fields["grace_period"].default)
     if default_timeout is not None:
         report.warnings.append(
             f"no time limit under plain Celery: OJS gives it the default timeout of "
@@ -183,12 +177,6 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
 def _duration(seconds: float) -> str:
     """Seconds as an ISO 8601 duration (fractions kept: ``PT0.2S``)."""
     return f"PT{float(seconds):g}S"
-
-
-def _limit(task: Any, name: str, default: Any) -> int | None:
-    value = getattr(task, name, None)
-    value = default if value is None else value
-    return None if value is None else max(int(value), 1)
 
 
 def _routed_queue(app: Celery, name: str) -> str:

@@ -35,6 +35,11 @@ def charge(self: OJSTask, order_id: int) -> None:
     return None
 
 
+@redis_app.task(name="pdf.render", base=OJSTask, soft_time_limit=10.5, shared=False)
+def render(doc_id: int) -> None:
+    return None
+
+
 @redis_app.task(name="email.send", base=OJSTask, shared=False)
 def send_email(to: str) -> None:
     return None

@@ -33,7 +33,8 @@ def by_name(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def test_every_registered_task_with_its_type_queue_and_envelope() -> None:
     tasks = by_name(report("redis_app"))
-    assert set(tasks) == {"billing.charge", "email.send", "maintenance.cleanup", "plain.report"}
+    assert set(tasks) == {"billing.charge", "email.send", "maintenance.cleanup", "plain.report",
+                          "pdf.render"}
     charge = tasks["billing.charge"]
     assert (charge["ojs"], charge["ojs_type"], charge["queue"]) == (True, "billing.charge",
                                                                     "billing")
@@ -48,6 +49,26 @@ def test_every_registered_task_with_its_type_queue_and_envelope() -> None:
     assert not tasks["plain.report"]["ojs"] and tasks["plain.report"]["ojs_type"] is None
     assert tasks["email.send"]["queue"] == "celery"
     assert tasks["email.send"]["ojs_queue"] == "default"
+
+
+def test_the_time_fields_are_those_a_celery_call_gets() -> None:
+    """The README's mapping: the soft limit (rounded up) is the timeout; with no hard limit the
+    grace period is the OJS default, 30 s, as the job of a ``.delay()`` has it."""
+    from ojs_celery.producer import celery_time_fields
+    from ojs_celery.runtime import get_runtime
+    from tests.inspect_app import redis_app
+
+    tasks = by_name(report("redis_app"))
+    settings = get_runtime(redis_app).settings
+    for name, timeout, grace in [("pdf.render", 11, 30), ("billing.charge", 900, 60),
+                                 ("email.send", 900, 30)]:
+        fields = tasks[name]["envelope"]
+        assert (fields["timeout"], fields["grace_period"]) == (timeout, grace)
+        called = {"grace_period": 30, **celery_time_fields(redis_app, redis_app.tasks[name], {},
+                                                           settings)}
+        assert called == {"timeout": timeout, "grace_period": grace}
+    text = inspect("redis_app").stdout
+    assert "a Celery call's job: timeout=11,grace_period=30" in text.replace(", ", ",")
 
 
 def test_warnings_name_what_works_against_ojs() -> None:
