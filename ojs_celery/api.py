@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery
 
 from .effects import carry_out, log_unpublished
-from .envelope import DuplicateJob, InvalidJob, Job, Rules, parse_batch, parse_envelope
+from .envelope import (
+    DuplicateJob,
+    InvalidJob,
+    Job,
+    Rules,
+    could_be_job_id,
+    parse_batch,
+    parse_envelope,
+)
 from .lifecycle import Transition
 from .producer import (
     DEFAULT_QUEUE,
@@ -35,6 +43,8 @@ class JobNotFound(LookupError):
 
 def get_job(job_id: str, *, app: Celery | None = None) -> Job | None:
     """The job as the store has it now, or None."""
+    if not could_be_job_id(job_id):
+        return None
     return get_runtime(app).store.get(job_id.lower())
 
 
@@ -47,6 +57,8 @@ def cancel(job_id: str, *, app: Celery | None = None) -> Job:
     Cancelling a cancelled job returns it unchanged; a completed or discarded job raises
     ``ValueError``; an unknown id raises :class:`JobNotFound`.
     """
+    if not could_be_job_id(job_id):
+        raise JobNotFound(f"no job with id {job_id}")
     runtime = get_runtime(app)
     done = runtime.store.cancel(job_id.lower())
     if done.record is not None:
@@ -107,11 +119,12 @@ def _store_batch(runtime: Runtime, jobs: list[Job]) -> tuple[dict[int, Job], lis
             if record is None:
                 continue
             if not record.job.same_request(jobs[index]):
-                raise DuplicateJob(jobs[index].id) from None
+                raise DuplicateJob(jobs[index].id, path=f"[{index}].id") from None
             earlier[index] = record.job
             pending.remove(index)
     if pending:  # the store kept refusing ids it then could not find: give up as before
-        raise DuplicateJob(taken)
+        index = next((i for i in pending if jobs[i].id == taken), pending[0])
+        raise DuplicateJob(taken, path=f"[{index}].id")
     return earlier, []
 
 
@@ -193,7 +206,11 @@ def publish_violations(runtime: Runtime, job_type: Any, queue: Any) -> list[tupl
     if isinstance(queue, str):
         name = celery_queue(runtime.app, queue)
         queues = runtime.app.amqp.queues
-        if name not in queues and not getattr(queues, "create_missing", True):
+        reserved = runtime.reserved_queues.get(name)
+        if reserved is not None:
+            found.append(("queue", f"is reserved: {name!r} is {reserved}, which no job may be "
+                          "published to"))
+        elif name not in queues and not getattr(queues, "create_missing", True):
             found.append(("queue", f"is not a queue the Celery app declares ({name!r} is not "
                           "in task_queues, and task_create_missing_queues is off)"))
     return found

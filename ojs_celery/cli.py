@@ -23,7 +23,7 @@ from celery.app.utils import find_app
 from celery.exceptions import ImproperlyConfigured
 
 from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job
-from .envelope import DuplicateJob, InvalidJob
+from .envelope import MAX_BATCH_BYTES, MAX_ENVELOPE_BYTES, DuplicateJob, InvalidJob
 from .events import listen
 from .install import install
 from .migration import build_report
@@ -84,7 +84,9 @@ def _line(data: Any) -> None:
 
 
 def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
+    """``text`` on one line, printable whatever it quotes (a lone surrogate from an argument
+    that was not UTF-8 is written as ``\\udcxx``, not raised)."""
+    return " ".join(str(text).encode("utf-8", "backslashreplace").decode().split())
 
 
 def _fail(lines: list[str], status: int) -> NoReturn:
@@ -128,7 +130,8 @@ def enqueue_command(ctx: click.Context, source: Any, batch: bool) -> None:
     is stored, printed, and published by the sweeper later (a warning says so), exit status 0.
     """
     app = _app(ctx)
-    text = source.read()
+    # One byte past the limit is enough to refuse it: a bigger input is never held whole.
+    text = source.read((MAX_BATCH_BYTES if batch else MAX_ENVELOPE_BYTES) + 1)
     jobs = enqueue_batch(text, app=app) if batch else [enqueue(text, app=app)]
     for job in jobs:
         _line(job.to_dict())

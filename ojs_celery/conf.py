@@ -105,7 +105,7 @@ class Settings(BaseModel):
         import re
 
         for ojs_type, task_name in value.items():
-            if not re.match(TYPE_PATTERN, ojs_type):
+            if not re.fullmatch(TYPE_PATTERN, ojs_type):
                 raise ValueError(
                     f"key {ojs_type!r} is not a valid OJS type (dot-separated lowercase "
                     "segments, each [a-z][a-z0-9_]*)"

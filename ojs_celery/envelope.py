@@ -37,6 +37,10 @@ from .entropy import random_bytes
 
 SPEC_VERSION: Final = "1.0"
 MAX_ENVELOPE_BYTES = 1024 * 1024
+#: A batch: at most this many envelopes (the OJS batch schema's ``maxItems``) and, given as
+#: text, this many bytes (what a producer can make a process hold before any check).
+MAX_BATCH_JOBS = 10_000
+MAX_BATCH_BYTES = 32 * 1024 * 1024
 #: OJS core says ``[a-z][a-z0-9_]*`` segments; real producers (the conformance cases,
 #: ``openapi.yaml``) also send hyphens and upper-case letters, and Celery task names may hold
 #: ``:`` (``proj.tasks:send_mail``): all accepted, verbatim (README, decisions).
@@ -128,8 +132,8 @@ class DuplicateJob(InvalidJob):
     every rejected input; the CLI gives it an exit status of its own.
     """
 
-    def __init__(self, job_id: str) -> None:
-        super().__init__([("id", f"a different job with id {job_id} exists already")])
+    def __init__(self, job_id: str, path: str = "id") -> None:
+        super().__init__([(path, f"a different job with id {job_id} exists already")])
         self.job_id = job_id
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -139,6 +143,12 @@ class DuplicateJob(InvalidJob):
 #: The version (7) and variant (0b10) bits of a UUIDv7, and the random bits they replace.
 _UUID7_MARK: Final = 0x7 << 76 | 0b10 << 62
 _UUID7_KEEP: Final = ~(0xF << 76 | 0b11 << 62)
+
+
+def could_be_job_id(text: str) -> bool:
+    """Whether ``text`` (any case) has the form of a job id: a UUID or a Celery task id. Other
+    text names no job, and is not sent to a store (whose driver may not even encode it)."""
+    return CELERY_ID_PATTERN.fullmatch(text.lower()) is not None
 
 
 def new_job_id() -> str:
@@ -172,7 +182,7 @@ def parse_duration(text: str) -> float:
     Years count 365 days and months 30. Cached: every decoded job validates its retry
     intervals again, and a deployment uses a handful of distinct durations.
     """
-    match = _DURATION.match(text)
+    match = _DURATION.fullmatch(text)
     if match is None:
         raise ValueError(f"must be an ISO 8601 duration such as PT1S or PT5M, got {text!r}")
     parts = {k: float(v) if v else 0.0 for k, v in match.groupdict().items()}
@@ -185,7 +195,17 @@ def _duration(text: str) -> str:
     return text
 
 
+#: How an RFC 3339 timestamp begins: a full date, then the time (``T``, or a space).
+_RFC3339_START = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]")
+
 Duration = Annotated[str, Field(json_schema_extra={"format": "duration"})]
+
+#: The longest duration an envelope may ask for (timeouts, TTLs, retry intervals), in seconds: a
+#: hundred years. A longer one is no real request, and its deadlines would overflow the clocks
+#: (past the year 9999, or beyond a float). Checked on input only: a stored record is read back
+#: as it was written.
+MAX_DURATION = 100 * 365 * 24 * 3600
+_TOO_LONG = f"must be at most {MAX_DURATION} seconds (a hundred years)"
 JobType = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=TYPE_PATTERN)]
 QueueName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=QUEUE_PATTERN)]
 
@@ -205,8 +225,11 @@ class RetryPolicy(BaseModel):
 
     @field_validator("initial_interval", "max_interval")
     @classmethod
-    def _valid_duration(cls, value: str) -> str:
-        return _duration(value)
+    def _valid_duration(cls, value: str, info: ValidationInfo) -> str:
+        value = _duration(value)
+        if info.context is not None and not parse_duration(value) <= MAX_DURATION:
+            raise ValueError(_TOO_LONG)
+        return value
 
     # Field validators (not a model validator), so that each violation names its field path.
     @field_validator("initial_interval")
@@ -292,12 +315,12 @@ class Job(BaseModel):
         if not isinstance(value, str):
             raise ValueError("must be a string")
         lowered = value.lower()
-        if UUID7_PATTERN.match(lowered):
+        if UUID7_PATTERN.fullmatch(lowered):
             return lowered
         celery_id = info.context is None or bool(info.context.get("celery_id"))
-        if celery_id and _UUID_ANY.match(lowered):
+        if celery_id and _UUID_ANY.fullmatch(lowered):
             return lowered
-        if celery_id and CELERY_ID_PATTERN.match(value):
+        if celery_id and CELERY_ID_PATTERN.fullmatch(value):
             return value
         if celery_id:
             raise ValueError("must be a UUID or up to 255 of a-z 0-9 . _ : @ + = ~ - "
@@ -307,8 +330,19 @@ class Job(BaseModel):
     @field_validator("scheduled_at", "expires_at", mode="before")
     @classmethod
     def _rfc3339(cls, value: Any) -> Any:
-        if value is not None and not isinstance(value, (str, datetime)):
+        """RFC 3339 text (pydantic alone would also read ``"5"`` as seconds since 1970)."""
+        if value is None or isinstance(value, datetime):
+            return value
+        if not isinstance(value, str) or not _RFC3339_START.match(value):
             raise ValueError("must be an RFC 3339 timestamp string with a time zone")
+        return value
+
+    @field_validator("timeout", "visibility_timeout", "total_timeout", "enqueue_ttl",
+                     "grace_period", "heartbeat_timeout")
+    @classmethod
+    def _not_too_long(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.context is not None and value > MAX_DURATION:
+            raise ValueError(_TOO_LONG)
         return value
 
     @field_validator("total_timeout")
@@ -408,6 +442,9 @@ def _field_violations_before_model(data: dict[Any, Any]) -> list[tuple[Any, str]
     for key, value in data.items():
         if not isinstance(key, str):
             found.append((key, "must be a string field name"))
+            continue
+        if not _utf8_key(key):
+            found.append((key, _UTF8_RULE))
             continue
         rule: str | None = None
         if isinstance(value, (list, dict, tuple)):
@@ -520,7 +557,7 @@ def parse_envelope(
     clean = {k: v for k, v in data.items() if k not in SYSTEM_FIELDS and v is not None}
     violations: list[tuple[str, str]] = []
     for key, rule in _field_violations_before_model(clean):
-        violations.append((str(key), rule))
+        violations.append((str(key).encode("utf-8", "backslashreplace").decode(), rule))
         del clean[key]  # checked already: pydantic would only add noise (or recurse)
     named = {path for path, _ in violations}
     if "args" in clean and not isinstance(clean["args"], list):
@@ -548,9 +585,7 @@ def parse_envelope(
         raise InvalidJob([(key, "must be JSON data") for key in bad or ["(envelope)"]]) from None
     except UnicodeEncodeError:
         bad = [str(key) for key, value in clean.items() if not _is_utf8(value)]
-        raise InvalidJob([(key, "must be Unicode text that UTF-8 can encode (no lone "
-                           "surrogates such as \\ud800)") for key in bad or ["(envelope)"]]) \
-            from None
+        raise InvalidJob([(key, _UTF8_RULE) for key in bad or ["(envelope)"]]) from None
     if size > MAX_ENVELOPE_BYTES:
         raise InvalidJob([("(envelope)", f"must not exceed 1 MiB (is {size} bytes)")])
     return job
@@ -569,6 +604,7 @@ _NESTING_RULE = f"must not nest arrays and objects more than {MAX_NESTING} level
 #: JSON has no NaN or infinities: stored, they would make the job's JSON unreadable to every
 #: strict parser (other languages', ``jq``'s). ``1e400`` is valid JSON text that no double holds:
 #: Python reads it as an infinity.
+_UTF8_RULE = "must be Unicode text that UTF-8 can encode (no lone surrogates such as \\ud800)"
 _FINITE_RULE = ("must hold only finite numbers (JSON has no NaN or Infinity; a number such "
                 "as 1e400 is beyond a double's range)")
 
@@ -582,7 +618,11 @@ def _data_rule(value: list[Any] | dict[Any, Any] | tuple[Any, ...]) -> str | Non
         item, depth = stack.pop()
         if depth > MAX_NESTING:
             return _NESTING_RULE
-        for child in item.values() if isinstance(item, dict) else item:
+        if isinstance(item, dict):
+            if not all(_utf8_key(key) for key in item):
+                return _UTF8_RULE
+            item = item.values()
+        for child in item:
             if isinstance(child, (list, dict, tuple)):
                 stack.append((child, depth + 1))
             elif isinstance(child, float) and not math.isfinite(child):
@@ -590,14 +630,31 @@ def _data_rule(value: list[Any] | dict[Any, Any] | tuple[Any, ...]) -> str | Non
     return None
 
 
+def _utf8_key(key: Any) -> bool:
+    """Whether an object key can be written as JSON text: not a string with a lone surrogate
+    (pydantic would write it as U+FFFD, a key other than the one the message carries)."""
+    if not isinstance(key, str) or key.isascii():
+        return True
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_batch(data: str | bytes | list[Any], *, rules: Rules | None = None) -> list[Job]:
     """Validate a JSON array (or ``{"jobs": [...]}``) of envelopes; every job must be valid."""
     if isinstance(data, (str, bytes)):
+        if len(data) > MAX_BATCH_BYTES:
+            raise InvalidJob([("(batch)", f"must not exceed {MAX_BATCH_BYTES // 2**20} MiB")])
         data = decode_json(data, "(batch)")
     if isinstance(data, dict) and isinstance(data.get("jobs"), list):
         data = data["jobs"]
     if not isinstance(data, list) or not data:
         raise InvalidJob([("(batch)", "must be a non-empty JSON array of job envelopes")])
+    if len(data) > MAX_BATCH_JOBS:
+        raise InvalidJob([("(batch)", f"must hold at most {MAX_BATCH_JOBS} envelopes (the OJS "
+                           "batch schema's limit; send more batches)")])
     jobs: list[Job] = []
     violations: list[tuple[str, str]] = []
     first_index: dict[str, int] = {}

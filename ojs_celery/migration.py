@@ -148,7 +148,7 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
             report.warnings.append(f"{option}={getattr(task, option)!r}: {what}")
     if getattr(task, "serializer", None) == "pickle" and conf.get("task_serializer") != "pickle":
         report.warnings.append("serializer='pickle': OJS jobs travel as JSON")
-    if report.ojs_type is not None and not re.match(TYPE_PATTERN, report.ojs_type):
+    if report.ojs_type is not None and not re.fullmatch(TYPE_PATTERN, report.ojs_type):
         report.warnings.append(f"{report.ojs_type!r} is not a valid OJS type: envelopes cannot "
                                "name it (give the task an ojs_type, or map one in type_map)")
     if is_ojs and report.ojs_queue is not None and not _valid_ojs_queue(report.ojs_queue):
@@ -199,4 +199,4 @@ def _consumer_timeout(app: Celery, queue_name: str) -> float:
 
 
 def _valid_ojs_queue(name: str) -> bool:
-    return re.match(QUEUE_PATTERN, name) is not None and len(name) <= 128
+    return re.fullmatch(QUEUE_PATTERN, name) is not None and len(name) <= 128

@@ -58,6 +58,7 @@ class Runtime:
         self._broker_driver: str | None = None
         self._joint: RedisStore | None = None
         self._joint_known = False  # whether _joint was decided for the current store
+        self._reserved: dict[str, str] | None = None  # see reserved_queues
 
     @property
     def settings(self) -> Settings:
@@ -90,9 +91,26 @@ class Runtime:
         self.bus.enabled = settings.events
         self._broker_driver = None  # the configuration may name another broker
         self._joint_known = False
+        self._reserved = None
         for warning in settings.warnings():
             logger.warning("ojs_celery: %s", warning)
         return settings
+
+    @property
+    def reserved_queues(self) -> dict[str, str]:
+        """Queue names no job may be published to, with what each is: OJS's sweep queue, and
+        the exchanges of Celery's event bus and remote control (a job's queue of that name
+        would declare an exchange of another type over theirs)."""
+        if self._reserved is None:
+            conf = self.app.conf
+            control = conf.control_exchange
+            self._reserved = {
+                self.settings.sweep_queue: "the sweep queue",
+                conf.event_exchange: "Celery's event exchange",
+                f"{control}.pidbox": "Celery's remote-control exchange",
+                f"reply.{control}.pidbox": "Celery's remote-control reply exchange",
+            }
+        return self._reserved
 
     @property
     def store(self) -> JobStore:

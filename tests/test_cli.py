@@ -185,6 +185,16 @@ def test_help_lists_the_exit_statuses(env: Env) -> None:
     assert "5 if" not in enqueue_help  # a broker that is down exits 0 (the sweeper publishes)
 
 
+def test_an_argument_that_is_not_utf8_names_no_job(env: Env) -> None:
+    """A job id argument in another encoding (Python reads it with lone surrogates) is no job:
+    one line, no traceback."""
+    for command in ("get", "cancel"):
+        out = subprocess.run([CLI, "-A", "tests.e2eapp:app", command, b"\xff\xfe"],
+                             capture_output=True, cwd=ROOT, env=cli_env(env), timeout=60)
+        assert out.returncode == 1, out.stderr
+        assert out.stderr.decode() == "error: no job with id \\udcff\\udcfe\n"
+
+
 def test_unknown_app_is_a_usage_error(env: Env) -> None:
     out = subprocess.run([CLI, "-A", "no_such_module", "get", "x"], capture_output=True,
                          text=True, cwd=ROOT, timeout=60)

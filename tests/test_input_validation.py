@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from ojs_celery import DuplicateJob, InvalidJob, enqueue, enqueue_batch, get_job
-from ojs_celery.envelope import MAX_NESTING, new_job_id
+from ojs_celery import DuplicateJob, InvalidJob, cancel, enqueue, enqueue_batch, get_job
+from ojs_celery.api import JobNotFound
+from ojs_celery.envelope import MAX_BATCH_BYTES, MAX_BATCH_JOBS, MAX_NESTING, new_job_id
 from tests.e2eapp import make_app
 from tests.workers import filesystem_config
 
@@ -144,3 +145,38 @@ def test_non_utf8_bytes_are_refused(app: Celery) -> None:
     found = rejected(app, b'{"type": "e2e.add", "args": ["\xff\xfe"]}')
     assert [path for path, _ in found] == ["(envelope)"]
     assert "UTF-8" in found[0][1]
+
+
+def test_a_batch_is_bounded_in_envelopes_and_in_bytes(app: Celery) -> None:
+    """The OJS batch schema's limit (10,000 envelopes), and 32 MiB of text: a producer cannot
+    make the process hold an unbounded batch. Nothing is stored or published."""
+    envelope = {"type": "e2e.add", "args": [1, 2]}
+    with pytest.raises(InvalidJob) as raised:
+        enqueue_batch([envelope] * (MAX_BATCH_JOBS + 1), app=app)
+    assert raised.value.violations == [
+        ("(batch)", "must hold at most 10000 envelopes (the OJS batch schema's limit; send more "
+                    "batches)")]
+    text = json.dumps([{**envelope, "x_pad": "x" * 1_000_000}] * 34)  # 34 envelopes under 1 MiB
+    assert len(text) > MAX_BATCH_BYTES
+    with pytest.raises(InvalidJob) as raised:
+        enqueue_batch(text, app=app)
+    assert raised.value.violations == [("(batch)", "must not exceed 32 MiB")]
+    assert published(app) == []
+
+
+def test_a_batch_naming_a_taken_id_names_the_envelope(app: Celery) -> None:
+    taken = enqueue({"type": "e2e.add", "args": [1, 2], "id": new_job_id()}, app=app)
+    with pytest.raises(DuplicateJob) as raised:
+        enqueue_batch([{"type": "e2e.add", "args": [3, 4]},
+                       {"type": "e2e.add", "args": [5, 6], "id": taken.id}], app=app)
+    assert raised.value.violations == [("[1].id", f"a different job with id {taken.id} exists "
+                                                   "already")]
+    assert len(published(app)) == 1  # the taken job's own
+
+
+@pytest.mark.parametrize(
+    "job_id", ["\udcff", "a b", "x" * 300, "01a1fc00-0000-7000-8000-0000000000e2\n"])
+def test_text_that_cannot_be_a_job_id_names_no_job(app: Celery, job_id: str) -> None:
+    assert get_job(job_id, app=app) is None
+    with pytest.raises(JobNotFound):
+        cancel(job_id, app=app)

@@ -101,6 +101,14 @@ def test_backoff_formula_other_parameters() -> None:
     assert backoff_delay(linear, 5) == 7.0
 
 
+def test_backoff_beyond_a_float_is_the_cap() -> None:
+    """A long policy's growth (2 ** 1100) passes a float's range: the delay is the cap, not an
+    OverflowError that would leave the attempt's outcome unwritten."""
+    long = policy(max_attempts=5000, max_interval="PT10M")
+    assert backoff_delay(long, 1100, rand=lambda: 0.99) == 600.0
+    assert backoff_delay(policy(jitter=False, max_interval="PT10M"), 3000) == 600.0
+
+
 def test_backoff_capped_at_max_interval() -> None:
     assert backoff_delay(policy(jitter=False), 10) == 300.0  # 512 s capped to PT5M
     p = policy(jitter=False, max_interval="PT3S")

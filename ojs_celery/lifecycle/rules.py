@@ -9,6 +9,7 @@ deadline passes, :mod:`.clocks` says which of these rules applies.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -191,9 +192,13 @@ def matches_non_retryable(error_type: str, patterns: list[str]) -> bool:
 def backoff_delay(
     policy: RetryPolicy, retry_number: int, rand: Callable[[], float] = random.random
 ) -> float:
-    """Exponential backoff ``I·C^(n−1)``, capped, jittered in [0.5, 1.5), capped again."""
-    delay = policy.initial_seconds * policy.backoff_coefficient ** max(retry_number - 1, 0)
-    delay = min(delay, policy.max_seconds)
+    """Exponential backoff ``I·C^(n−1)``, capped, jittered in [0.5, 1.5), capped again (a
+    growth beyond a float, far into a long policy, is the cap)."""
+    try:
+        growth = policy.backoff_coefficient ** max(retry_number - 1, 0)
+    except OverflowError:
+        growth = math.inf
+    delay = min(policy.initial_seconds * growth, policy.max_seconds)
     if policy.jitter:
         delay = min(delay * (0.5 + rand()), policy.max_seconds)
     return delay
