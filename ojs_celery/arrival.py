@@ -17,10 +17,12 @@ The job's record is the authority; the header only says which attempt the messag
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from . import header as ojs_header
+from .envelope import CELERY_KWARGS_FIELD, Job, json_native
 from .lifecycle import Record, Transition
 from .store import JobStore
 
@@ -45,11 +47,13 @@ class Arrival:
     origin: str | None = None
 
     def record_may_come(self, now: float | None = None) -> bool:
-        """May the job's record still be written (a message younger than ORPHAN_AFTER)?"""
+        """May the job's record still be written (a message younger than ORPHAN_AFTER)? A
+        ``created_at`` further ahead than that is no clock skew but a header that lies: it
+        would send the message back to the broker for ever."""
         if self.created_at is None:
             return False
         at = time.time() if now is None else now
-        return at - self.created_at < ORPHAN_AFTER
+        return -ORPHAN_AFTER < at - self.created_at < ORPHAN_AFTER
 
 
 def has_header(request: Any) -> bool:
@@ -72,12 +76,16 @@ def parse(raw: Any, job_id: str) -> Arrival:
                    origin=ojs_header.origin(raw))
 
 
-def start(store: JobStore, job_id: str, arrival: Arrival, worker_id: str) -> Transition:
-    """Start the attempt the message asks for; a record that may still come is waited for
-    (at most :data:`RECORD_WAIT`). Store errors, and any other, reach the caller."""
+def start(
+    store: JobStore, job_id: str, arrival: Arrival, worker_id: str,
+    carries: Callable[[Job], bool] | None = None,
+) -> Transition:
+    """Start the attempt the message asks for (``carries``: whether the message is the job's,
+    see :func:`carries_call`); a record that may still come is waited for (at most
+    :data:`RECORD_WAIT`). Store errors, and any other, reach the caller."""
     assert arrival.token is not None
     started = store.start(job_id, arrival.token, worker_id, hint=arrival.snapshot,
-                          origin=arrival.origin)
+                          origin=arrival.origin, carries=carries)
     deadline = time.monotonic() + RECORD_WAIT
     pause = 0.02
     while started.reason == "unknown_job" and arrival.record_may_come():
@@ -86,8 +94,21 @@ def start(store: JobStore, job_id: str, arrival: Arrival, worker_id: str) -> Tra
         time.sleep(pause)
         pause = min(pause * 2, 0.2)
         started = store.start(job_id, arrival.token, worker_id, hint=arrival.snapshot,
-                              origin=arrival.origin)
+                              origin=arrival.origin, carries=carries)
     return started
+
+
+def carries_call(args: Any, kwargs: Any, job: Job) -> bool:
+    """Whether a message's arguments are its job's. The record is the authority: a message
+    written by hand with a job's id and token but other arguments is not that job's. A pickled
+    message's tuples are compared as the lists the job's JSON holds."""
+    stored_kwargs = (job.model_extra or {}).get(CELERY_KWARGS_FIELD) or {}
+    given_args = list(args or ())
+    given_kwargs = dict(kwargs or {})
+    if given_args == job.args and given_kwargs == stored_kwargs:
+        return True
+    return bool(json_native(given_args) == json_native(job.args)
+                and json_native(given_kwargs) == json_native(stored_kwargs))
 
 
 def _seconds(value: Any) -> float | None:

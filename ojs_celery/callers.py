@@ -29,7 +29,7 @@ from celery.result import AsyncResult
 from . import header
 from .api import enqueue_job
 from .canvas import canvas_options
-from .envelope import CELERY_SEMANTICS_FIELD, parse_envelope
+from .envelope import CELERY_SEMANTICS_FIELD, json_native, parse_envelope
 from .producer import (
     celery_expires_at,
     celery_route,
@@ -80,16 +80,6 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
     job = enqueue_job(runtime, job, id_chosen="id" in envelope,
                       celery_options=canvas_options(options))
     return job.id
-
-
-def json_native(value: Any) -> Any:
-    """Tuples become lists, as Celery's JSON serializer would send them; anything JSON cannot
-    carry is left for envelope validation to name."""
-    if isinstance(value, (list, tuple)):
-        return [json_native(v) for v in value]
-    if isinstance(value, dict):
-        return {k: json_native(v) for k, v in value.items()}
-    return value
 
 
 def wrap_send_task(app: Celery) -> None:

@@ -202,10 +202,21 @@ Duration = Annotated[str, Field(json_schema_extra={"format": "duration"})]
 
 #: The longest duration an envelope may ask for (timeouts, TTLs, retry intervals), in seconds: a
 #: hundred years. A longer one is no real request, and its deadlines would overflow the clocks
-#: (past the year 9999, or beyond a float). Checked on input only: a stored record is read back
-#: as it was written.
+#: (past the year 9999, or beyond a float). Checked on input only (:func:`parse_envelope`): a
+#: stored record is read back as it was written, and its decoding pays nothing for the check.
 MAX_DURATION = 100 * 365 * 24 * 3600
 _TOO_LONG = f"must be at most {MAX_DURATION} seconds (a hundred years)"
+_SECONDS_FIELDS = ("timeout", "visibility_timeout", "total_timeout", "enqueue_ttl", "grace_period",
+                   "heartbeat_timeout")
+
+
+def _too_long(job: Job) -> list[tuple[str, str]]:
+    """The durations of a valid ``job`` beyond :data:`MAX_DURATION`, as violations."""
+    found = [(name, _TOO_LONG) for name in _SECONDS_FIELDS
+             if (getattr(job, name) or 0) > MAX_DURATION]
+    found += [(f"retry.{name}", _TOO_LONG) for name in ("initial_interval", "max_interval")
+              if not parse_duration(getattr(job.retry, name)) <= MAX_DURATION]
+    return found
 JobType = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=TYPE_PATTERN)]
 QueueName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=QUEUE_PATTERN)]
 
@@ -225,11 +236,8 @@ class RetryPolicy(BaseModel):
 
     @field_validator("initial_interval", "max_interval")
     @classmethod
-    def _valid_duration(cls, value: str, info: ValidationInfo) -> str:
-        value = _duration(value)
-        if info.context is not None and not parse_duration(value) <= MAX_DURATION:
-            raise ValueError(_TOO_LONG)
-        return value
+    def _valid_duration(cls, value: str) -> str:
+        return _duration(value)
 
     # Field validators (not a model validator), so that each violation names its field path.
     @field_validator("initial_interval")
@@ -335,14 +343,6 @@ class Job(BaseModel):
             return value
         if not isinstance(value, str) or not _RFC3339_START.match(value):
             raise ValueError("must be an RFC 3339 timestamp string with a time zone")
-        return value
-
-    @field_validator("timeout", "visibility_timeout", "total_timeout", "enqueue_ttl",
-                     "grace_period", "heartbeat_timeout")
-    @classmethod
-    def _not_too_long(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and info.context is not None and value > MAX_DURATION:
-            raise ValueError(_TOO_LONG)
         return value
 
     @field_validator("total_timeout")
@@ -527,6 +527,16 @@ def decode_json(text: str | bytes, what: str = "(envelope)") -> Any:
         raise InvalidJob([(what, f"is not valid JSON: {exc}")]) from None
 
 
+def json_native(value: Any) -> Any:
+    """Tuples become lists, as Celery's JSON serializer would send them; anything JSON cannot
+    carry is left for envelope validation to name."""
+    if isinstance(value, (list, tuple)):
+        return [json_native(v) for v in value]
+    if isinstance(value, dict):
+        return {k: json_native(v) for k, v in value.items()}
+    return value
+
+
 def _not_a_json_number(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
@@ -575,6 +585,9 @@ def parse_envelope(
         named |= {_top_field(path) for path, _ in violations}
         violations += [(path, rule) for path, rule in rules(data) if _top_field(path) not in named]
     if violations or job is None:
+        raise InvalidJob(violations)
+    violations = _too_long(job)
+    if violations:
         raise InvalidJob(violations)
     if _surely_small(job):
         return job

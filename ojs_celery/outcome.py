@@ -119,6 +119,10 @@ class Rejected:
 Outcome: TypeAlias = Completed | Failed | TimedOut | Retried | Cancelled | Rejected
 
 
+#: One encoder for every result (``json.dumps`` with an option builds a new one per call).
+_STRICT_JSON = json.JSONEncoder(allow_nan=False)
+
+
 def run_handler(call: Callable[[], Any]) -> Outcome:
     """Run the handler and say what it came to; a result that is not JSON data fails it."""
     reset = pending_retry.set(None)
@@ -142,7 +146,7 @@ def run_handler(call: Callable[[], Any]) -> Outcome:
     finally:
         pending_retry.reset(reset)
     try:
-        json.dumps(value, allow_nan=False)  # NaN and infinities are not JSON either
+        _STRICT_JSON.encode(value)  # NaN and infinities are not JSON either
     except (TypeError, ValueError) as bad:
         return Failed(TypeError(f"result is not JSON-serialisable: {bad}"))
     return Completed(value)

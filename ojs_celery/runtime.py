@@ -59,6 +59,7 @@ class Runtime:
         self._joint: RedisStore | None = None
         self._joint_known = False  # whether _joint was decided for the current store
         self._reserved: dict[str, str] | None = None  # see reserved_queues
+        self._runs: dict[str, str] = {}  # OJS type -> task name, as runs() last found it
 
     @property
     def settings(self) -> Settings:
@@ -92,6 +93,7 @@ class Runtime:
         self._broker_driver = None  # the configuration may name another broker
         self._joint_known = False
         self._reserved = None
+        self._runs = {}
         for warning in settings.warnings():
             logger.warning("ojs_celery: %s", warning)
         return settings
@@ -145,6 +147,19 @@ class Runtime:
 
     def emit(self, transition: Transition) -> None:
         self.bus.emit_all(transition.events)
+
+    def runs(self, task: Any, ojs_type: str) -> bool:
+        """Whether ``task`` is the one that runs ``ojs_type`` here (see :meth:`task_name_for`).
+        A yes is kept until the settings change (tasks are only added, so the first match
+        stays the first): every start asks it."""
+        if self._runs.get(ojs_type) == task.name:
+            return True
+        try:
+            found = self.task_name_for(ojs_type)
+        except UnknownType:
+            return False
+        self._runs[ojs_type] = found
+        return bool(found == task.name)
 
     def task_name_for(self, ojs_type: str) -> str:
         """The Celery task that runs ``ojs_type``; raises :class:`UnknownType` otherwise.

@@ -21,11 +21,11 @@ from celery.result import AsyncResult
 from celery.utils.time import maybe_make_aware
 
 from . import arrival, lifecycle, softlimit
-from .callers import enqueue_call, json_native
+from .callers import enqueue_call
 from .context import JobContext, _current, maybe_current_job
 from .eager import apply_eagerly, run_eagerly
 from .effects import carry_out
-from .envelope import CELERY_KWARGS_FIELD
+from .envelope import CELERY_KWARGS_FIELD, Job, json_native
 from .identity import current_worker_id
 from .lifecycle import Transition
 from .lifecycle.rules import celery_semantics
@@ -159,7 +159,7 @@ class OJSTask(Task):  # type: ignore[misc]
         softlimit.watch()
         softlimit.hold()  # until the handler's first line, and again after its last
         try:
-            ctx = self._start(runtime, str(self.request.id), current_worker_id())
+            ctx = self._start(runtime, str(self.request.id), current_worker_id(), args, kwargs)
             reset = _current.set(ctx)
             try:
                 outcome = run_handler(lambda: self._run_released(args, kwargs))
@@ -180,18 +180,25 @@ class OJSTask(Task):  # type: ignore[misc]
         finally:
             softlimit.hold()
 
-    def _start(self, runtime: Runtime, job_id: str, worker_id: str) -> JobContext:
+    def _start(
+        self, runtime: Runtime, job_id: str, worker_id: str, args: Any, kwargs: Any
+    ) -> JobContext:
         """Start the attempt this message asks for, or raise ``Ignore`` (the message is
-        dropped: nothing to start) or ``Reject`` with requeue (it goes back to the broker:
-        whether it may start could not be decided, or its job's record may still come)."""
+        dropped: nothing to start, or it is not the job's: another task, other ``args`` and
+        ``kwargs``) or ``Reject`` with requeue (it goes back to the broker: whether it may
+        start could not be decided, or its job's record may still come)."""
         arrived = arrival.read(self.request, job_id)
         if arrived.token is None:
             logger.error("ojs_celery: job %s: message dropped, its ojs header is unusable (%s); "
                          "the sweeper publishes the job again after redispatch_after",
                          job_id, arrived.problem)
             raise Ignore()
+
+        def carries(job: Job) -> bool:
+            return runtime.runs(self, job.type) and arrival.carries_call(args, kwargs, job)
+
         try:
-            started = arrival.start(runtime.store, job_id, arrived, worker_id)
+            started = arrival.start(runtime.store, job_id, arrived, worker_id, carries)
         except StoreError as exc:
             logger.error("ojs_celery: store unreachable, job %s goes back to the broker: %s",
                          job_id, exc)
@@ -215,6 +222,10 @@ class OJSTask(Task):  # type: ignore[misc]
             carry_out(runtime, started, report_result=True)
         except Exception as exc:  # the store decided; its events must not undo that
             logger.error("ojs_celery: job %s: effects of its start failed: %r", job_id, exc)
+        if started.reason == "foreign":
+            logger.error("ojs_celery: job %s: message dropped, it is not the job's (another "
+                         "task, other arguments or another job's record)", job_id)
+            raise Ignore()
         if started.record is None or started.record.job.state != "active":
             logger.info("ojs_celery: job %s not started (%s): message dropped", job_id,
                         started.reason)

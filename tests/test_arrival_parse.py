@@ -36,6 +36,10 @@ def test_a_record_may_come_until_the_message_is_older_than_the_orphan_bound() ->
     fresh = arrival.parse({"token": 1, "created_at": now - 1}, "j")
     old = arrival.parse({"token": 1, "created_at": now - arrival.ORPHAN_AFTER - 1}, "j")
     assert fresh.record_may_come(now) and not old.record_may_come(now)
+    skewed = arrival.parse({"token": 1, "created_at": now + 2}, "j")  # another host's clock
+    assert skewed.record_may_come(now)
+    for lie in (now + arrival.ORPHAN_AFTER + 1, 1e308):  # would be requeued for ever
+        assert not arrival.parse({"token": 1, "created_at": lie}, "j").record_may_come(now)
 
 
 def test_headers_absent_or_present_in_any_shape() -> None:
@@ -49,3 +53,14 @@ def test_the_main_process_reads_a_malformed_token_as_none(token: Any) -> None:
     request = SimpleNamespace(_request_dict={"ojs": {"token": token}})
     assert ojs_header.token_of(request) is None
     assert ojs_header.token_of(SimpleNamespace(_request_dict={"ojs": {"token": 7}})) == 7
+
+
+def test_a_message_carries_its_job_when_its_arguments_are_the_records() -> None:
+    job = parse_envelope({"type": "a.b", "args": [1, [2, 3]], "x_celery_kwargs": {"k": (4,)}})
+    assert arrival.carries_call([1, [2, 3]], {"k": [4]}, job)
+    assert arrival.carries_call((1, (2, 3)), {"k": (4,)}, job)  # a pickled message's tuples
+    assert not arrival.carries_call([1, [2, 4]], {"k": [4]}, job)
+    assert not arrival.carries_call([1, [2, 3]], {}, job)
+    assert not arrival.carries_call([1, [2, 3]], {"k": [4], "extra": 1}, job)
+    bare = parse_envelope({"type": "a.b", "args": []})
+    assert arrival.carries_call(None, None, bare) and arrival.carries_call((), {}, bare)

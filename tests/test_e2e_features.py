@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -21,7 +22,8 @@ from ojs_celery import (
     install,
 )
 from ojs_celery.api import PUBLISH_CHUNK
-from ojs_celery.envelope import CELERY_OPTIONS_FIELD, new_job_id
+from ojs_celery.effects import carry_out
+from ojs_celery.envelope import CELERY_OPTIONS_FIELD, new_job_id, parse_envelope
 from ojs_celery.lifecycle import Publish
 from ojs_celery.producer import publish
 from ojs_celery.runtime import get_runtime
@@ -243,3 +245,24 @@ def test_solo_pool_worker_warns_that_time_limits_are_not_enforced(
         assert "the solo pool does not enforce soft and hard time limits" in worker.log()
     finally:
         worker.stop()
+
+
+def test_a_message_written_by_hand_with_a_jobs_id_and_token_does_not_run_it(env: Env) -> None:
+    """The record is the authority: a message naming a stored job's id and token, but another
+    task or other arguments (written by whoever can publish to the broker), is dropped without
+    touching the job, which then runs from its own message with its own arguments."""
+    runtime = get_runtime(env.app)
+    created = runtime.store.create(parse_envelope({"type": "e2e.add", "args": [1, 2]}))
+    assert created.record is not None
+    job_id = created.record.job.id  # stored, its own message not published yet
+    forged = {"ojs": {"token": 1, "created_at": time.time()}}
+    env.app.send_task("e2e.sleep", args=[0.1], task_id=job_id, headers=forged)
+    env.app.send_task("e2e.add", args=[100, 200], task_id=job_id, headers=forged)
+    wait_for(lambda: sum(f"{job_id} IGNORED" in line for line in env.lines("postrun")) == 2,
+             30, "both forged messages to be dropped")
+    stored = env.job(job_id)
+    assert (stored.state, stored.attempt) == ("available", 0)
+    assert not [line for line in env.lines("runs") if job_id in line]
+
+    carry_out(runtime, created)  # the job's own message
+    assert env.wait_state(job_id, "completed").result == 3

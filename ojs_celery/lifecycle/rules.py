@@ -392,15 +392,19 @@ def ack_dispatch(record: Record, token: int) -> Transition:
 
 def start(
     record: Record, token: int, worker_id: str, now: float, policy: Policy,
-    origin: str | None = None,
+    origin: str | None = None, carries: Callable[[Job], bool] | None = None,
 ) -> Transition:
     """A message with ``token`` arrived at ``worker_id``: may it start an attempt?
 
     ``origin`` (when the message names one) is the origin of the record it was published for:
     a record with another origin is another job with the same id (a producer tried to take an
-    existing id), and the message is ``foreign``: it changes nothing.
+    existing id), and the message is ``foreign``: it changes nothing. So is a message that
+    ``carries`` says is not this job's (another task, other arguments: written by hand with
+    the job's id and token).
     """
     if origin is not None and record.origin != origin:
+        return rejected("foreign")
+    if carries is not None and not carries(record.job):
         return rejected("foreign")
     job = record.job
     if job.state in TERMINAL:

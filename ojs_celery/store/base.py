@@ -454,19 +454,23 @@ class JobStore(ABC):
         now: float | None = None,
         hint: Record | None = None,
         origin: str | None = None,
+        carries: Callable[[Job], bool] | None = None,
     ) -> Transition:
         """Start the attempt a message with ``token`` asks for. ``hint``: the record as the
         message was published with it (one write instead of read + write when current).
 
         ``origin`` (else the hint's): the origin of the record the message was published for.
         A record with another origin is another job that has the same id (a producer tried to
-        take an existing id): the message is rejected as ``foreign`` and the record untouched.
+        take an existing id): the message is rejected as ``foreign`` and the record untouched;
+        so is one that ``carries`` says is not the job's (its task, its arguments).
         """
         at = time.time() if now is None else now
         proof = origin if origin is not None else None if hint is None else hint.origin
 
         return self.apply(
-            job_id, lambda r: lifecycle.start(r, token, worker_id, at, self.policy, proof), hint
+            job_id,
+            lambda r: lifecycle.start(r, token, worker_id, at, self.policy, proof, carries),
+            hint,
         )
 
     def heartbeat(
