@@ -11,6 +11,7 @@ from celery import Celery
 
 from .effects import carry_out, log_unpublished
 from .envelope import (
+    CELERY_KWARGS_FIELD,
     DuplicateJob,
     InvalidJob,
     Job,
@@ -23,6 +24,7 @@ from .lifecycle import Transition
 from .producer import (
     DEFAULT_QUEUE,
     BrokerUnavailable,
+    call_mismatch,
     celery_queue,
     publish,
     sent_together,
@@ -83,8 +85,10 @@ def enqueue_batch(
     published stays in the outbox, and the sweeper publishes it."""
     runtime = get_runtime(app)
     jobs = parse_batch(envelopes, rules=publish_rules(runtime))
-    for job in jobs:
-        runtime.task_name_for(job.type)
+    mismatches = [(f"[{index}].args", rule) for index, rule in enumerate(
+        argument_rule(runtime, job) for job in jobs) if rule is not None]
+    if mismatches:
+        raise InvalidJob(mismatches)
     earlier, transitions = _store_batch(runtime, jobs)
     with ExitStack() as held:
         try:  # one producer (one pooled connection) for every message of the batch
@@ -174,6 +178,9 @@ def enqueue(envelope: dict[str, Any] | str | bytes | Job, *, app: Celery | None 
     """
     runtime = get_runtime(app)
     job = parse_envelope(envelope, rules=publish_rules(runtime))
+    mismatch = argument_rule(runtime, job)
+    if mismatch is not None:
+        raise InvalidJob([("args", mismatch)])
     return enqueue_job(runtime, job, id_chosen=client_chose_id(job), checked=True)
 
 
@@ -193,6 +200,16 @@ def publish_rules(runtime: Runtime) -> Rules:
                                   else queue)
 
     return rules
+
+
+def argument_rule(runtime: Runtime, job: Job) -> str | None:
+    """Why a valid job's ``args`` and ``x_celery_kwargs`` do not fit its task's signature, by
+    Celery's own check (as ``.delay()`` is checked at the call): a job that could only fail
+    with a ``TypeError`` is refused before it is stored. None: they fit."""
+    kwargs = (job.model_extra or {}).get(CELERY_KWARGS_FIELD) or {}
+    task = runtime.app.tasks.get(runtime.task_name_for(job.type))
+    mismatch = None if task is None else call_mismatch(task, job.args, kwargs)
+    return None if mismatch is None else f"do not fit the task's signature: {mismatch}"
 
 
 def publish_violations(runtime: Runtime, job_type: Any, queue: Any) -> list[tuple[str, str]]:

@@ -276,6 +276,20 @@ def scheduled_at_from(eta: datetime | None, countdown: float | None) -> datetime
 # --------------------------------------------------------------------------- Celery callers
 
 
+def call_mismatch(task: Task, args: Any, kwargs: Any) -> TypeError | None:
+    """The ``TypeError`` Celery's own argument check (``Task.typing``, on by default) raises
+    for calling ``task`` with ``args`` and ``kwargs``: a missing or unexpected argument. None
+    when they fit, or when the task does not check (``typing=False``)."""
+    check = getattr(task, "__header__", None) if getattr(task, "typing", True) else None
+    if check is None:
+        return None
+    try:
+        check(*(args or ()), **(kwargs or {}))
+    except TypeError as exc:
+        return exc
+    return None
+
+
 def celery_route(app: Celery, task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -> str:
     """The Celery queue a Celery caller's message goes to, decided by Celery's own router
     (``task_routes``: dicts, globs, router functions; the task's ``queue``; a per-call

@@ -44,6 +44,7 @@ from .outcome import (
     pending_retry,
     run_handler,
 )
+from .producer import call_mismatch
 from .runtime import Runtime, get_runtime
 from .store import StoreError
 
@@ -89,6 +90,9 @@ class OJSTask(Task):  # type: ignore[misc]
         (README, "Celery callers") unless the task or the settings choose OJS semantics."""
         if options.get("headers", {}) and "ojs" in options["headers"]:
             return super().apply_async(args, kwargs, **options)
+        mismatch = call_mismatch(self, args, kwargs)  # raised at the call, as Celery does
+        if mismatch is not None:
+            raise mismatch
         if self.app.conf.task_always_eager:
             return apply_eagerly(self, args, kwargs, options)
         if _plain_republish(self, options):  # a plain message's Celery retry stays plain

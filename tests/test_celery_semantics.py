@@ -126,6 +126,29 @@ def test_a_call_with_nan_or_an_infinity_is_refused_before_anything_is_stored(
     assert get_runtime(app).store.due("dispatch", 1e12, 10) == []  # nothing stored
 
 
+def test_arguments_that_do_not_fit_raise_at_the_call_as_in_celery(tmp_path: Path) -> None:
+    """Celery's own argument check (``Task.typing``) runs before anything is stored, so a
+    wrong call raises ``TypeError`` where it is made, not later in the worker."""
+    app = Celery("typing", set_as_current=False)
+    app.conf.update(embedded_settings(tmp_path))
+    install(app)
+
+    @app.task(shared=False, name="m.pair", base=OJSTask)
+    def pair(a: int, b: int) -> None: ...
+
+    @app.task(shared=False, name="m.loose", base=OJSTask, typing=False)
+    def loose(a: int) -> None: ...
+
+    for call in (lambda: pair.delay(1), lambda: pair.apply_async((1, 2, 3)),
+                 lambda: pair.s(1).delay(), lambda: pair.delay(1, 2, c=3)):
+        with pytest.raises(TypeError):
+            call()
+    assert not list((tmp_path / "broker").glob("*.msg"))
+    assert get_runtime(app).store.due("dispatch", 1e12, 10) == []
+    assert loose.delay().id  # typing=False: Celery does not check, nor does OJS
+    assert pair.delay(1, 2).id
+
+
 def test_semantics_marker_from_the_task_and_the_settings(app: Celery) -> None:
     assert celery_semantics_of(app.tasks["m.limited"], Settings()) == {
         "max_retries": 5, "default_retry_delay": 7.0}

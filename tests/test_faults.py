@@ -75,7 +75,7 @@ def test_a_batch_with_the_broker_down_is_stored_and_owed(tmp_path: pathlib.Path)
     runtime = install(app)
 
     @app.task(shared=False, name="down.batch", base=OJSTask)
-    def job_task() -> None:
+    def job_task(n: int) -> None:
         return None
 
     jobs = enqueue_batch([{"type": "down.batch", "args": [n]} for n in range(3)], app=app)
@@ -99,7 +99,7 @@ def broker_apart(
     runtime = install(app)
 
     @app.task(shared=False, name=APART, base=OJSTask)
-    def job_task() -> None:
+    def job_task(n: int) -> None:
         return None
 
     try:

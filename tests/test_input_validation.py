@@ -84,7 +84,7 @@ def test_deep_nesting_is_refused_by_a_named_limit(app: Celery, as_text: bool) ->
 
 
 def test_nesting_up_to_the_limit_is_accepted(app: Celery) -> None:
-    job = enqueue({"type": "e2e.add", "args": nested(MAX_NESTING)}, app=app)
+    job = enqueue({"type": "e2e.add", "args": [*nested(MAX_NESTING), 1]}, app=app)
     assert get_job(job.id, app=app) is not None
     found = rejected(app, {"type": "e2e.add", "args": nested(MAX_NESTING + 1),
                            "meta": {"a": nested(MAX_NESTING + 1)}})
