@@ -231,8 +231,8 @@ class OJSTask(Task):  # type: ignore[misc]
                          "task, other arguments or another job's record)", job_id)
             raise Ignore()
         if started.record is None or started.record.job.state != "active":
-            logger.info("ojs_celery: job %s not started (%s): message dropped", job_id,
-                        started.reason)
+            why = started.reason if started.record is None else started.record.job.state
+            logger.info("ojs_celery: job %s not started (%s): message dropped", job_id, why)
             raise Ignore()
         return JobContext(runtime, started.record, worker_id)
 
