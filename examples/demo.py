@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,6 +120,11 @@ def main() -> int:
             worker.wait(15)
         except subprocess.TimeoutExpired:
             worker.kill()
+            worker.wait()
+        if os.environ.get("OJS_DEMO_KEEP"):
+            print(f"\nkept {base} (OJS_DEMO_KEEP is set)", flush=True)
+        else:  # the store, the broker's folders, the beat schedule: nothing left behind
+            shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
 import subprocess
 import sys
@@ -28,3 +29,5 @@ def test_demo_shows_completion_timeout_and_retries_then_ends() -> None:
     assert len(pages) == 2 and 0 < pages[0] < pages[1], done.stderr
     assert f"last_checkpoint={{'page': {pages[1]}}}" in final
     assert "no OJS sweep has run" not in done.stderr
+    found = re.search(r"SQLite store in (\S+)\)", out)
+    assert found is not None and not pathlib.Path(found.group(1)).exists()  # nothing left
