@@ -77,17 +77,24 @@ def ojs_queue_of(app: Celery, celery_queue_name: str | None) -> str:
 
 
 def broker_priority(app: Celery, priority: int, amqp_max: int) -> int | None:
-    """Map OJS priority (−100..100, higher first) to the broker's range and direction.
+    """Map OJS priority (−100..100, higher first, 0 normal) to the broker's; None: publish
+    without one.
 
-    RabbitMQ: 0..``amqp_max_priority``, higher first (the queue needs ``x-max-priority``).
-    Redis: 0..9 where 0 is served first. Other transports ignore priorities.
+    Normal (0, the default) gets none: the message goes out as plain Celery sends a task
+    without a priority (the broker's default), so migrated and plain tasks keep their order in
+    a shared queue. That default is an end of each broker's range, so an OJS priority moves a
+    job only the way its broker can still go. RabbitMQ (0..``amqp_max_priority``, higher first;
+    the queue needs ``x-max-priority``; the default is 0, the lowest): a positive priority goes
+    ahead, 1..``amqp_max``. Redis (0..9, 0 first; the default is 0, the first): a negative one
+    goes behind, 1..9. Other transports ignore priorities.
     """
+    if priority == 0:
+        return None
     driver = broker_driver(app)
-    fraction = (priority + 100) / 200
-    if driver == "amqp":
-        return round(fraction * amqp_max)
-    if driver == "redis":
-        return round((1 - fraction) * 9)
+    if driver == "amqp" and priority > 0:
+        return max(1, round(priority / 100 * amqp_max))
+    if driver == "redis" and priority < 0:
+        return max(1, round(-priority / 100 * 9))
     return None
 
 
@@ -97,12 +104,10 @@ def ojs_priority_of(app: Celery, priority: int, amqp_max: int) -> int | None:
     it had under plain Celery. None: the broker has no priorities (the job keeps 0)."""
     driver = broker_driver(app)
     if driver == "amqp":
-        fraction = min(max(priority, 0), amqp_max) / amqp_max
-    elif driver == "redis":
-        fraction = 1 - min(max(priority, 0), 9) / 9
-    else:
-        return None
-    return round(fraction * 200 - 100)
+        return round(min(max(priority, 0), amqp_max) / amqp_max * 100)
+    if driver == "redis":
+        return -round(min(max(priority, 0), 9) / 9 * 100)
+    return None
 
 
 def broker_driver(app: Celery) -> str:

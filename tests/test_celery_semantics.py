@@ -5,11 +5,13 @@ job's ``timeout``/``grace_period`` and ``expires_at``. Envelopes keep the OJS de
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+import redis
 from celery import Celery
 from celery.result import AsyncResult
 
@@ -31,6 +33,7 @@ from ojs_celery.producer import (
 )
 from ojs_celery.runtime import get_runtime
 from tests.conftest import Env
+from tests.services import redis_url
 from tests.workers import unique, wait_for
 
 # --------------------------------------------------------------------------- the mapping
@@ -165,7 +168,40 @@ def test_a_celery_priority_round_trips_through_the_ojs_priority(url: str, top: i
     for priority in range(top + 1):
         ojs = ojs_priority_of(app, priority, 10)
         assert ojs is not None and -100 <= ojs <= 100
-        assert broker_priority(app, ojs, 10) == priority
+        assert (broker_priority(app, ojs, 10) or 0) == priority  # None: Celery's default, 0
+
+
+def test_a_migrated_task_keeps_its_place_among_plain_ones_on_redis(tmp_path: Path) -> None:
+    """Normal OJS priority (0) is sent as plain Celery sends a task without one: an OJS task's
+    message waits in the same Redis priority bucket as an unmigrated task's, where both are
+    served first; a negative OJS priority waits behind them (bucket 9)."""
+    queue = unique("prioq")
+    app = Celery(unique("prio"), broker=redis_url(), set_as_current=False)
+    app.conf.update(task_default_queue=queue)
+    app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
+    install(app)
+
+    @app.task(shared=False, name="prio.ojs", base=OJSTask)
+    def migrated() -> None: ...
+
+    @app.task(shared=False, name="prio.plain")
+    def unmigrated() -> None: ...
+
+    client = redis.Redis.from_url(redis_url())
+    try:
+        unmigrated.delay()
+        migrated.delay()
+        enqueue({"type": "prio.ojs", "args": [], "priority": -100}, app=app)
+        get_runtime(app).flush()
+        first = [json.loads(raw)["headers"]["task"] for raw in client.lrange(queue, 0, -1)]
+        assert sorted(first) == ["prio.ojs", "prio.plain"]
+        behind = client.lrange(f"{queue}\x06\x169", 0, -1)  # kombu's bucket 9
+        assert [json.loads(raw)["headers"]["task"] for raw in behind] == ["prio.ojs"]
+    finally:
+        get_runtime(app).close()
+        app.close()
+        client.delete(queue, *client.keys(f"{queue}\x06\x16*"), f"_kombu.binding.{queue}")
+        client.close()
 
 
 def test_queue_names_in_the_record(app: Celery) -> None:

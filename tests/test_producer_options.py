@@ -59,42 +59,45 @@ def test_celery_queue_other_names_unchanged(name: str) -> None:
 @pytest.mark.parametrize(
     "broker", ["amqp://guest@localhost//", "pyamqp://localhost//", "amqps://localhost//"]
 )
-def test_priority_amqp_higher_first(broker: str) -> None:
+def test_priority_amqp_higher_first_and_normal_is_celerys_default(broker: str) -> None:
+    """Normal (0) is sent without a priority, as plain Celery sends a task without one (0 on
+    RabbitMQ, its lowest): a positive priority goes ahead of it, a negative one cannot go
+    lower and stays with it."""
     app = app_for(broker)
+    assert broker_priority(app, 0, 10) is None
     assert broker_priority(app, 100, 10) == 10
-    assert broker_priority(app, -100, 10) == 0
-    assert broker_priority(app, 0, 10) == 5
+    assert broker_priority(app, 1, 10) == 1
+    assert broker_priority(app, -100, 10) is None
     assert broker_priority(app, 100, 255) == 255
-    assert broker_priority(app, -100, 255) == 0
 
 
 def test_priority_amqp_monotonic_and_in_range() -> None:
     app = app_for("amqp://localhost//")
-    values = [broker_priority(app, p, 10) for p in range(-100, 101)]
-    assert all(v is not None and 0 <= v <= 10 for v in values)
-    assert values == sorted(values)  # type: ignore[type-var]
-    assert broker_priority(app, 10, 10) > broker_priority(app, -10, 10)  # type: ignore[operator]
+    values = [broker_priority(app, p, 10) or 0 for p in range(-100, 101)]
+    assert all(0 <= v <= 10 for v in values)
+    assert values == sorted(values)
 
 
 @pytest.mark.parametrize(
     "broker",
     ["redis://localhost:6379/0", "rediss://localhost:6380/0", "sentinel://localhost:26379"],
 )
-def test_priority_redis_zero_is_highest(broker: str) -> None:
+def test_priority_redis_zero_first_and_normal_is_celerys_default(broker: str) -> None:
+    """Normal (0) is sent without a priority (0 on Redis, served first): a negative priority
+    goes behind it, a positive one cannot go further ahead and stays with it."""
     app = app_for(broker)
-    assert broker_priority(app, 100, 10) == 0
+    assert broker_priority(app, 0, 10) is None
     assert broker_priority(app, -100, 10) == 9
-    assert broker_priority(app, 100, 255) == 0  # amqp_max does not matter for Redis
+    assert broker_priority(app, -1, 10) == 1
+    assert broker_priority(app, 100, 10) is None
+    assert broker_priority(app, -100, 255) == 9  # amqp_max does not matter for Redis
 
 
 def test_priority_redis_monotonic_and_in_range() -> None:
     app = app_for("redis://localhost:6379/0")
-    values = [broker_priority(app, p, 10) for p in range(-100, 101)]
-    assert all(v is not None and 0 <= v <= 9 for v in values)
-    assert values == sorted(values, reverse=True)  # type: ignore[type-var]
-    assert broker_priority(app, 10, 10) <= broker_priority(app, -10, 10)  # type: ignore[operator]
-    assert broker_priority(app, 100, 10) < broker_priority(app, 0, 10)  # type: ignore[operator]
-    assert broker_priority(app, 0, 10) < broker_priority(app, -100, 10)  # type: ignore[operator]
+    values = [broker_priority(app, p, 10) or 0 for p in range(-100, 101)]
+    assert all(0 <= v <= 9 for v in values)
+    assert values == sorted(values, reverse=True)
 
 
 @pytest.mark.parametrize("broker", ["filesystem://", "memory://", "sqs://"])
@@ -105,7 +108,7 @@ def test_priority_ignored_by_other_transports(broker: str) -> None:
 
 
 def test_priority_scheme_case_insensitive() -> None:
-    assert broker_priority(app_for("REDIS://localhost"), 100, 10) == 0
+    assert broker_priority(app_for("REDIS://localhost"), -100, 10) == 9
 
 
 def test_priority_default_broker_is_amqp() -> None:
@@ -115,7 +118,7 @@ def test_priority_default_broker_is_amqp() -> None:
 
 
 def test_priority_redis_socket_url() -> None:
-    assert broker_priority(app_for("redis+socket:///tmp/redis.sock"), 100, 10) == 0
+    assert broker_priority(app_for("redis+socket:///tmp/redis.sock"), -100, 10) == 9
 
 
 # --------------------------------------------------------------------------- time limits
