@@ -200,7 +200,8 @@ def test_a_migrated_task_keeps_its_place_among_plain_ones_on_redis(tmp_path: Pat
     finally:
         get_runtime(app).close()
         app.close()
-        client.delete(queue, *client.keys(f"{queue}\x06\x16*"), f"_kombu.binding.{queue}")
+        client.delete(queue, *client.keys(f"{queue}\x06\x16*"), f"_kombu.binding.{queue}",
+                      f"_kombu.binding_permanent.{queue}")
         client.close()
 
 
