@@ -116,8 +116,10 @@ def report_outcome(runtime: Runtime, job: Job) -> None:
     except Exception:
         name = job.type
     task = runtime.app.tasks.get(name)
-    store = not (task is not None and task.ignore_result)
-    request = celery_context(job, name, trusted_options(job))
+    options = trusted_options(job)
+    ignored = options.get("ignore_result", task is not None and task.ignore_result)
+    store = not ignored  # the call's ignore_result, else the task's, as Celery's worker reads it
+    request = celery_context(job, name, options)
     error: dict[str, Any] = dict(job.error or {})
     try:
         if job.state == "completed":

@@ -97,7 +97,9 @@ class OJSTask(Task):  # type: ignore[misc]
             return apply_eagerly(self, args, kwargs, options)
         if _plain_republish(self, options):  # a plain message's Celery retry stays plain
             return super().apply_async(args, kwargs, **options)
-        return self.AsyncResult(enqueue_call(self, args, kwargs, options))
+        result: AsyncResult = self.AsyncResult(enqueue_call(self, args, kwargs, options))
+        result.ignored = options.get("ignore_result", self.ignore_result)  # as Celery sets it
+        return result
 
     # ------------------------------------------------------------------ Celery retry paths
 

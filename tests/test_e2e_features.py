@@ -266,3 +266,17 @@ def test_a_message_written_by_hand_with_a_jobs_id_and_token_does_not_run_it(env:
 
     carry_out(runtime, created)  # the job's own message
     assert env.wait_state(job_id, "completed").result == 3
+
+
+def test_a_calls_ignore_result_is_kept_as_celery_keeps_it(env: Env) -> None:
+    """``apply_async(ignore_result=True)``: the result backend is not written (the job's record
+    keeps the result), and the ``AsyncResult`` says it is ignored, as under plain Celery."""
+    add = env.app.tasks["e2e.add"]
+    ignored = add.apply_async((2, 3), ignore_result=True)
+    kept = add.apply_async((4, 5))
+    assert ignored.ignored and not kept.ignored
+    assert env.wait_state(ignored.id, "completed").result == 5
+    assert kept.get(timeout=30) == 9
+    wait_for(lambda: f"{ignored.id} SUCCESS" in env.lines("postrun"), 30,
+             "task_postrun, which fires after Celery would have stored the result")
+    assert AsyncResult(ignored.id, app=env.app).state == "PENDING"
