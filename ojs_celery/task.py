@@ -155,12 +155,14 @@ class OJSTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.request.is_eager:
             return run_eagerly(self, lambda: self.run(*args, **kwargs))
-        if self.request.called_directly or not arrival.has_header(self.request):
-            # A direct call, or a message without an ``ojs`` header (published before
-            # ``install()``, or by a plain Celery producer): it runs as the plain Celery task
-            # it was sent as, and its ``self.retry()`` publishes a plain message again
-            # (:func:`_plain_republish`), bounded by Celery's ``max_retries``.
-            return self.run(*args, **kwargs)
+        if self.request.called_directly:  # as Celery: the request and current_task are set
+            return super().__call__(*args, **kwargs)
+        if not arrival.has_header(self.request):
+            # A message without an ``ojs`` header (published before ``install()``, or by a
+            # plain Celery producer): it runs as the plain Celery task it was sent as, and its
+            # ``self.retry()`` publishes a plain message again (:func:`_plain_republish`),
+            # bounded by Celery's ``max_retries``.
+            return self._call_handler(args, kwargs)
         runtime = get_runtime(self.app)
         softlimit.watch()
         softlimit.hold()  # until the handler's first line, and again after its last
@@ -182,9 +184,17 @@ class OJSTask(Task):  # type: ignore[misc]
         times the attempt out before the handler's first line."""
         softlimit.release()
         try:
-            return self.run(*args, **kwargs)
+            return self._call_handler(args, kwargs)
         finally:
             softlimit.hold()
+
+    def _call_handler(self, args: Any, kwargs: Any) -> Any:
+        """The task's body as Celery's worker calls it: through the ``__call__`` of a project
+        base class that comes after OJSTask in the task's classes (one that opens a database
+        session, say), else ``run``."""
+        if _project_call(type(self)):
+            return super().__call__(*args, **kwargs)
+        return self.run(*args, **kwargs)
 
     def _start(
         self, runtime: Runtime, job_id: str, worker_id: str, args: Any, kwargs: Any
@@ -317,6 +327,21 @@ class OJSTask(Task):  # type: ignore[misc]
         if exc is None or isinstance(exc, (Reject, Retry, RetryRequested)):
             raise RuntimeError(str((record.job.error or {}).get("message", "discarded")))
         raise exc
+
+
+#: :func:`_project_call`'s answers, by task class.
+_project_calls: dict[type, bool] = {}
+
+
+def _project_call(cls: type) -> bool:
+    """Whether a class after OJSTask in ``cls``'s method order defines its own ``__call__``
+    (Celery's own Task, whose ``__call__`` only sets up a direct call, does not count)."""
+    found = _project_calls.get(cls)
+    if found is None:
+        later = cls.__mro__[cls.__mro__.index(OJSTask) + 1:]
+        owner = next((klass for klass in later if "__call__" in vars(klass)), None)
+        found = _project_calls[cls] = owner is not None and not issubclass(Task, owner)
+    return found
 
 
 def _plain_republish(task: OJSTask, options: dict[str, Any]) -> bool:

@@ -280,3 +280,18 @@ def test_a_calls_ignore_result_is_kept_as_celery_keeps_it(env: Env) -> None:
     wait_for(lambda: f"{ignored.id} SUCCESS" in env.lines("postrun"), 30,
              "task_postrun, which fires after Celery would have stored the result")
     assert AsyncResult(ignored.id, app=env.app).state == "PENDING"
+
+
+def test_a_project_base_class_call_runs_as_under_celery(env: Env) -> None:
+    """``class ProjectOJSTask(OJSTask, ProjectBase)``: the project's ``__call__`` (after OJSTask
+    in the method order) wraps the handler in the worker, as Celery's worker calls it, and the
+    handler still sees its request."""
+    result = env.app.tasks["e2e.project"].delay(7)
+    job = env.wait_state(result.id, "completed")
+    assert job.result == {"a": 7, "id": result.id, "args": [7]}
+    assert f"e2e.project {result.id}" in env.lines("project_calls")
+
+
+def test_a_direct_call_has_its_request_as_under_celery(env: Env) -> None:
+    project = env.app.tasks["e2e.project"]
+    assert project(3) == {"a": 3, "id": None, "args": [3]}  # request.args set, as Celery sets it
