@@ -18,6 +18,7 @@ from .embedded import register_transport
 from .identity import assign_worker_id
 from .logs import quiet_worker_logs
 from .producer import warn_default_timeouts
+from .request import cancel_revoked
 from .runtime import Runtime, attach, get_runtime
 from .sweeper import SWEEP_TASK, last_sweep, sweep, sweep_faults
 from .worker import children
@@ -117,6 +118,7 @@ def install(app: Celery) -> Runtime:
     signals.worker_process_shutdown.connect(on_child_shutdown, weak=False)
     signals.worker_ready.connect(warn_default_timeouts, weak=False,
                                  dispatch_uid="ojs-default-timeouts")
+    signals.task_revoked.connect(cancel_revoked, weak=False, dispatch_uid="ojs-cancel-revoked")
     wrap_send_task(app)
     for step in STEPS:
         app.steps["consumer"].add(step)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from signal import SIGKILL, SIGTERM
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
@@ -29,15 +30,17 @@ from billiard.exceptions import (
     TimeLimitExceeded,
     WorkerLostError,
 )
-from celery.worker.request import Request
+from celery.platforms import signals
+from celery.worker.request import TERM_SIGNAME, Request
 from celery.worker.state import task_ready
 
 from . import arrival, lifecycle
 from .effects import carry_out
-from .header import of_request, token_of
+from .header import ABSENT, of_request, of_task_request, token_of
 from .identity import current_worker_id
 from .lifecycle import Transition
 from .runtime import get_runtime
+from .store import StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,14 @@ class OJSRequest(Request):  # type: ignore[misc]
 
     def _ojs_token(self) -> int | None:
         return token_of(self)
+
+    def terminate(self, pool: Any, signal: Any = None) -> None:
+        """``revoke(terminate=True)``: pool processes ignore SIGTERM, Celery's default, so that
+        a deploy's SIGTERM to the process group drains instead of killing; a terminate that
+        asks for SIGTERM is carried out with SIGKILL, which stops the attempt as Celery
+        would (its job is cancelled by :func:`cancel_revoked`)."""
+        wanted = signals.signum(signal or TERM_SIGNAME)
+        super().terminate(pool, SIGKILL if wanted == SIGTERM else wanted)
 
     def ojs_settled(self, outcome: str) -> None:
         """Another party of this worker (the shutdown drain) wrote this attempt's failure,
@@ -189,3 +200,26 @@ class OJSRequest(Request):  # type: ignore[misc]
         self._ojs_failure_recorded = "unstarted"
         self._ojs_requeue()
         return True
+
+
+def cancel_revoked(sender: Any = None, request: Any = None, expired: bool = False,
+                   **_: Any) -> None:
+    """Celery's ``revoke`` of an OJS message (``task_revoked``) cancels its job in the store,
+    as :func:`ojs_celery.cancel` does. Otherwise the record would wait on, and once the
+    worker's revoked set is gone (a restart) the sweeper's redispatch backstop would run the
+    job (``revoke(terminate=True)`` stops the attempt: :meth:`OJSRequest.terminate`). Celery
+    has written REVOKED already. An ``expires`` of Celery's own is none of OJS's, which never
+    sets it."""
+    if expired or request is None or not getattr(sender, "__ojs_task__", False):
+        return
+    if of_task_request(request) is ABSENT:
+        return  # a plain message of a task that became an OJS task: Celery's revoke is all
+    runtime = get_runtime(sender.app)
+    try:
+        done = runtime.store.cancel(str(request.id))
+    except StoreError as exc:
+        logger.warning("ojs_celery: revoked job %s could not be cancelled in the store: %s",
+                       request.id, exc)
+        return
+    if done.record is not None:
+        carry_out(runtime, done)

@@ -295,3 +295,23 @@ def test_a_project_base_class_call_runs_as_under_celery(env: Env) -> None:
 def test_a_direct_call_has_its_request_as_under_celery(env: Env) -> None:
     project = env.app.tasks["e2e.project"]
     assert project(3) == {"a": 3, "id": None, "args": [3]}  # request.args set, as Celery sets it
+
+
+def test_celerys_revoke_cancels_the_job_and_terminate_stops_it(env: Env) -> None:
+    """``app.control.revoke(id)`` of an OJS job cancels it in the store (it would otherwise wait
+    on, and run once the worker's revoked set is gone); with ``terminate=True`` the running
+    attempt is stopped, although pool processes ignore Celery's SIGTERM for the drain."""
+    waiting = env.app.tasks["e2e.add"].apply_async((1, 2), countdown=3)
+    env.app.control.revoke(waiting.id)
+    assert env.wait_state(waiting.id, "cancelled", timeout=30).state == "cancelled"
+    assert AsyncResult(waiting.id, app=env.app).state == "REVOKED"
+    assert not [line for line in env.lines("runs") if waiting.id in line]
+
+    running = env.app.tasks["e2e.sleep"].apply_async(args=[60, "revoked"])
+    env.wait_state(running.id, "active")
+    wait_for(lambda: [r for r in env.lines("runs") if running.id in r], 15, "the handler to run")
+    pid = int(next(r for r in env.lines("runs") if running.id in r).rsplit("pid=", 1)[1])
+    env.app.control.revoke(running.id, terminate=True)
+    wait_for(lambda: not _alive(pid), 15, "the pool process running the attempt to be stopped")
+    assert env.wait_state(running.id, "cancelled").state == "cancelled"
+    assert not [f for f in env.lines("finished") if running.id in f]
