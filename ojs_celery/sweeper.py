@@ -107,9 +107,13 @@ OUTAGES = (StoreError, BrokerUnavailable)
 def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
     store = runtime.store
     policy = store.policy
+    settings = runtime.settings
+    spell = store.meta.record_contact(
+        time.time(), settings.worker_heartbeat_timeout - settings.heartbeat_interval
+        - settings.sweep_interval)
     for clock in lifecycle.SWEEP:
         if isinstance(clock, WorkerClock):
-            _bury_dead_workers(runtime, clock, now, limit, report)
+            _bury_dead_workers(runtime, clock, now, limit, report, spell)
         elif clock.when_due is None:  # retention: what is due is deleted, not changed
             try:
                 report.pruned = store.prune(now, limit)
@@ -212,16 +216,24 @@ def _skip(
 
 
 def _bury_dead_workers(
-    runtime: Runtime, clock: WorkerClock, now: float, limit: int, report: SweepReport
+    runtime: Runtime, clock: WorkerClock, now: float, limit: int, report: SweepReport,
+    spell: tuple[float, float] | None = None,
 ) -> None:
-    """Workers silent for the worker heartbeat timeout: remove them, recover their jobs."""
+    """Workers silent for the worker heartbeat timeout: remove them, recover their jobs.
+
+    Silence during a blind spell (see :meth:`~ojs_celery.store.meta.MetaArea.record_contact`)
+    does not count: a Redis pause longer than the timeout stops every beat and every sweep,
+    and a sweep right after it would otherwise declare every live worker dead and run its jobs
+    again. A worker silent since before the spell is declared dead that much later."""
     store = runtime.store
     policy = store.policy
     cutoff = clock.cutoff(now, policy)
     for worker_id in store.workers.stale(cutoff, limit):
         info = store.workers.get(worker_id)
-        if info is None or info.last_beat > cutoff or not store.workers.remove(worker_id):
-            continue  # it beat meanwhile, or another sweeper took it
+        if info is None or _heard(info.last_beat, spell) > cutoff:
+            continue  # it beat meanwhile, or its silence fell in a blind spell
+        if not store.workers.remove(worker_id):
+            continue  # another sweeper took it
         report.applied[clock.name] += 1
         logger.warning("ojs_celery: worker %s (%s) missed its beats for %.1fs: declared dead",
                        worker_id, info.nodename or info.hostname, now - info.last_beat)
@@ -244,6 +256,14 @@ def _bury_dead_workers(
                 failure = _skip(runtime, clock.name, job_id, exc, now, report)
                 if failure is not None:
                     raise failure from exc
+
+
+def _heard(last_beat: float, spell: tuple[float, float] | None) -> float:
+    """When a worker counts as last heard from: its last beat, moved on by the length of a
+    blind spell that began after it."""
+    if spell is not None and last_beat <= spell[0]:
+        return last_beat + (spell[1] - spell[0])
+    return last_beat
 
 
 def last_sweep(runtime: Runtime) -> float | None:

@@ -17,6 +17,7 @@ from ojs_celery import enqueue
 from ojs_celery.envelope import parse_envelope
 from ojs_celery.runtime import Runtime, get_runtime
 from ojs_celery.store import StoreError
+from ojs_celery.store.workers import WorkerInfo
 from ojs_celery.sweeper import last_sweep, run_loop, sweep
 from tests.conftest import messages
 from tests.e2eapp import make_app
@@ -410,3 +411,28 @@ def test_a_job_whose_message_is_gone_is_published_again_after_redispatch_after(
     record = runtime.store.get_record(job.id)
     assert record is not None and record.token == 1 and record.job.state == "available"
     assert sweep(runtime, now=sent + 3601 + 3599).total == 0
+
+
+def test_silence_in_a_blind_spell_is_not_a_death(app: Celery) -> None:
+    """A Redis pause longer than the worker heartbeat timeout stops every beat and every sweep
+    alike: the first sweep after it must not declare live workers dead (their running jobs
+    would run a second time). Silence since before the spell counts that much later."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    timeout = runtime.settings.worker_heartbeat_timeout
+    wall = time.time()
+    pause = timeout + 14
+    for worker_id in ("worker_alive", "worker_gone"):
+        store.workers.save(WorkerInfo(worker_id=worker_id, hostname="h", pid=1,
+                                      last_beat=wall - pause - 1))
+    store.meta.record_contact(wall - pause, blind_after=1.0)  # the last sweep before it
+    assert sweep(runtime, now=time.time()).applied["worker"] == 0  # the first one after it
+    assert {w.worker_id for w in store.workers.all()} == {"worker_alive", "worker_gone"}
+
+    alive = store.workers.get("worker_alive")
+    assert alive is not None
+    alive.last_beat = wall + 1  # it beats again after the pause; the other never does
+    store.workers.save(alive)
+    report = sweep(runtime, now=wall + timeout + 0.5)
+    assert report.applied["worker"] == 1
+    assert [w.worker_id for w in store.workers.all()] == ["worker_alive"]

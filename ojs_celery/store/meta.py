@@ -16,6 +16,11 @@ __all__ = ["MetaArea"]
 
 #: When the last sweep pass ended (epoch seconds, ``repr`` of a float).
 LAST_SWEEP = "last_sweep"
+#: When a sweeper last reached the store (wall-clock epoch seconds), and the last blind spell:
+#: the last gap between two such contacts long enough to hide the workers' beats
+#: (``"start,end"``; see :meth:`MetaArea.record_contact`).
+LAST_CONTACT = "last_contact"
+BLIND_SPELL = "blind_spell"
 
 
 def directive_key(worker_id: str) -> str:
@@ -76,3 +81,18 @@ class MetaArea(ABC):
         """When the last sweep pass ended, or None if none ever did."""
         value = self._get(LAST_SWEEP)
         return float(value) if value else None
+
+    def record_contact(self, wall: float, blind_after: float) -> tuple[float, float] | None:
+        """A sweeper reached the store at ``wall`` (its clock, like the workers' beats); returns
+        the last blind spell: the last time ``blind_after`` seconds or more passed between two
+        contacts. The store, or every sweeper, was away then, and a beat not seen in that time
+        may never have reached the store (a Redis pause stops the beats and the sweeps alike)."""
+        last = self._get(LAST_CONTACT)
+        if last and wall - float(last) >= blind_after:
+            self._put(BLIND_SPELL, f"{float(last)!r},{float(wall)!r}")
+        self._put(LAST_CONTACT, repr(float(wall)))
+        spell = self._get(BLIND_SPELL)
+        if not spell:
+            return None
+        start, _, end = spell.partition(",")
+        return float(start), float(end)
