@@ -614,18 +614,18 @@ MAX_NESTING = 64
 _NESTING_RULE = f"must not nest arrays and objects more than {MAX_NESTING} levels deep"
 
 
+_UTF8_RULE = "must be Unicode text that UTF-8 can encode (no lone surrogates such as \\ud800)"
 #: JSON has no NaN or infinities: stored, they would make the job's JSON unreadable to every
 #: strict parser (other languages', ``jq``'s). ``1e400`` is valid JSON text that no double holds:
 #: Python reads it as an infinity.
-_UTF8_RULE = "must be Unicode text that UTF-8 can encode (no lone surrogates such as \\ud800)"
 _FINITE_RULE = ("must hold only finite numbers (JSON has no NaN or Infinity; a number such "
                 "as 1e400 is beyond a double's range)")
 
 
 def _data_rule(value: list[Any] | dict[Any, Any] | tuple[Any, ...]) -> str | None:
     """What is wrong with the JSON data ``value``: arrays and objects nested deeper than
-    :data:`MAX_NESTING`, or a number that is not finite (None: nothing). Walked without
-    recursion, stopping at the first fault."""
+    :data:`MAX_NESTING`, an object key UTF-8 cannot encode, or a number that is not finite
+    (None: nothing). Walked without recursion, stopping at the first fault."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
