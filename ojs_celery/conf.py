@@ -176,6 +176,13 @@ class Settings(BaseModel):
         return min(self.shutdown_cancel_window, self.shutdown_grace_period / 2)
 
     @property
+    def blind_after(self) -> float:
+        """A gap this long with no sweep and no beat reaching the store is a blind spell (see
+        ``lifecycle.BlindSpell``): while the store is up, a live worker beats every
+        ``heartbeat_interval`` and a sweeper passes every ``sweep_interval``."""
+        return self.heartbeat_interval + self.sweep_interval
+
+    @property
     def policy(self) -> Policy:
         return Policy(
             dispatch_grace=self.dispatch_grace,

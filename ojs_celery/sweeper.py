@@ -23,7 +23,7 @@ from . import lifecycle
 from .effects import carry_out
 from .envelope import JsonValue
 from .faults import OncePerKind
-from .lifecycle import Rule, WorkerClock
+from .lifecycle import BlindSpell, Rule, WorkerClock
 from .producer import BrokerUnavailable
 from .runtime import Runtime
 from .store import StoreError
@@ -108,9 +108,7 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
     store = runtime.store
     policy = store.policy
     settings = runtime.settings
-    spell = store.meta.record_contact(
-        time.time(), settings.worker_heartbeat_timeout - settings.heartbeat_interval
-        - settings.sweep_interval)
+    spell = store.meta.record_contact(time.time(), settings.blind_after)
     for clock in lifecycle.SWEEP:
         if isinstance(clock, WorkerClock):
             _bury_dead_workers(runtime, clock, now, limit, report, spell)
@@ -124,7 +122,7 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
                                type(exc).__name__, exc)
         else:
             due = store.due(clock.name, clock.cutoff(now, policy), limit)
-            _enforce(runtime, clock.name, due, clock.rule(now, policy), now, report)
+            _enforce(runtime, clock.name, due, clock.rule(now, policy, spell), now, report)
 
 
 def _enforce(
@@ -217,20 +215,17 @@ def _skip(
 
 def _bury_dead_workers(
     runtime: Runtime, clock: WorkerClock, now: float, limit: int, report: SweepReport,
-    spell: tuple[float, float] | None = None,
+    spell: BlindSpell | None = None,
 ) -> None:
     """Workers silent for the worker heartbeat timeout: remove them, recover their jobs.
-
-    Silence during a blind spell (see :meth:`~ojs_celery.store.meta.MetaArea.record_contact`)
-    does not count: a Redis pause longer than the timeout stops every beat and every sweep,
-    and a sweep right after it would otherwise declare every live worker dead and run its jobs
-    again. A worker silent since before the spell is declared dead that much later."""
+    Silence during a blind spell does not count (see :class:`~ojs_celery.lifecycle.BlindSpell`):
+    a worker silent since before it is declared dead that much later."""
     store = runtime.store
     policy = store.policy
     cutoff = clock.cutoff(now, policy)
     for worker_id in store.workers.stale(cutoff, limit):
         info = store.workers.get(worker_id)
-        if info is None or _heard(info.last_beat, spell) > cutoff:
+        if info is None or not clock.is_dead(info.last_beat, now, policy, spell):
             continue  # it beat meanwhile, or its silence fell in a blind spell
         if not store.workers.remove(worker_id):
             continue  # another sweeper took it
@@ -256,14 +251,6 @@ def _bury_dead_workers(
                 failure = _skip(runtime, clock.name, job_id, exc, now, report)
                 if failure is not None:
                     raise failure from exc
-
-
-def _heard(last_beat: float, spell: tuple[float, float] | None) -> float:
-    """When a worker counts as last heard from: its last beat, moved on by the length of a
-    blind spell that began after it."""
-    if spell is not None and last_beat <= spell[0]:
-        return last_beat + (spell[1] - spell[0])
-    return last_beat
 
 
 def last_sweep(runtime: Runtime) -> float | None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pathlib
+import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -13,12 +16,13 @@ import pytest
 from celery import Celery
 from kombu import Producer
 
-from ojs_celery import OJSTask, enqueue, enqueue_batch, install, parse_envelope
-from ojs_celery.runtime import Runtime
-from ojs_celery.sweeper import sweep
+from ojs_celery import OJSTask, enqueue, enqueue_batch, get_job, install, parse_envelope
+from ojs_celery.runtime import Runtime, get_runtime
+from ojs_celery.sweeper import run_loop, sweep
 from tests.conftest import start_env
+from tests.e2eapp import make_app
 from tests.test_store_faults import PrivateRedis
-from tests.workers import Worker, unique, wait_for
+from tests.workers import Worker, lines, redis_config, running_worker, unique, wait_for
 
 
 def test_a_sweep_with_the_broker_down_keeps_what_is_owed(tmp_path: pathlib.Path) -> None:
@@ -82,6 +86,58 @@ def test_a_batch_with_the_broker_down_is_stored_and_owed(tmp_path: pathlib.Path)
     assert [job.state for job in jobs] == ["available"] * 3
     owed = runtime.store.due("dispatch", now=time.time() + 3600, limit=10)
     assert sorted(job_id for job_id, _ in owed) == sorted(job.id for job in jobs)
+
+
+def test_a_store_pause_longer_than_every_timeout_runs_no_job_twice(
+    redis_server: PrivateRedis, tmp_path: pathlib.Path
+) -> None:
+    """Redis, broker and job store, frozen (SIGSTOP) for longer than the worker heartbeat
+    timeout and the running job's heartbeat and visibility timeouts: beats and sweeps stop
+    alike. When Redis comes back, the first sweep to reach it (a race it often wins against the
+    worker's beat; here the worker's main process is held until the sweep is done) declares
+    nothing stalled, hidden or orphaned; the worker stays registered, the job's one attempt
+    completes, and nothing ran it again."""
+    config = redis_config(tmp_path, redis_server.url)
+    config["ojs"].update({"heartbeat_interval": 0.3, "worker_heartbeat_timeout": 2.0,
+                          "sweep_interval": 0.3})
+    app = make_app(config)
+    runtime = get_runtime(app)
+    stop = threading.Event()
+    sweeper = threading.Thread(target=run_loop, args=(runtime,), kwargs={"stop": stop.is_set},
+                               daemon=True)
+    try:
+        with running_worker(config, tmp_path / "worker.log", concurrency=1) as worker:
+            job = enqueue({"type": "e2e.whoami", "args": [6.0], "heartbeat_timeout": 1,
+                           "visibility_timeout": 1}, app=app)
+            wait_for(lambda: (found := get_job(job.id, app=app)) is not None
+                     and found.state == "active", 20, "the job to start")
+            (worker_id,) = [w.worker_id for w in runtime.store.workers.all()]
+            assert sweep(runtime).total == 0  # a sweeper in contact before the pause
+            os.kill(worker.process.pid, signal.SIGSTOP)  # its pool process runs on
+            os.kill(redis_server.process.pid, signal.SIGSTOP)
+            try:
+                time.sleep(4.0)  # the fault itself: twice the longest timeout
+            finally:
+                os.kill(redis_server.process.pid, signal.SIGCONT)
+                try:
+                    first = sweep(runtime)
+                finally:
+                    os.kill(worker.process.pid, signal.SIGCONT)
+            assert first.error is None and first.total == 0, first.as_dict()
+            sweeper.start()
+            done = wait_for(lambda: (found := get_job(job.id, app=app)) is not None
+                            and found.state not in ("active", "available") and found, 30,
+                            "the job to end")
+            assert done.state == "completed" and done.attempt == 1 and done.errors == []
+            assert done.result == worker_id
+            assert [w.worker_id for w in runtime.store.workers.all()] == [worker_id]
+        assert len([line for line in lines(config["dir"], "runs") if job.id in line]) == 1
+    finally:
+        stop.set()
+        if sweeper.is_alive():
+            sweeper.join(10)
+        runtime.close()
+        app.close()
 
 
 APART = "apart.job"

@@ -15,6 +15,7 @@ from celery import Celery
 
 from ojs_celery import enqueue
 from ojs_celery.envelope import parse_envelope
+from ojs_celery.lifecycle import BlindSpell
 from ojs_celery.runtime import Runtime, get_runtime
 from ojs_celery.store import StoreError
 from ojs_celery.store.workers import WorkerInfo
@@ -436,3 +437,40 @@ def test_silence_in_a_blind_spell_is_not_a_death(app: Celery) -> None:
     report = sweep(runtime, now=wall + timeout + 0.5)
     assert report.applied["worker"] == 1
     assert [w.worker_id for w in store.workers.all()] == ["worker_alive"]
+
+
+def test_silence_in_a_blind_spell_stalls_no_job_and_hides_no_reservation(app: Celery) -> None:
+    """The same pause stops a running job's beats: the first sweep after a pause longer than
+    its ``heartbeat_timeout`` or ``visibility_timeout`` must not fail the attempt, which is
+    still running (its job would run twice). Silence since before the spell counts that much
+    later."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    stall = enqueue({"type": "e2e.add", "args": [1, 2], "timeout": 3600,
+                     "heartbeat_timeout": 60, "visibility_timeout": 3600}, app=app)
+    hidden = enqueue({"type": "e2e.add", "args": [1, 2], "timeout": 3600,
+                      "heartbeat_timeout": 3600, "visibility_timeout": 60}, app=app)
+    wall = time.time()
+    for job in (stall, hidden):
+        assert store.start(job.id, 1, "worker_a", now=wall + 1).applied
+    pause = 120
+    store.meta.record_contact(wall + 2, blind_after=1.0)  # the last contact before it
+    store.meta.record_contact(wall + 2 + pause, blind_after=1.0)  # the first after it
+    report = sweep(runtime, now=wall + 2 + pause + 0.5)  # silent for 121.5 s
+    assert report.applied["stall"] == 0 and report.applied["visibility"] == 0
+    assert {store.get(job.id).state for job in (stall, hidden)} == {"active"}  # type: ignore[union-attr]
+
+    report = sweep(runtime, now=wall + 1 + pause + 60 + 0.5)  # 60.5 s heard of, outside it
+    assert report.applied["stall"] == 1 and report.applied["visibility"] == 1
+    errors = {job.id: store.get(job.id).errors[-1]["type"]  # type: ignore[union-attr]
+              for job in (stall, hidden)}
+    assert errors == {stall.id: "stalled", hidden.id: "visibility_timeout"}
+
+
+def test_a_beat_inside_a_blind_spell_counts_from_the_spell_s_end() -> None:
+    """A beat may land after the last contact the spell starts at, just before the store went
+    away: its silence counts from the spell's end, not from the beat."""
+    spell = BlindSpell(start=100.0, end=160.0)
+    assert spell.heard(90.0) == 150.0  # before it: moved on by the spell's length
+    assert spell.heard(101.0) == 160.0  # in it: heard at its end
+    assert spell.heard(170.0) == 170.0  # after it: as it is

@@ -4,9 +4,10 @@ A :class:`Clock` reads its deadline from a record (None: the clock does not run 
 the store indexes every clock of :data:`INDEXED` by that deadline, and the sweeper takes what is
 due on each clock of :data:`SWEEP` in turn and applies the clock's rule with compare-and-set.
 Worker liveness is a clock on the worker registry instead of on job records
-(:class:`WorkerClock`). The order of :data:`SWEEP` breaks ties when several deadlines of one
-attempt are due at once: the first clock's transition wins, and the compare-and-set on the
-attempt makes the others moot.
+(:class:`WorkerClock`). The clocks that count a worker's silence (liveness, stall, visibility)
+do not count it during a :class:`BlindSpell`, when the store itself was away. The order of
+:data:`SWEEP` breaks ties when several deadlines of one attempt are due at once: the first
+clock's transition wins, and the compare-and-set on the attempt makes the others moot.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .rules import (
     overdue,
     promote,
     redispatch,
+    rejected,
     republish,
     resend,
     stalled,
@@ -41,6 +43,27 @@ Rule = Callable[[Record], Transition]
 
 def _no_lag(policy: Policy) -> float:
     return 0.0
+
+
+@dataclass(frozen=True)
+class BlindSpell:
+    """The last time no process reached the store for long enough to hide beats (a Redis
+    pause or failover stops the workers' beats and the sweeps alike): from the last contact
+    before it to the first after it (see ``MetaArea.record_contact``).
+
+    Silence in it is not a worker's: were it counted, the first sweep after a pause longer than
+    a timeout would declare every live worker dead, or every running job stalled, and run
+    their jobs a second time. A silence that overlapped the spell counts that much later."""
+
+    start: float
+    end: float
+
+    def heard(self, at: float) -> float:
+        """When a worker last heard at ``at`` counts as heard: moved on by the part of the
+        spell after ``at`` (a beat may land just after the last contact the spell starts at)."""
+        if at > self.end:
+            return at
+        return at + self.end - max(at, self.start)
 
 
 class Times(NamedTuple):
@@ -69,13 +92,15 @@ class Clock:
     ``when`` computes the deadline the store indexes (None: the clock does not run in the
     record's state); ``when_due`` is the transition the sweeper applies once ``now - lag``
     reaches it (None for retention: a job past it is deleted by ``JobStore.prune``, not
-    changed).
+    changed). ``silent_since`` is set on the clocks that count a worker's silence: when the
+    worker was last heard, which a :class:`BlindSpell` moves on.
     """
 
     name: str
     when: Callable[[Record, Times, Policy], float | None]
     when_due: Callable[[Record, float, Policy], Transition] | None
     lag: Callable[[Policy], float] = _no_lag
+    silent_since: Callable[[Record], float | None] | None = None
 
     def deadline(self, record: Record, policy: Policy) -> float | None:
         return self.when(record, Times.of(record), policy)
@@ -84,18 +109,32 @@ class Clock:
         """What is indexed at or before this time is due."""
         return now - self.lag(policy)
 
-    def rule(self, now: float, policy: Policy) -> Rule:
-        """The due transition at ``now``, as a rule for ``JobStore.apply``."""
+    def rule(self, now: float, policy: Policy, spell: BlindSpell | None = None) -> Rule:
+        """The due transition at ``now``, as a rule for ``JobStore.apply``; a worker's silence
+        during ``spell`` does not count towards it."""
         when_due = self.when_due
         assert when_due is not None, f"clock {self.name} has no transition"
-        return lambda record: when_due(record, now, policy)
+        silent_since = self.silent_since
+        if spell is None or silent_since is None:
+            return lambda record: when_due(record, now, policy)
+
+        def rule(record: Record) -> Transition:
+            since = silent_since(record)
+            deadline = self.deadline(record, policy)
+            if (since is not None and deadline is not None
+                    and deadline + spell.heard(since) - since > now):
+                return rejected("blind_spell")
+            return when_due(record, now, policy)
+
+        return rule
 
 
 @dataclass(frozen=True)
 class WorkerClock:
     """Worker liveness: due at ``last_beat + worker_heartbeat_timeout``. The worker is then
     declared dead: its active attempts fail with ``worker_death`` (retried per policy) and the
-    jobs it held but never started are dispatched again (same token, no attempt used)."""
+    jobs it held but never started are dispatched again (same token, no attempt used). Its
+    silence during a :class:`BlindSpell` does not count (see :meth:`is_dead`)."""
 
     name: str = "worker"
 
@@ -105,6 +144,11 @@ class WorkerClock:
     def cutoff(self, now: float, policy: Policy) -> float:
         """Workers whose last beat is at or before this time are due."""
         return now - policy.worker_heartbeat_timeout
+
+    def is_dead(self, last_beat: float, now: float, policy: Policy,
+                spell: BlindSpell | None = None) -> bool:
+        heard = last_beat if spell is None else spell.heard(last_beat)
+        return heard <= self.cutoff(now, policy)
 
     def active_rule(self, worker_id: str, now: float, policy: Policy) -> Rule:
         return partial(orphaned, worker_id=worker_id, now=now, policy=policy)
@@ -193,9 +237,10 @@ ENQUEUE_TTL = Clock("enqueue_ttl", _enqueue_ttl, expire_ttl)
 #: that the worker's hard limit normally wins): retry or discard, ``timeout``.
 EXECUTION = Clock("execution", _execution, overdue, _execution_lag)
 #: ``heartbeat_at + heartbeat_timeout``, active: retry or discard, ``stalled``.
-STALL = Clock("stall", _stall, stalled)
+STALL = Clock("stall", _stall, stalled, silent_since=lambda record: record.heartbeat_at)
 #: ``extended_at + visibility_timeout``, active: retry or discard, ``visibility_timeout``.
-VISIBILITY = Clock("visibility", _visibility, invisible)
+VISIBILITY = Clock("visibility", _visibility, invisible,
+                   silent_since=lambda record: record.extended_at)
 #: The owning worker's ``last_beat + worker_heartbeat_timeout``: see :class:`WorkerClock`.
 WORKER = WorkerClock()
 #: The outbox entry (``dispatch_due``, see ``dispatch_deadline``): the message again.
