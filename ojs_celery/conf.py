@@ -23,7 +23,7 @@ from pydantic import (
 
 from . import compat
 from .envelope import TYPE_PATTERN, Job, field_violations
-from .lifecycle import DAY, Policy
+from .lifecycle import DAY, ERRORS_KEPT, Policy
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ class Settings(BaseModel):
     sweep_interval: float = Field(2.0, gt=0)
     sweep_queue: str = "ojs.sweep"
     sweep_batch: int = Field(500, ge=1)
-    dispatch_failure_limit: int = Field(5, ge=1)
+    #: At most the error history's length (its tail of dispatch errors is what is counted).
+    dispatch_failure_limit: int = Field(5, ge=1, le=ERRORS_KEPT)
     execution_tolerance: float = Field(1.5, ge=1.5)
     heartbeat_interval: float = Field(5.0, gt=0)
     worker_heartbeat_timeout: float = Field(30.0, gt=0)

@@ -93,6 +93,9 @@ CELERY_OPTIONS_FIELD: Final = "x_celery_options"
 #: ``max_retries`` and ``default_retry_delay``): see :mod:`ojs_celery.lifecycle.rules`'s
 #: ``decide``. Refused from an envelope, like every ``x_celery_*`` field but the kwargs.
 CELERY_SEMANTICS_FIELD: Final = "x_celery_semantics"
+#: What the error history's dropped entries counted (see ``ERRORS_KEPT`` in
+#: :mod:`ojs_celery.lifecycle.rules`). Refused from an envelope, like the other fields above.
+ERRORS_DROPPED_FIELD: Final = "x_celery_errors_dropped"
 
 
 _SYSTEM_FIELD_SET: set[str] = set(SYSTEM_FIELDS)

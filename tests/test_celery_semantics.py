@@ -18,9 +18,9 @@ from celery.result import AsyncResult
 from ojs_celery import InvalidJob, OJSTask, enqueue, install
 from ojs_celery.conf import Settings
 from ojs_celery.embedded import embedded_settings
-from ojs_celery.envelope import CELERY_SEMANTICS_FIELD, Job, parse_envelope
-from ojs_celery.lifecycle import decide
-from ojs_celery.lifecycle.rules import celery_retries
+from ojs_celery.envelope import CELERY_SEMANTICS_FIELD, ERRORS_DROPPED_FIELD, Job, parse_envelope
+from ojs_celery.lifecycle import ERRORS_KEPT, Policy, create, decide, fail, make_error, start
+from ojs_celery.lifecycle.rules import celery_retries, recoveries
 from ojs_celery.producer import (
     broker_priority,
     celery_expires_at,
@@ -32,6 +32,7 @@ from ojs_celery.producer import (
     tasks_without_limit,
 )
 from ojs_celery.runtime import get_runtime
+from ojs_celery.store.base import decode_job, encode_job
 from tests.conftest import Env
 from tests.services import redis_url
 from tests.workers import unique, wait_for
@@ -374,3 +375,37 @@ def test_a_handler_that_always_rejects_ends_on_the_recoveries_budget(env: Env) -
     job = env.wait_state(result.id, "discarded", timeout=40)
     assert job.attempt == 3  # the OJS policy's max_attempts, where Celery redelivers for ever
     assert [e["type"] for e in job.errors] == ["Reject", "Reject", "Reject"]
+
+
+def test_a_job_retried_for_ever_keeps_its_last_errors_and_every_count() -> None:
+    """``max_retries=None`` retries for ever: the error history keeps its last
+    ``ERRORS_KEPT`` entries, so the record, and every write and message of it, stays bounded;
+    ``self.request.retries`` and the recoveries' budget still count every failure, also after
+    the record went through the store's encoding."""
+    now = time.time()
+    policy = Policy()
+    job = parse_envelope({"type": "a", "args": [], "retry": {"max_attempts": 1000}})
+    job = job.model_copy(update={
+        CELERY_SEMANTICS_FIELD: {"max_retries": None, "default_retry_delay": 0.0}})
+    record = create(job, now, policy).record
+    for n in range(250):
+        assert record is not None
+        record = start(record, record.token, "w", now, policy).record
+        assert record is not None and record.job.state == "active"
+        kind = "stalled" if n % 5 == 4 else "ValueError"
+        record = fail(record, record.job.attempt, "w", make_error(kind, "m"), now,
+                      delay=0.0).record
+        assert record is not None and record.job.state == "retryable"
+        record.job = decode_job(encode_job(record.job))  # as the store keeps it
+    assert record is not None
+    errors = record.job.errors
+    assert len(errors) == ERRORS_KEPT
+    assert [entry["attempt"] for entry in errors] == list(range(151, 251))
+    assert celery_retries(record.job) == 200 and recoveries(record.job) == 50
+    assert (record.job.model_extra or {})[ERRORS_DROPPED_FIELD] == {
+        "retries": 120, "recoveries": 30, "dispatch": 0}
+
+
+def test_an_envelope_cannot_set_the_dropped_errors_counts() -> None:
+    with pytest.raises(ValueError, match=ERRORS_DROPPED_FIELD):
+        parse_envelope({"type": "a", "args": [], ERRORS_DROPPED_FIELD: {"retries": 9}})

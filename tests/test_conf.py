@@ -127,6 +127,8 @@ def test_unknown_nested_retention_key() -> None:
         ({"amqp_max_priority": 256}, "ojs.amqp_max_priority"),
         ({"sweep_batch": 0}, "ojs.sweep_batch"),
         ({"sweep_batch": 1.5}, "ojs.sweep_batch"),
+        ({"dispatch_failure_limit": 0}, "ojs.dispatch_failure_limit"),
+        ({"dispatch_failure_limit": 101}, "ojs.dispatch_failure_limit"),  # > ERRORS_KEPT
         ({"store_prefix": "1abc"}, "ojs.store_prefix"),
         ({"store_prefix": "a" * 41}, "ojs.store_prefix"),
         ({"store_synchronous_commit": "fast"}, "ojs.store_synchronous_commit"),

@@ -34,6 +34,7 @@ from .rules import (
     DAY,
     DISPATCH_ERROR,
     DISPATCH_FAILED,
+    ERRORS_KEPT,
     NEVER_STARTED,
     STARTABLE,
     STATES,
@@ -81,6 +82,7 @@ from .rules import (
 
 __all__ = [
     "BY_NAME", "CLOCKS", "DAY", "DISPATCH", "DISPATCH_ERROR", "DISPATCH_FAILED", "ENQUEUE_TTL",
+    "ERRORS_KEPT",
     "EXECUTION", "INDEXED", "NEVER_STARTED", "PROMOTE", "REDISPATCH", "RETENTION", "STALL",
     "STARTABLE", "STATES", "SWEEP", "TERMINAL", "TIMEOUT_EVENTS", "TIMEOUT_KINDS", "TOTAL",
     "VISIBILITY", "WORKER", "BlindSpell", "Clock", "Decision", "Policy", "Publish", "Record",

@@ -17,6 +17,7 @@ from typing import Any, get_args
 
 from ..envelope import (
     CELERY_SEMANTICS_FIELD,
+    ERRORS_DROPPED_FIELD,
     Job,
     JsonValue,
     RetryPolicy,
@@ -236,18 +237,54 @@ def celery_semantics(job: Job) -> dict[str, Any] | None:
     return stored if isinstance(stored, dict) else None
 
 
+#: The error history keeps this many entries, the most recent (the spec asks for at least
+#: 10). A job retried for ever (Celery's ``max_retries=None``, a long OJS retry policy) would
+#: otherwise grow its record, and with it every write and message of the job, without bound.
+#: What the dropped entries counted is kept in ``ERRORS_DROPPED_FIELD``.
+ERRORS_KEPT = 100
+
+
+def _counted_as(entry: dict[str, JsonValue]) -> str:
+    """Which count an error history entry adds to: a Celery retry, a recovery (or
+    redelivery), or neither (a sweep's dispatch error)."""
+    kind = entry.get("type")
+    if kind in NOT_CELERY_RETRIES:
+        return "recoveries"
+    return "dispatch" if kind in _NOT_ATTEMPTS else "retries"
+
+
+def _dropped(job: Job, kind: str) -> int:
+    counts = (job.model_extra or {}).get(ERRORS_DROPPED_FIELD)
+    value = counts.get(kind) if isinstance(counts, dict) else None
+    return value if isinstance(value, int) else 0
+
+
+def _add_error(job: Job, entry: dict[str, JsonValue]) -> None:
+    """Append ``entry`` to the error history, dropping the oldest beyond :data:`ERRORS_KEPT`
+    and counting what they counted."""
+    errors = [*job.errors, entry]
+    if len(errors) > ERRORS_KEPT:
+        counts = {kind: _dropped(job, kind) for kind in ("retries", "recoveries", "dispatch")}
+        for old in errors[:-ERRORS_KEPT]:
+            counts[_counted_as(old)] += 1
+        setattr(job, ERRORS_DROPPED_FIELD, counts)
+        errors = errors[-ERRORS_KEPT:]
+    job.errors = errors
+
+
 def celery_retries(job: Job) -> int:
     """Celery retries so far (``self.request.retries``): failed attempts that were neither a
-    recovery OJS adds nor the last one (which ended the job). Counted from the error history,
-    so the count needs no field of its own and survives every writer."""
-    return sum(1 for entry in job.errors
-               if entry.get("type") not in NOT_CELERY_RETRIES | _NOT_ATTEMPTS)
+    recovery OJS adds nor the last one (which ended the job). Counted from the error history
+    (and what its dropped entries counted), so the count survives every writer."""
+    return _dropped(job, "retries") + sum(
+        1 for entry in job.errors if _counted_as(entry) == "retries")
 
 
 def recoveries(job: Job) -> int:
     """Failed attempts of a Celery caller's job that were recoveries OJS adds, or
     redeliveries (:data:`REDELIVERY`): the budget they share."""
-    return sum(1 for entry in job.errors if entry.get("type") in NOT_CELERY_RETRIES)
+    return _dropped(job, "recoveries") + sum(
+        1 for entry in job.errors if _counted_as(entry) == "recoveries")
 
 
 def decide(
@@ -542,7 +579,7 @@ def fail(
         decide(j, error_type, now, rand, delay) if retryable else Decision(retry=False)
     )
     j.error = dict(error)
-    j.errors = [*j.errors, _history_entry(error, j.attempt, now)]
+    _add_error(j, _history_entry(error, j.attempt, now))
     new.worker_id = None
     new.heartbeat_at = None
     new.extended_at = None
@@ -576,7 +613,7 @@ def fail(
     events.append(("job.failed", failed))
     if decision.total_timeout_error is not None:
         j.error = decision.total_timeout_error
-        j.errors = [*j.errors, _history_entry(decision.total_timeout_error, j.attempt, now)]
+        _add_error(j, _history_entry(decision.total_timeout_error, j.attempt, now))
         events.append(_timeout_event(j, decision.total_timeout_error))
     _discard(new, now)
     events.append(_discarded_event(new.job))
@@ -624,7 +661,7 @@ def _expire(record: Record, now: float, error: dict[str, JsonValue]) -> Transiti
     new = record.copy()
     j = new.job
     j.error = error
-    j.errors = [*j.errors, _history_entry(error, j.attempt, now)]
+    _add_error(j, _history_entry(error, j.attempt, now))
     _discard(new, now)
     return Transition(new, events=[_timeout_event(j, error), _discarded_event(j)])
 
@@ -674,7 +711,7 @@ def expire_at(record: Record, now: float) -> Transition:
     j = new.job
     error = make_error("expired", f"job expired at {format_timestamp(job.expires_at)}")
     j.error = error
-    j.errors = [*j.errors, _history_entry(error, j.attempt, now)]
+    _add_error(j, _history_entry(error, j.attempt, now))
     _discard(new, now)
     expired = _base(
         j,
@@ -896,7 +933,7 @@ def dispatch_failed(record: Record, reason: str, now: float, policy: Policy) -> 
     j = new.job
     if failures < policy.dispatch_failure_limit:
         entry = _history_entry(make_error(DISPATCH_ERROR, reason), j.attempt, now)
-        j.errors = [*j.errors, entry]
+        _add_error(j, entry)
         return Transition(new)
     error = make_error(
         DISPATCH_FAILED, f"the sweeper failed {failures} times in a row to dispatch the job; "
@@ -904,7 +941,7 @@ def dispatch_failed(record: Record, reason: str, now: float, policy: Policy) -> 
     )
     entry = _history_entry(error, j.attempt, now)
     j.error = error
-    j.errors = [*j.errors, entry]
+    _add_error(j, entry)
     _discard(new, now)
     new.heartbeat_at = None
     new.extended_at = None
