@@ -42,8 +42,8 @@ EXIT_STATUSES = {
     EXIT_FAILED: "not done: no such job or worker, a job that already ended, a failed sweep",
     EXIT_INVALID: "invalid input, settings or usage (one line per problem; nothing stored)",
     EXIT_DUPLICATE: "a different job with this id exists (nothing stored)",
-    EXIT_STORE: "the job store cannot be reached (nothing stored, unless the message says "
-                "the job may be stored: then it names the job's id)",
+    EXIT_STORE: "the job store cannot be reached or refused the operation (nothing stored, "
+                "unless the message says the job may be stored: then it names the job's id)",
 }
 _EPILOG = "\b\nExit status:\n" + "\n".join(
     f"  {code}  {text}" for code, text in EXIT_STATUSES.items())
@@ -108,7 +108,7 @@ class _Commands(click.Group):
         except ImproperlyConfigured as exc:  # the app's ojs settings, read by install()
             _fail([line for line in str(exc).splitlines() if line.strip()], EXIT_INVALID)
         except StoreError as exc:
-            _fail([f"error: the job store cannot be reached: {exc}"], EXIT_STORE)
+            _fail([f"error: {exc}"], EXIT_STORE)  # it says what failed, whatever the backend
 
 
 @click.group(name="ojs", cls=_Commands, epilog=_EPILOG,
@@ -126,7 +126,7 @@ def enqueue_command(ctx: click.Context, source: Any, batch: bool) -> None:
 
     Exit status 2 for invalid input (one line per problem on stderr, nothing stored), 3 if a
     different job with the same id exists (the same envelope again prints the existing job),
-    4 if the store cannot be reached. A broker that cannot be reached is no failure: the job
+    4 if the store cannot be reached or refuses the write. A broker that cannot be reached is no failure: the job
     is stored, printed, and published by the sweeper later (a warning says so), exit status 0.
     """
     app = _app(ctx)

@@ -181,7 +181,7 @@ def test_help_lists_the_exit_statuses(env: Env) -> None:
     for code in EXIT_STATUSES:
         assert f"  {code}  " in out.stdout
     enqueue_help = " ".join(run(env, "enqueue", "--help").stdout.split())
-    assert "4 if the store cannot be reached" in enqueue_help
+    assert "4 if the store cannot be reached or refuses the write" in enqueue_help
     assert "5 if" not in enqueue_help  # a broker that is down exits 0 (the sweeper publishes)
 
 
