@@ -126,8 +126,9 @@ def enqueue_command(ctx: click.Context, source: Any, batch: bool) -> None:
 
     Exit status 2 for invalid input (one line per problem on stderr, nothing stored), 3 if a
     different job with the same id exists (the same envelope again prints the existing job),
-    4 if the store cannot be reached or refuses the write. A broker that cannot be reached is no failure: the job
-    is stored, printed, and published by the sweeper later (a warning says so), exit status 0.
+    4 if the store cannot be reached or refuses the write. A broker that cannot be reached is
+    no failure: the job is stored, printed, and published by the sweeper later (a warning says
+    so), exit status 0.
     """
     app = _app(ctx)
     # One byte past the limit is enough to refuse it: a bigger input is never held whole.
