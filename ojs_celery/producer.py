@@ -58,7 +58,7 @@ class BrokerUnavailable(RuntimeError):
 def celery_queue(app: Celery, ojs_queue: str) -> str:
     """OJS ``default`` is the app's default queue; other names are used as they are."""
     if ojs_queue == DEFAULT_QUEUE:
-        return str(app.conf.task_default_queue)
+        return str(compat.celery_setting(app, "task_default_queue"))
     return ojs_queue
 
 
@@ -66,7 +66,8 @@ def ojs_queue_of(app: Celery, celery_queue_name: str | None) -> str:
     """The record's name of a Celery queue: ``default`` for the app's default queue, any other
     name as it is. A Celery queue named ``default`` that is not the app's default queue has no
     name in the record (``default`` means the app's default): refused, not misrouted."""
-    if not celery_queue_name or celery_queue_name == app.conf.task_default_queue:
+    if not celery_queue_name or celery_queue_name == compat.celery_setting(
+            app, "task_default_queue"):
         return DEFAULT_QUEUE
     if celery_queue_name == DEFAULT_QUEUE:
         raise InvalidJob([("queue", (
@@ -338,7 +339,7 @@ def _time_limit(app: Celery, task: Task, options: dict[str, Any], name: str) -> 
     """Celery's ``name`` limit of a call: the call's, else the task's, else the app's setting
     (``task_<name>``), which is read only when needed (a settings lookup costs a few µs)."""
     given = _first(options.get(name), getattr(task, name))
-    return given if given is not None else app.conf[f"task_{name}"]
+    return given if given is not None else compat.celery_setting(app, f"task_{name}")
 
 
 def celery_expires_at(task: Task, options: dict[str, Any], now: float) -> str | None:

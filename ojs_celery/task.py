@@ -20,7 +20,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 from celery.utils.time import maybe_make_aware
 
-from . import arrival, lifecycle, softlimit
+from . import arrival, compat, lifecycle, softlimit
 from .callers import enqueue_call
 from .context import JobContext, _current, maybe_current_job
 from .eager import apply_eagerly, run_eagerly
@@ -93,7 +93,7 @@ class OJSTask(Task):  # type: ignore[misc]
         mismatch = call_mismatch(self, args, kwargs)  # raised at the call, as Celery does
         if mismatch is not None:
             raise mismatch
-        if self.app.conf.task_always_eager:
+        if compat.celery_setting(self.app, "task_always_eager"):
             return apply_eagerly(self, args, kwargs, options)
         if _plain_republish(self, options):  # a plain message's Celery retry stays plain
             return super().apply_async(args, kwargs, **options)

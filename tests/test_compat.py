@@ -168,3 +168,33 @@ def test_call_soon_runs_promptly_while_the_hub_waits_in_poll() -> None:
         hub.close()
         idle_reader.close()
         idle_writer.close()
+
+
+class _DjangoStyleSettings:
+    """Settings as Django keeps them, read with ``namespace="CELERY"``."""
+
+    CELERY_TASK_DEFAULT_QUEUE = "from-django"
+    CELERY_TASK_SOFT_TIME_LIMIT = 12
+
+
+_KEYS = ("task_default_queue", "task_time_limit", "task_soft_time_limit", "task_always_eager",
+         "task_protocol", "broker_url")
+
+
+def test_a_setting_is_read_as_celery_reads_it_whatever_its_spelling_and_changes() -> None:
+    """``compat.celery_setting`` is a faster ``app.conf[key]``: it must agree with Celery's
+    lookup for new, old and namespaced spellings, before and after the settings change."""
+    plain = Celery("plain", set_as_current=False)
+    old_style = Celery("old", set_as_current=False)
+    old_style.conf.update(CELERY_DEFAULT_QUEUE="old-name", CELERYD_TASK_TIME_LIMIT=30)
+    django = Celery("django", set_as_current=False)
+    django.config_from_object(_DjangoStyleSettings, namespace="CELERY")
+    for app in (plain, old_style, django):
+        assert {key: compat.celery_setting(app, key) for key in _KEYS} == {
+            key: app.conf[key] for key in _KEYS}, app.main
+        app.conf.task_default_queue = "changed"  # after the first read, as tests do
+        app.conf.update(task_time_limit=99)
+        assert compat.celery_setting(app, "task_default_queue") == app.conf.task_default_queue
+        assert compat.celery_setting(app, "task_time_limit") == app.conf.task_time_limit
+    assert compat.celery_setting(django, "task_soft_time_limit") == 12
+    assert compat.celery_setting(old_style, "task_time_limit") == 99
