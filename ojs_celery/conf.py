@@ -178,9 +178,9 @@ class Settings(BaseModel):
 
     @property
     def blind_after(self) -> float:
-        """A gap this long with no sweep and no beat reaching the store is a blind spell (see
-        ``lifecycle.BlindSpell``): while the store is up, a live worker beats every
-        ``heartbeat_interval`` and a sweeper passes every ``sweep_interval``."""
+        """A gap this long between two sweeps that reached the store is a blind spell (see
+        ``lifecycle.BlindSpell``): sweeps come every ``sweep_interval``, and a gap longer than
+        a beat interval more may have hidden a beat."""
         return self.heartbeat_interval + self.sweep_interval
 
     @property

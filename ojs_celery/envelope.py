@@ -99,6 +99,8 @@ ERRORS_DROPPED_FIELD: Final = "x_celery_errors_dropped"
 
 
 _SYSTEM_FIELD_SET: set[str] = set(SYSTEM_FIELDS)
+#: What a job's record holds that its envelope did not ask for (see ``Job.same_request``).
+_NOT_REQUESTED: set[str] = _SYSTEM_FIELD_SET | {ERRORS_DROPPED_FIELD}
 
 State = Literal[
     "scheduled",
@@ -368,8 +370,8 @@ class Job(BaseModel):
     def same_request(self, other: Job) -> bool:
         """Whether both were enqueued with the same envelope (and the same trusted Celery
         options): every field but the system-managed ones is equal."""
-        return bool(self.model_dump(mode="json", exclude=_SYSTEM_FIELD_SET)
-                    == other.model_dump(mode="json", exclude=_SYSTEM_FIELD_SET))
+        return bool(self.model_dump(mode="json", exclude=_NOT_REQUESTED)
+                    == other.model_dump(mode="json", exclude=_NOT_REQUESTED))
 
     def to_dict(self) -> dict[str, Any]:
         """The job as OJS JSON data: absent optional fields are omitted."""

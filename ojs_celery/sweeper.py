@@ -107,8 +107,7 @@ OUTAGES = (StoreError, BrokerUnavailable)
 def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
     store = runtime.store
     policy = store.policy
-    settings = runtime.settings
-    spell = store.meta.record_contact(time.time(), settings.blind_after)
+    spell = _blind_spell(runtime)
     for clock in lifecycle.SWEEP:
         if isinstance(clock, WorkerClock):
             _bury_dead_workers(runtime, clock, now, limit, report, spell)
@@ -210,6 +209,30 @@ def _skip(
     if done.record is not None and done.record.job.state == "discarded":
         report.applied[lifecycle.DISPATCH_FAILED] += 1
         carry_out(runtime, done, stop_attempt=True, report_result=True)
+    return None
+
+
+#: How often a blind spell ahead of this host's clock is said (see ``_blind_spell``).
+FUTURE_SPELL_WARN_EVERY = 600.0
+_future_spell_said = -FUTURE_SPELL_WARN_EVERY
+
+
+def _blind_spell(runtime: Runtime) -> BlindSpell | None:
+    """Record this pass's contact with the store; the last blind spell, unless it ends ahead of
+    this host's clock (a sweeper whose clock is ahead recorded it): such a spell would keep
+    every worker and job from being judged for as long as that clock is ahead, so it is left
+    out, and said every ten minutes at most."""
+    global _future_spell_said
+    settings = runtime.settings
+    wall = time.time()
+    spell = runtime.store.meta.record_contact(wall, settings.blind_after)
+    if spell is None or spell.end <= wall + settings.blind_after:
+        return spell
+    if time.monotonic() - _future_spell_said >= FUTURE_SPELL_WARN_EVERY:
+        _future_spell_said = time.monotonic()
+        logger.warning("ojs_celery: a blind spell recorded by another sweeper ends %.1fs ahead "
+                       "of this host's clock: left out (are the hosts' clocks in step?)",
+                       spell.end - wall)
     return None
 
 

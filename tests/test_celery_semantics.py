@@ -404,6 +404,7 @@ def test_a_job_retried_for_ever_keeps_its_last_errors_and_every_count() -> None:
     assert celery_retries(record.job) == 200 and recoveries(record.job) == 50
     assert (record.job.model_extra or {})[ERRORS_DROPPED_FIELD] == {
         "retries": 120, "recoveries": 30, "dispatch": 0}
+    assert record.job.same_request(job)  # the same call again finds its job, not a duplicate
 
 
 def test_an_envelope_cannot_set_the_dropped_errors_counts() -> None:

@@ -3,6 +3,8 @@ explicit clocks: what is due is enforced once, whoever sweeps."""
 
 from __future__ import annotations
 
+import logging
+import math
 import multiprocessing
 import pathlib
 import threading
@@ -14,6 +16,7 @@ import pytest
 from celery import Celery
 
 from ojs_celery import enqueue
+from ojs_celery import sweeper as sweeper_module
 from ojs_celery.envelope import parse_envelope
 from ojs_celery.lifecycle import BlindSpell
 from ojs_celery.runtime import Runtime, get_runtime
@@ -451,20 +454,41 @@ def test_silence_in_a_blind_spell_stalls_no_job_and_hides_no_reservation(app: Ce
     hidden = enqueue({"type": "e2e.add", "args": [1, 2], "timeout": 3600,
                       "heartbeat_timeout": 3600, "visibility_timeout": 60}, app=app)
     wall = time.time()
-    for job in (stall, hidden):
-        assert store.start(job.id, 1, "worker_a", now=wall + 1).applied
     pause = 120
-    store.meta.record_contact(wall + 2, blind_after=1.0)  # the last contact before it
-    store.meta.record_contact(wall + 2 + pause, blind_after=1.0)  # the first after it
-    report = sweep(runtime, now=wall + 2 + pause + 0.5)  # silent for 121.5 s
+    for job in (stall, hidden):  # last heard from just before the pause
+        assert store.start(job.id, 1, "worker_a", now=wall - pause - 2).applied
+    store.meta.record_contact(wall - pause - 1, blind_after=1.0)  # the last sweep before it
+    store.meta.record_contact(wall - 1, blind_after=1.0)  # the first after it
+    report = sweep(runtime, now=time.time())  # silent for 122 s, 2 s of them outside it
     assert report.applied["stall"] == 0 and report.applied["visibility"] == 0
     assert {store.get(job.id).state for job in (stall, hidden)} == {"active"}  # type: ignore[union-attr]
 
-    report = sweep(runtime, now=wall + 1 + pause + 60 + 0.5)  # 60.5 s heard of, outside it
+    report = sweep(runtime, now=wall - 2 + 60 + 0.5)  # 60.5 s heard of, outside it
     assert report.applied["stall"] == 1 and report.applied["visibility"] == 1
     errors = {job.id: store.get(job.id).errors[-1]["type"]  # type: ignore[union-attr]
               for job in (stall, hidden)}
     assert errors == {stall.id: "stalled", hidden.id: "visibility_timeout"}
+
+
+def test_a_blind_spell_ahead_of_this_hosts_clock_is_left_out(
+    app: Celery, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweeper whose clock runs an hour ahead records a spell that ends in the future: taken
+    at its word, no worker could be declared dead and no job stalled for that hour. The other
+    sweepers leave it out, and say so."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    timeout = runtime.settings.worker_heartbeat_timeout
+    wall = time.time()
+    store.workers.save(WorkerInfo(worker_id="worker_gone", hostname="h", pid=1,
+                                  last_beat=wall - timeout - 5))
+    store.meta.record_contact(wall - 2, blind_after=1.0)
+    store.meta.record_contact(wall + 3600, blind_after=1.0)  # the host an hour ahead
+    monkeypatch.setattr(sweeper_module, "_future_spell_said", -math.inf)  # said once a process
+    with caplog.at_level(logging.WARNING, logger="ojs_celery.sweeper"):
+        assert sweep(runtime, now=time.time()).applied["worker"] == 1
+    assert store.workers.get("worker_gone") is None
+    assert any("ahead of this host's clock" in r.getMessage() for r in caplog.records)
 
 
 def test_a_beat_inside_a_blind_spell_counts_from_the_spell_s_end() -> None:

@@ -18,9 +18,9 @@ __all__ = ["MetaArea"]
 
 #: When the last sweep pass ended (epoch seconds, ``repr`` of a float).
 LAST_SWEEP = "last_sweep"
-#: When a sweeper or a worker's beat last reached the store (wall-clock epoch seconds), and the
-#: last blind spell: the last gap between two such contacts long enough to hide the workers'
-#: beats (``"start,end"``; see :meth:`MetaArea.record_contact`).
+#: When a sweeper last reached the store (wall-clock epoch seconds), and the last blind spell:
+#: the last gap between two such contacts long enough to hide the workers' beats
+#: (``"start,end"``; see :meth:`MetaArea.record_contact`).
 LAST_CONTACT = "last_contact"
 BLIND_SPELL = "blind_spell"
 
@@ -85,15 +85,15 @@ class MetaArea(ABC):
         return float(value) if value else None
 
     def record_contact(self, wall: float, blind_after: float) -> BlindSpell | None:
-        """A sweeper or a worker's beat reached the store at ``wall`` (its clock, like the
-        beats'); returns the last blind spell: the last time ``blind_after`` seconds or more
-        passed between two contacts. Nobody reached the store then (while it is up, live
-        workers beat every interval), so a silence in that time says nothing of a worker."""
+        """A sweeper reached the store at ``wall`` (its clock, like the workers' beats);
+        returns the last blind spell: the last time ``blind_after`` seconds or more passed
+        between two contacts. The store, or every sweeper, was away then, and a beat not seen
+        in that time may never have reached the store (a Redis pause stops the beats and the
+        sweeps alike)."""
         last = self._get(LAST_CONTACT)
         if last and wall - float(last) >= blind_after:
             self._put(BLIND_SPELL, f"{float(last)!r},{float(wall)!r}")
-        if not last or wall > float(last):
-            self._put(LAST_CONTACT, repr(float(wall)))
+        self._put(LAST_CONTACT, repr(float(wall)))
         spell = self._get(BLIND_SPELL)
         if not spell:
             return None

@@ -74,9 +74,6 @@ class Beater:
     def _beat(self) -> None:
         node = self.node
         info = node.info()
-        # A beat is a contact too: a sweep after a store outage then sees the blind spell
-        # even if this beat reached the store first (see lifecycle.BlindSpell).
-        node.runtime.store.meta.record_contact(info.last_beat, node.settings.blind_after)
         directive, known = node.registry.beat(info)
         if not known:
             logger.warning("ojs_celery: worker %s is not registered (declared dead while "
