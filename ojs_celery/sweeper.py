@@ -14,6 +14,7 @@ thin shells around :func:`sweep`.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -246,12 +247,14 @@ def _bury_dead_workers(
     store = runtime.store
     policy = store.policy
     cutoff = clock.cutoff(now, policy)
+    buried: set[str] = set()
     for worker_id in store.workers.stale(cutoff, limit):
         info = store.workers.get(worker_id)
         if info is None or not clock.is_dead(info.last_beat, now, policy, spell):
             continue  # it beat meanwhile, or its silence fell in a blind spell
         if not store.workers.remove(worker_id):
             continue  # another sweeper took it
+        buried.add(worker_id)
         report.applied[clock.name] += 1
         logger.warning("ojs_celery: worker %s (%s) missed its beats for %.1fs: declared dead",
                        worker_id, info.nodename or info.hostname, now - info.last_beat)
@@ -274,6 +277,42 @@ def _bury_dead_workers(
                 failure = _skip(runtime, clock.name, job_id, exc, now, report)
                 if failure is not None:
                     raise failure from exc
+    if buried:
+        _recover_unlisted(runtime, clock, frozenset(buried), now, limit, report)
+
+
+def _recover_unlisted(
+    runtime: Runtime, clock: WorkerClock, buried: frozenset[str], now: float, limit: int,
+    report: SweepReport,
+) -> None:
+    """The attempts that workers just declared dead started after their last beat, which no
+    beat listed: found among the active jobs (the visibility clock's index holds every one, the
+    ``limit`` nearest their deadline), so that they too fail with ``worker_death`` now rather
+    than stall a ``heartbeat_timeout`` later."""
+    store = runtime.store
+    rule = clock.orphans_rule(buried, now, store.policy)
+    active = [job_id for job_id, _ in store.due(lifecycle.VISIBILITY.name, math.inf, limit)]
+    if not active:
+        return
+    try:
+        results = store.apply_many(active, rule)
+    except OUTAGES:
+        raise
+    except Exception:  # one record spoils the batch: go job by job
+        results = [None] * len(active)
+    for job_id, done in zip(active, results, strict=True):
+        try:
+            if done is None:  # lost a race, or the batch failed: decide again on fresh data
+                done = store.apply(job_id, rule)
+            if done.record is not None:
+                report.published += carry_out(runtime, done, raise_unpublished=True,
+                                              report_result=True)
+        except OUTAGES:
+            raise
+        except Exception as exc:  # not known to be a dead worker's: counted against nothing
+            report.skipped += 1
+            logger.warning("ojs_celery: sweep could not check active job %s for a dead "
+                           "worker: %s: %s", job_id, type(exc).__name__, exc)
 
 
 def last_sweep(runtime: Runtime) -> float | None:

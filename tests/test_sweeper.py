@@ -417,6 +417,28 @@ def test_a_job_whose_message_is_gone_is_published_again_after_redispatch_after(
     assert sweep(runtime, now=sent + 3601 + 3599).total == 0
 
 
+def test_a_dead_workers_attempt_its_last_beat_did_not_list_fails_at_once(app: Celery) -> None:
+    """A worker killed within a beat interval of starting a job never listed it in a beat: the
+    job must still fail with ``worker_death`` when the worker is declared dead, not wait a
+    ``heartbeat_timeout`` to stall. Another worker's active job is left alone."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    timeout = runtime.settings.worker_heartbeat_timeout
+    wall = time.time()
+    unlisted = enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+    other = enqueue({"type": "e2e.add", "args": [3, 4]}, app=app)
+    assert store.start(unlisted.id, 1, "worker_gone", now=wall - timeout - 2).applied
+    assert store.start(other.id, 1, "worker_alive", now=wall - timeout - 2).applied
+    for worker_id, beat in (("worker_gone", wall - timeout - 3), ("worker_alive", wall)):
+        store.workers.save(WorkerInfo(worker_id=worker_id, hostname="h", pid=1, last_beat=beat))
+    report = sweep(runtime, now=wall + 0.5)
+    assert report.applied["worker"] == 1
+    gone = store.get(unlisted.id)
+    assert gone is not None and gone.state == "retryable"
+    assert [e["type"] for e in gone.errors] == ["worker_death"]
+    assert store.get(other.id).state == "active"  # type: ignore[union-attr]
+
+
 def test_silence_in_a_blind_spell_is_not_a_death(app: Celery) -> None:
     """A Redis pause longer than the worker heartbeat timeout stops every beat and every sweep
     alike: the first sweep after it must not declare live workers dead (their running jobs

@@ -153,6 +153,18 @@ class WorkerClock:
     def active_rule(self, worker_id: str, now: float, policy: Policy) -> Rule:
         return partial(orphaned, worker_id=worker_id, now=now, policy=policy)
 
+    def orphans_rule(self, worker_ids: frozenset[str], now: float, policy: Policy) -> Rule:
+        """:meth:`active_rule` for an attempt of any of ``worker_ids``, whichever it is: for
+        the active jobs the dead workers' last beats did not list (started after it)."""
+
+        def rule(record: Record) -> Transition:
+            owner = record.worker_id
+            if owner is None or owner not in worker_ids:
+                return rejected("not_owned")
+            return orphaned(record, owner, now, policy)
+
+        return rule
+
     def reserved_rule(self, now: float, policy: Policy) -> Rule:
         return partial(redispatch, now=now, policy=policy)
 
