@@ -52,8 +52,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["JobError", "OJSTask", "error_from_exception"]
 
-#: How long an outcome that cannot be written is retried before the sweeper is left to recover.
-OUTCOME_RETRY_SECONDS = 30.0
+#: How often an outcome still waiting for the store says so (see ``_write``).
+OUTCOME_RETRY_SAY_EVERY = 60.0
 #: Pause before a message goes back to the broker because the store is unreachable.
 STORE_DOWN_PAUSE = 1.0
 
@@ -261,7 +261,7 @@ class OJSTask(Task):  # type: ignore[misc]
         if isinstance(outcome, Cancelled):
             done = _write(lambda: store.apply(job.id, lambda r: lifecycle.cancel_by_owner(
                 r, ctx.attempt, ctx.worker_id, now)))
-            if done is not None and done.applied:
+            if done.applied:
                 carry_out(runtime, done)
                 self.backend.mark_as_revoked(job.id, reason="ignored", request=self.request)
             raise Ignore()
@@ -304,16 +304,15 @@ class OJSTask(Task):  # type: ignore[misc]
         return self._tell_celery(runtime, ctx, done, outcome)
 
     def _tell_celery(
-        self, runtime: Runtime, ctx: JobContext, done: Transition | None, outcome: Outcome
+        self, runtime: Runtime, ctx: JobContext, done: Transition, outcome: Outcome
     ) -> Any:
         """Carry out the accepted transition and report it to Celery: the return value, a
         ``Retry`` (the job runs again) or the exception that ended it; nothing (``Ignore``)
         when the store rejected the outcome."""
-        if done is None or done.record is None:
-            reason = "store unreachable" if done is None else done.reason
+        if done.record is None:
             logger.warning(
                 "ojs_celery: outcome of job %s attempt %s rejected (%s): not reported to Celery",
-                ctx.job.id, ctx.attempt, reason,
+                ctx.job.id, ctx.attempt, done.reason,
             )
             raise Ignore()
         carry_out(runtime, done)
@@ -377,17 +376,24 @@ def _with_arguments(done: Transition, outcome: Retried) -> Transition:
     return done
 
 
-def _write(operation: Callable[[], Transition]) -> Transition | None:
-    """Run a store write, retrying while the store is unreachable (None: gave up)."""
-    deadline = time.monotonic() + OUTCOME_RETRY_SECONDS
+def _write(operation: Callable[[], Transition]) -> Transition:
+    """Run an outcome's store write, retrying until the store takes it.
+
+    Giving up would lose a finished attempt: its message acknowledged, its job left active
+    until a clock runs it again. While this pool process retries, the request stays active, so
+    the worker's beats keep the attempt alive; the attempt's hard time limit, which kills the
+    process, bounds the wait. Said once when it starts, then once a minute."""
+    began = time.monotonic()
+    said: float | None = None
     pause = 0.2
     while True:
         try:
             return operation()
         except StoreError as exc:
-            if time.monotonic() > deadline:
-                logger.error("ojs_celery: giving up writing an outcome: %s", exc)
-                return None
-            logger.warning("ojs_celery: store write failed, retrying: %s", exc)
+            now = time.monotonic()
+            if said is None or now - said >= OUTCOME_RETRY_SAY_EVERY:
+                said = now
+                logger.warning("ojs_celery: store write of an outcome failed, retrying until "
+                               "it is taken (for %.0fs now): %s", now - began, exc)
             time.sleep(pause)
             pause = min(pause * 2, 5.0)
