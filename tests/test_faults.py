@@ -140,6 +140,49 @@ def test_a_store_pause_longer_than_every_timeout_runs_no_job_twice(
         app.close()
 
 
+def test_an_outcome_the_store_refuses_for_longer_than_30s_is_written_once_it_takes_it(
+    redis_server: PrivateRedis, tmp_path: pathlib.Path
+) -> None:
+    """Redis refuses every write (an error reply: out of memory, as during a read-only
+    failover) from before a running job finishes until 33 s after: its outcome waits in the
+    pool process and is written once Redis takes writes again; the job completes with its one
+    attempt and ran once (the pool process gave up after 30 s, the job stalled and ran again)."""
+    config = redis_config(tmp_path, redis_server.url)
+    config["ojs"].update({"heartbeat_interval": 0.3, "worker_heartbeat_timeout": 2.0,
+                          "sweep_interval": 0.3})
+    app = make_app(config)
+    runtime = get_runtime(app)
+    stop = threading.Event()
+    sweeper = threading.Thread(target=run_loop, args=(runtime,), kwargs={"stop": stop.is_set},
+                               daemon=True)
+    try:
+        with running_worker(config, tmp_path / "worker.log", concurrency=1):
+            job = enqueue({"type": "e2e.whoami", "args": [2.0], "heartbeat_timeout": 2,
+                           "visibility_timeout": 2}, app=app)
+            sweeper.start()
+            wait_for(lambda: (found := get_job(job.id, app=app)) is not None
+                     and found.state == "active", 20, "the job to start")
+            redis_server.admin.config_set("maxmemory", 1)  # every write refused from now on
+            try:
+                wait_for(lambda: any(job.id in line
+                                     for line in lines(config["dir"], "finished")),
+                         20, "the handler to finish")
+                time.sleep(33.0)  # the fault itself: longer than the old 30 s of retries
+            finally:
+                redis_server.admin.config_set("maxmemory", 0)
+            done = wait_for(lambda: (found := get_job(job.id, app=app)) is not None
+                            and found.state not in ("active", "available") and found, 30,
+                            "the job to end")
+            assert done.state == "completed" and done.attempt == 1 and done.errors == []
+        assert len([line for line in lines(config["dir"], "runs") if job.id in line]) == 1
+    finally:
+        stop.set()
+        if sweeper.is_alive():
+            sweeper.join(10)
+        runtime.close()
+        app.close()
+
+
 APART = "apart.job"
 
 
