@@ -204,6 +204,7 @@ def test_an_insert_lost_with_the_store_is_uncertain(
     with pytest.raises(StoreUncertain) as caught:
         store.create(job)
     assert caught.value.job_id == job.id
+    assert "job store error:" in str(caught.value)  # what the store said, named
     proxy.refusing.clear()
     stored = store.get_record(job.id)  # the caller can look it up: it was stored
     assert stored is not None and stored.job.args == [1]
@@ -255,6 +256,7 @@ def test_store_uncertain_survives_pickling() -> None:
     from ojs_celery import StoreError
     from ojs_celery import StoreUncertain as Exported
 
-    error = pickle.loads(pickle.dumps(Exported("01890a5d-ac96-774b-bcce-b302099a8057")))
+    sent = Exported("01890a5d-ac96-774b-bcce-b302099a8057", "job store error: refused")
+    error = pickle.loads(pickle.dumps(sent))
     assert isinstance(error, StoreError) and error.job_id == "01890a5d-ac96-774b-bcce-b302099a8057"
-    assert str(error) == str(Exported(error.job_id))
+    assert str(error) == str(sent) and "(job store error: refused)" in str(error)

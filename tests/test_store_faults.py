@@ -429,3 +429,19 @@ def test_postgres_lane_text_params_are_text_param_of_each() -> None:
     values = ["job", Name("w1"), 0, 7, 2**70, 1.5, -0.0, float("inf"), True, False, None]
     assert text_params(values) == [text_param(value) for value in values]
     assert text_params(values)[:3] == [b"job", b"w1", b"0"]
+
+
+@pytest.mark.parametrize("url", ["postgresql://postgres@127.0.0.1:{port}/test",
+                                 "redis://127.0.0.1:{port}/0"])
+def test_a_store_that_is_down_says_so_in_one_line(url: str) -> None:
+    """A store nobody listens on: ``StoreError`` with the driver's message, on one line (a log
+    line or a CLI's error line; psycopg's own message takes two)."""
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        with pytest.raises(StoreError) as info:
+            open_store(url.format(port=port), policy=Policy(), prefix="down").get(
+                "01890a5d-ac96-774b-bcce-b302099a8057")
+    said = str(info.value)
+    assert "\n" not in said and said.startswith("job store error: ")
+    assert "refused" in said.lower()

@@ -64,16 +64,18 @@ class StoreUncertain(StoreError):
     recognises its own earlier success).
     """
 
-    def __init__(self, job_id: str) -> None:
+    def __init__(self, job_id: str, error: str = "") -> None:
         self.job_id = job_id
+        self.error = error
+        said = f" ({error})" if error else ""
         super().__init__(
             f"job {job_id}: the job store failed during the write and could not be asked "
-            "whether it was done; the job may or may not be stored (look it up, or enqueue the "
-            "same envelope again with this id: it returns the job if it was stored)"
+            f"whether it was done{said}; the job may or may not be stored (look it up, or "
+            "enqueue the same envelope again with this id: it returns the job if it was stored)"
         )
 
-    def __reduce__(self) -> tuple[type[StoreUncertain], tuple[str]]:
-        return (type(self), (self.job_id,))
+    def __reduce__(self) -> tuple[type[StoreUncertain], tuple[str, str]]:
+        return (type(self), (self.job_id, self.error))
 
 
 class DuplicateJob(ValueError):
@@ -126,7 +128,8 @@ def store_errors(
                 if not is_fault(exc):
                     raise
                 cause = detail(exc)
-                message = mask_secrets(f"job store error: {type(cause).__name__}: {cause}")
+                said = " ".join(str(cause).split())  # one line (psycopg's take two)
+                message = mask_secrets(f"job store error: {type(cause).__name__}: {said}")
                 raise StoreError(message) from exc
 
         return wrapper
@@ -343,7 +346,7 @@ class JobStore(ABC):
         try:
             return self._load(job_id)
         except StoreError as exc:
-            raise StoreUncertain(job_id) from exc
+            raise StoreUncertain(job_id, str(exc)) from exc
 
     def _insert_begin(
         self, record: Record, deadlines: dict[str, float | None]
