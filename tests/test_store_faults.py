@@ -345,6 +345,11 @@ def test_postgres_session_terminated(pg_prefix: str) -> None:
                     op(store)
                 except StoreError as exc:  # pragma: no cover - names the operation
                     raise AssertionError(f"{name} fails on a new connection: {exc}") from exc
+        for _ in range(3):  # every session ended: the next insert works on new ones
+            terminate_session()
+            job = new_job()
+            store.create(job)
+            assert store.get(job.id) is not None
     finally:
         admin.dispose()
         store.close()

@@ -343,6 +343,13 @@ class JobStore(ABC):
         return current is not None and current.origin == record.origin
 
     def _load_or_uncertain(self, job_id: str) -> Record | None:
+        """The record, read to settle an insert; tried twice, because the failure that made
+        the insert uncertain often ended the pooled connection the first read takes (a
+        session terminated in a failover), and the second gets a new one."""
+        try:
+            return self._load(job_id)
+        except StoreError:
+            pass
         try:
             return self._load(job_id)
         except StoreError as exc:
