@@ -11,12 +11,14 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from celery import Celery
 from kombu import Producer
 
-from ojs_celery import OJSTask, enqueue, enqueue_batch, get_job, install, parse_envelope
+from ojs_celery import Job, OJSTask, enqueue, enqueue_batch, get_job, install, parse_envelope
 from ojs_celery.runtime import Runtime, get_runtime
 from ojs_celery.sweeper import run_loop, sweep
 from tests.conftest import start_env
@@ -88,15 +90,34 @@ def test_a_batch_with_the_broker_down_is_stored_and_owed(tmp_path: pathlib.Path)
     assert sorted(job_id for job_id, _ in owed) == sorted(job.id for job in jobs)
 
 
-def test_a_store_pause_longer_than_every_timeout_runs_no_job_twice(
-    redis_server: PrivateRedis, tmp_path: pathlib.Path
-) -> None:
-    """Redis, broker and job store, frozen (SIGSTOP) for longer than the worker heartbeat
-    timeout and the running job's heartbeat and visibility timeouts: beats and sweeps stop
-    alike. When Redis comes back, the first sweep to reach it (a race it often wins against the
-    worker's beat; here the worker's main process is held until the sweep is done) declares
-    nothing stalled, hidden or orphaned; the worker stays registered, the job's one attempt
-    completes, and nothing ran it again."""
+@dataclass
+class Faulty:
+    """A private Redis as broker and job store, under a real worker (one pool process) with
+    short beats and sweeps, and a sweeper loop in this process that the test starts."""
+
+    server: PrivateRedis
+    config: dict[str, Any]
+    app: Celery
+    runtime: Runtime
+    worker: Worker
+    sweeper: threading.Thread
+
+    def wait_active(self, job_id: str) -> None:
+        wait_for(lambda: (found := get_job(job_id, app=self.app)) is not None
+                 and found.state == "active", 20, "the job to start")
+
+    def wait_ended(self, job_id: str) -> Job:
+        ended: Job = wait_for(lambda: (found := get_job(job_id, app=self.app)) is not None
+                              and found.state not in ("active", "available") and found, 30,
+                              "the job to end")
+        return ended
+
+    def runs(self, job_id: str) -> int:
+        return len([line for line in lines(self.config["dir"], "runs") if job_id in line])
+
+
+@pytest.fixture
+def faulty(redis_server: PrivateRedis, tmp_path: pathlib.Path) -> Iterator[Faulty]:
     config = redis_config(tmp_path, redis_server.url)
     config["ojs"].update({"heartbeat_interval": 0.3, "worker_heartbeat_timeout": 2.0,
                           "sweep_interval": 0.3})
@@ -107,31 +128,7 @@ def test_a_store_pause_longer_than_every_timeout_runs_no_job_twice(
                                daemon=True)
     try:
         with running_worker(config, tmp_path / "worker.log", concurrency=1) as worker:
-            job = enqueue({"type": "e2e.whoami", "args": [6.0], "heartbeat_timeout": 1,
-                           "visibility_timeout": 1}, app=app)
-            wait_for(lambda: (found := get_job(job.id, app=app)) is not None
-                     and found.state == "active", 20, "the job to start")
-            (worker_id,) = [w.worker_id for w in runtime.store.workers.all()]
-            assert sweep(runtime).total == 0  # a sweeper in contact before the pause
-            os.kill(worker.process.pid, signal.SIGSTOP)  # its pool process runs on
-            os.kill(redis_server.process.pid, signal.SIGSTOP)
-            try:
-                time.sleep(4.0)  # the fault itself: twice the longest timeout
-            finally:
-                os.kill(redis_server.process.pid, signal.SIGCONT)
-                try:
-                    first = sweep(runtime)
-                finally:
-                    os.kill(worker.process.pid, signal.SIGCONT)
-            assert first.error is None and first.total == 0, first.as_dict()
-            sweeper.start()
-            done = wait_for(lambda: (found := get_job(job.id, app=app)) is not None
-                            and found.state not in ("active", "available") and found, 30,
-                            "the job to end")
-            assert done.state == "completed" and done.attempt == 1 and done.errors == []
-            assert done.result == worker_id
-            assert [w.worker_id for w in runtime.store.workers.all()] == [worker_id]
-        assert len([line for line in lines(config["dir"], "runs") if job.id in line]) == 1
+            yield Faulty(redis_server, config, app, runtime, worker, sweeper)
     finally:
         stop.set()
         if sweeper.is_alive():
@@ -140,47 +137,60 @@ def test_a_store_pause_longer_than_every_timeout_runs_no_job_twice(
         app.close()
 
 
+def test_a_store_pause_longer_than_every_timeout_runs_no_job_twice(faulty: Faulty) -> None:
+    """Redis, broker and job store, frozen (SIGSTOP) for longer than the worker heartbeat
+    timeout and the running job's heartbeat and visibility timeouts: beats and sweeps stop
+    alike. When Redis comes back, the first sweep to reach it (a race it often wins against the
+    worker's beat; here the worker's main process is held until the sweep is done) declares
+    nothing stalled, hidden or orphaned; the worker stays registered, the job's one attempt
+    completes, and nothing ran it again."""
+    runtime = faulty.runtime
+    redis_pid, worker_pid = faulty.server.process.pid, faulty.worker.process.pid
+    job = enqueue({"type": "e2e.whoami", "args": [6.0], "heartbeat_timeout": 1,
+                   "visibility_timeout": 1}, app=faulty.app)
+    faulty.wait_active(job.id)
+    (worker_id,) = [w.worker_id for w in runtime.store.workers.all()]
+    assert sweep(runtime).total == 0  # a sweeper in contact before the pause
+    os.kill(worker_pid, signal.SIGSTOP)  # its pool process runs on
+    os.kill(redis_pid, signal.SIGSTOP)
+    try:
+        time.sleep(4.0)  # the fault itself: twice the longest timeout
+    finally:
+        os.kill(redis_pid, signal.SIGCONT)
+        try:
+            first = sweep(runtime)
+        finally:
+            os.kill(worker_pid, signal.SIGCONT)
+    assert first.error is None and first.total == 0, first.as_dict()
+    faulty.sweeper.start()
+    done = faulty.wait_ended(job.id)
+    assert done.state == "completed" and done.attempt == 1 and done.errors == []
+    assert done.result == worker_id
+    assert [w.worker_id for w in runtime.store.workers.all()] == [worker_id]
+    assert faulty.runs(job.id) == 1
+
+
 def test_an_outcome_the_store_refuses_for_longer_than_30s_is_written_once_it_takes_it(
-    redis_server: PrivateRedis, tmp_path: pathlib.Path
+    faulty: Faulty,
 ) -> None:
     """Redis refuses every write (an error reply: out of memory, as during a read-only
     failover) from before a running job finishes until 33 s after: its outcome waits in the
     pool process and is written once Redis takes writes again; the job completes with its one
     attempt and ran once (the pool process gave up after 30 s, the job stalled and ran again)."""
-    config = redis_config(tmp_path, redis_server.url)
-    config["ojs"].update({"heartbeat_interval": 0.3, "worker_heartbeat_timeout": 2.0,
-                          "sweep_interval": 0.3})
-    app = make_app(config)
-    runtime = get_runtime(app)
-    stop = threading.Event()
-    sweeper = threading.Thread(target=run_loop, args=(runtime,), kwargs={"stop": stop.is_set},
-                               daemon=True)
+    job = enqueue({"type": "e2e.whoami", "args": [2.0], "heartbeat_timeout": 2,
+                   "visibility_timeout": 2}, app=faulty.app)
+    faulty.sweeper.start()
+    faulty.wait_active(job.id)
+    faulty.server.admin.config_set("maxmemory", 1)  # every write refused from now on
     try:
-        with running_worker(config, tmp_path / "worker.log", concurrency=1):
-            job = enqueue({"type": "e2e.whoami", "args": [2.0], "heartbeat_timeout": 2,
-                           "visibility_timeout": 2}, app=app)
-            sweeper.start()
-            wait_for(lambda: (found := get_job(job.id, app=app)) is not None
-                     and found.state == "active", 20, "the job to start")
-            redis_server.admin.config_set("maxmemory", 1)  # every write refused from now on
-            try:
-                wait_for(lambda: any(job.id in line
-                                     for line in lines(config["dir"], "finished")),
-                         20, "the handler to finish")
-                time.sleep(33.0)  # the fault itself: longer than the old 30 s of retries
-            finally:
-                redis_server.admin.config_set("maxmemory", 0)
-            done = wait_for(lambda: (found := get_job(job.id, app=app)) is not None
-                            and found.state not in ("active", "available") and found, 30,
-                            "the job to end")
-            assert done.state == "completed" and done.attempt == 1 and done.errors == []
-        assert len([line for line in lines(config["dir"], "runs") if job.id in line]) == 1
+        wait_for(lambda: any(job.id in line for line in lines(faulty.config["dir"], "finished")),
+                 20, "the handler to finish")
+        time.sleep(33.0)  # the fault itself: longer than the old 30 s of retries
     finally:
-        stop.set()
-        if sweeper.is_alive():
-            sweeper.join(10)
-        runtime.close()
-        app.close()
+        faulty.server.admin.config_set("maxmemory", 0)
+    done = faulty.wait_ended(job.id)
+    assert done.state == "completed" and done.attempt == 1 and done.errors == []
+    assert faulty.runs(job.id) == 1
 
 
 APART = "apart.job"
