@@ -49,10 +49,12 @@ def celery_setting(app: Any, key: str) -> Any:
     spellings (``conf._to_keys``: the namespaced, new and old names), in their order. The
     spellings depend on the key alone, so they are worked out once per configuration: Celery's
     lookup costs about 5 µs, a handful of them per ``.delay()`` (read in Celery 5.4 – 5.7,
-    unchanged). Anything else (a configuration not read yet, a key transform, a key found
-    nowhere) goes through Celery's own lookup."""
+    unchanged). Anything else (a configuration not loaded yet, whose namespace may still change
+    when Celery loads it in the same object; a key transform; a key found nowhere) goes
+    through Celery's own lookup."""
     conf = app.conf
-    if not isinstance(conf, ConfigurationView) or conf.key_t is not None:
+    if (not getattr(app, "configured", False) or not isinstance(conf, ConfigurationView)
+            or conf.key_t is not None):
         return conf[key]
     known: dict[str, tuple[str, ...]] = vars(conf).setdefault("_ojs_spellings", {})
     spellings = known.get(key)

@@ -54,6 +54,8 @@ __all__ = ["JobError", "OJSTask", "error_from_exception"]
 
 #: How often an outcome still waiting for the store says so (see ``_write``).
 OUTCOME_RETRY_SAY_EVERY = 60.0
+#: The least time an outcome the store refuses is retried (see ``_write``).
+OUTCOME_RETRY_AT_LEAST = 30.0
 #: Pause before a message goes back to the broker because the store is unreachable.
 STORE_DOWN_PAUSE = 1.0
 
@@ -256,12 +258,12 @@ class OJSTask(Task):  # type: ignore[misc]
         now = time.time()
         if isinstance(outcome, Completed):
             done = _write(lambda: store.complete(job.id, ctx.attempt, ctx.worker_id,
-                                                 outcome.value, hint=ctx.record))
+                                                 outcome.value, hint=ctx.record), ctx)
             return self._tell_celery(runtime, ctx, done, outcome)
         if isinstance(outcome, Cancelled):
             done = _write(lambda: store.apply(job.id, lambda r: lifecycle.cancel_by_owner(
-                r, ctx.attempt, ctx.worker_id, now)))
-            if done.applied:
+                r, ctx.attempt, ctx.worker_id, now)), ctx)
+            if done is not None and done.applied:
                 carry_out(runtime, done)
                 self.backend.mark_as_revoked(job.id, reason="ignored", request=self.request)
             raise Ignore()
@@ -283,7 +285,7 @@ class OJSTask(Task):  # type: ignore[misc]
             if outcome.args is not None or outcome.kwargs is not None:
                 done = _write(lambda: store.apply(job.id, lambda r: _with_arguments(
                     lifecycle.fail(r, ctx.attempt, ctx.worker_id, error, now, delay=delay,
-                                   policy=store.policy), outcome), ctx.record))
+                                   policy=store.policy), outcome), ctx.record), ctx)
                 return self._tell_celery(runtime, ctx, done, outcome)
         elif isinstance(outcome, Rejected):
             error = lifecycle.make_error(
@@ -300,19 +302,21 @@ class OJSTask(Task):  # type: ignore[misc]
             # ends the job unless autoretry_for or self.retry() asked (then it is Retried).
             retryable = retryable and error.get("type") == "shutdown"
         done = _write(lambda: store.fail(job.id, ctx.attempt, ctx.worker_id, error,
-                                         delay=delay, retryable=retryable, hint=ctx.record))
+                                         delay=delay, retryable=retryable, hint=ctx.record),
+                      ctx)
         return self._tell_celery(runtime, ctx, done, outcome)
 
     def _tell_celery(
-        self, runtime: Runtime, ctx: JobContext, done: Transition, outcome: Outcome
+        self, runtime: Runtime, ctx: JobContext, done: Transition | None, outcome: Outcome
     ) -> Any:
         """Carry out the accepted transition and report it to Celery: the return value, a
         ``Retry`` (the job runs again) or the exception that ended it; nothing (``Ignore``)
-        when the store rejected the outcome."""
-        if done.record is None:
+        when the store rejected the outcome or never took it."""
+        if done is None or done.record is None:
+            reason = "the store never took it" if done is None else done.reason
             logger.warning(
                 "ojs_celery: outcome of job %s attempt %s rejected (%s): not reported to Celery",
-                ctx.job.id, ctx.attempt, done.reason,
+                ctx.job.id, ctx.attempt, reason,
             )
             raise Ignore()
         carry_out(runtime, done)
@@ -376,14 +380,19 @@ def _with_arguments(done: Transition, outcome: Retried) -> Transition:
     return done
 
 
-def _write(operation: Callable[[], Transition]) -> Transition:
-    """Run an outcome's store write, retrying until the store takes it.
+def _write(operation: Callable[[], Transition], ctx: JobContext) -> Transition | None:
+    """Run an outcome's store write, retrying while the store refuses it; None: gave up.
 
-    Giving up would lose a finished attempt: its message acknowledged, its job left active
-    until a clock runs it again. While this pool process retries, the request stays active, so
-    the worker's beats keep the attempt alive; the attempt's hard time limit, which kills the
-    process, bounds the wait. Said once when it starts, then once a minute."""
+    Giving up loses a finished attempt (its message acknowledged, its job active until a clock
+    runs it again), so the write is retried up to the attempt's own end (its timeout and grace
+    period from its start, where a prefork pool's hard time limit stops it anyway; other pools
+    have none) and at least :data:`OUTCOME_RETRY_AT_LEAST`: a failover that refuses writes for
+    minutes does not make a finished job run again. While this process retries, the request
+    stays active and the worker's beats keep the attempt alive. Said once, then once a
+    minute."""
     began = time.monotonic()
+    job = ctx.job
+    give_up = max(ctx.started + job.timeout + job.grace_period, began + OUTCOME_RETRY_AT_LEAST)
     said: float | None = None
     pause = 0.2
     while True:
@@ -391,9 +400,13 @@ def _write(operation: Callable[[], Transition]) -> Transition:
             return operation()
         except StoreError as exc:
             now = time.monotonic()
+            if now >= give_up:
+                logger.error("ojs_celery: giving up writing an outcome after %.0fs: %s",
+                             now - began, exc)
+                return None
             if said is None or now - said >= OUTCOME_RETRY_SAY_EVERY:
                 said = now
-                logger.warning("ojs_celery: store write of an outcome failed, retrying until "
-                               "it is taken (for %.0fs now): %s", now - began, exc)
-            time.sleep(pause)
+                logger.warning("ojs_celery: store write of an outcome failed, retrying (for "
+                               "%.0fs now): %s", now - began, exc)
+            time.sleep(min(pause, give_up - now))
             pause = min(pause * 2, 5.0)

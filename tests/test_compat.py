@@ -198,3 +198,14 @@ def test_a_setting_is_read_as_celery_reads_it_whatever_its_spelling_and_changes(
         assert compat.celery_setting(app, "task_time_limit") == app.conf.task_time_limit
     assert compat.celery_setting(django, "task_soft_time_limit") == 12
     assert compat.celery_setting(old_style, "task_time_limit") == 99
+
+
+def test_a_setting_read_before_the_configuration_is_loaded_follows_its_namespace() -> None:
+    """Celery loads a Django-style configuration into the same settings object, whose
+    namespace changes then: what was read before must not fix the key's spellings."""
+    app = Celery("early", set_as_current=False)
+    app.config_from_object(_DjangoStyleSettings, namespace="CELERY")
+    assert not app.configured
+    for _ in range(2):  # the first read loads the configuration; the second uses the cache
+        assert compat.celery_setting(app, "task_default_queue") == "from-django"
+        assert compat.celery_setting(app, "task_soft_time_limit") == 12

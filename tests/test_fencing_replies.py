@@ -250,6 +250,13 @@ def test_a_batch_whose_reply_was_lost_is_written_whole(
             r.nonce for r in records if r is not None]
 
 
+def test_store_uncertain_is_rebuilt_from_its_arguments() -> None:
+    """Celery's JSON result serializer rebuilds an exception from its ``args``."""
+    sent = StoreUncertain("01890a5d-ac96-774b-bcce-b302099a8057", "job store error: refused")
+    again = StoreUncertain(*sent.args)
+    assert again.job_id == sent.job_id and str(again) == str(sent)
+
+
 def test_store_uncertain_survives_pickling() -> None:
     import pickle
 

@@ -31,25 +31,34 @@ def test_a_result_json_cannot_carry_fails_the_attempt_naming_why(value: Any) -> 
     assert str(outcome.exc).startswith("result is not JSON-serialisable: ")
 
 
-def test_an_outcome_is_written_however_long_the_store_refuses_it(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(("refused_for", "written"), [(600.0, True), (1000.0, False)])
+def test_an_outcome_the_store_refuses_is_retried_up_to_the_attempts_end(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, refused_for: float,
+    written: bool,
 ) -> None:
-    """A finished attempt's outcome is retried until the store takes it: giving up (it did
-    after 30 s) acknowledged the message and left the job active until a clock ran it a second
-    time (a read-only failover of 45 s did that). The wait is said once a minute, not at every
-    try. The clock is simulated: ten minutes of refusals, then the write goes through."""
+    """A finished attempt's outcome is retried while the store refuses it, up to the end of
+    the attempt's timeout and grace period (here 900 s from its start): giving up after 30 s
+    acknowledged the message and left the job active until a clock ran it a second time (a
+    read-only failover of 45 s did that). Past the attempt's end it gives up, so that a pool
+    without a hard time limit does not wait for ever. The wait is said once a minute, not at
+    every try. The clock is simulated."""
     clock = [0.0]
     monkeypatch.setattr(task_module, "time", SimpleNamespace(
         monotonic=lambda: clock[0], time=time.time,
         sleep=lambda seconds: clock.__setitem__(0, clock[0] + seconds)))
-    written = Transition(record=None, reason="written")
+    ctx = SimpleNamespace(started=0.0, job=SimpleNamespace(timeout=870, grace_period=30))
+    taken = Transition(record=None, reason="written")
 
     def write() -> Transition:
-        if clock[0] < 600:
+        if clock[0] < refused_for:
             raise StoreError("job store error: ReadOnlyError: You can't write against a replica")
-        return written
+        return taken
 
     with caplog.at_level(logging.WARNING, logger="ojs_celery.task"):
-        assert task_module._write(write) is written
+        done = task_module._write(write, ctx)  # type: ignore[arg-type]
+    assert (done is taken) is written
     said = [r.getMessage() for r in caplog.records if r.name == "ojs_celery.task"]
-    assert 10 <= len(said) <= 12 and all("retrying until it is taken" in line for line in said)
+    if written:
+        assert 10 <= len(said) <= 12 and all("retrying" in line for line in said)
+    else:
+        assert clock[0] == 900 and "giving up writing an outcome after 900s" in said[-1]

@@ -520,3 +520,20 @@ def test_a_beat_inside_a_blind_spell_counts_from_the_spell_s_end() -> None:
     assert spell.heard(90.0) == 150.0  # before it: moved on by the spell's length
     assert spell.heard(101.0) == 160.0  # in it: heard at its end
     assert spell.heard(170.0) == 170.0  # after it: as it is
+
+
+def test_an_attempt_a_worker_started_after_coming_back_is_not_failed_as_its_death(
+    app: Celery,
+) -> None:
+    """A frozen worker thaws while a sweep declares it dead, registers again under its id and
+    starts a job: that attempt, which started after the pass began, is a live worker's."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    timeout = runtime.settings.worker_heartbeat_timeout
+    wall = time.time()
+    job = enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+    store.workers.save(WorkerInfo(worker_id="worker_thawed", hostname="h", pid=1,
+                                  last_beat=wall - timeout - 3))
+    assert store.start(job.id, 1, "worker_thawed", now=wall + 1).applied  # after `now` below
+    assert sweep(runtime, now=wall).applied["worker"] == 1
+    assert store.get(job.id).state == "active"  # type: ignore[union-attr]

@@ -155,12 +155,17 @@ class WorkerClock:
 
     def orphans_rule(self, worker_ids: frozenset[str], now: float, policy: Policy) -> Rule:
         """:meth:`active_rule` for an attempt of any of ``worker_ids``, whichever it is: for
-        the active jobs the dead workers' last beats did not list (started after it)."""
+        the active jobs the dead workers' last beats did not list (started after it). An
+        attempt started after ``now``, when the pass began, is left alone: the worker came back
+        (it was frozen) and registered again under its id."""
 
         def rule(record: Record) -> Transition:
             owner = record.worker_id
             if owner is None or owner not in worker_ids:
                 return rejected("not_owned")
+            started = Times.of(record).started
+            if started is not None and started > now:
+                return rejected("started_since")
             return orphaned(record, owner, now, policy)
 
         return rule

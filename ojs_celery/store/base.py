@@ -67,12 +67,16 @@ class StoreUncertain(StoreError):
     def __init__(self, job_id: str, error: str = "") -> None:
         self.job_id = job_id
         self.error = error
-        said = f" ({error})" if error else ""
-        super().__init__(
-            f"job {job_id}: the job store failed during the write and could not be asked "
-            f"whether it was done{said}; the job may or may not be stored (look it up, or "
-            "enqueue the same envelope again with this id: it returns the job if it was stored)"
-        )
+        # its arguments, not its message: Celery's JSON result serializer rebuilds an
+        # exception from its args
+        super().__init__(job_id, error)
+
+    def __str__(self) -> str:
+        said = f" ({self.error})" if self.error else ""
+        return (f"job {self.job_id}: the job store failed during the write and could not be "
+                f"asked whether it was done{said}; the job may or may not be stored (look it "
+                "up, or enqueue the same envelope again with this id: it returns the job if it "
+                "was stored)")
 
     def __reduce__(self) -> tuple[type[StoreUncertain], tuple[str, str]]:
         return (type(self), (self.job_id, self.error))
