@@ -67,7 +67,6 @@ def celery_setting(app: Any, key: str) -> Any:
     return conf[key]
 
 
-
 def _copy(items: Iterable[Any]) -> list[Any]:
     """A copy of a set or list the worker's main thread may change while we read it."""
     for _ in range(5):

@@ -82,9 +82,8 @@ from .rules import (
 
 __all__ = [
     "BY_NAME", "CLOCKS", "DAY", "DISPATCH", "DISPATCH_ERROR", "DISPATCH_FAILED", "ENQUEUE_TTL",
-    "ERRORS_KEPT",
-    "EXECUTION", "INDEXED", "NEVER_STARTED", "PROMOTE", "REDISPATCH", "RETENTION", "STALL",
-    "STARTABLE", "STATES", "SWEEP", "TERMINAL", "TIMEOUT_EVENTS", "TIMEOUT_KINDS", "TOTAL",
+    "ERRORS_KEPT", "EXECUTION", "INDEXED", "NEVER_STARTED", "PROMOTE", "REDISPATCH", "RETENTION",
+    "STALL", "STARTABLE", "STATES", "SWEEP", "TERMINAL", "TIMEOUT_EVENTS", "TIMEOUT_KINDS", "TOTAL",
     "VISIBILITY", "WORKER", "BlindSpell", "Clock", "Decision", "Policy", "Publish", "Record",
     "Rule", "Times", "Transition", "WorkerClock", "ack_dispatch", "backoff_delay", "cancel",
     "cancel_by_owner", "complete", "create", "deadlines", "decide", "dispatch_deadline",

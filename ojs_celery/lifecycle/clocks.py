@@ -47,8 +47,8 @@ def _no_lag(policy: Policy) -> float:
 
 @dataclass(frozen=True)
 class BlindSpell:
-    """The last time no process reached the store for long enough to hide beats (a Redis
-    pause or failover stops the workers' beats and the sweeps alike): from the last contact
+    """The last time no sweep reached the store for long enough to hide beats (a Redis pause
+    or failover stops the workers' beats and the sweeps alike): from the last sweep's contact
     before it to the first after it (see ``MetaArea.record_contact``).
 
     Silence in it is not a worker's: were it counted, the first sweep after a pause longer than
