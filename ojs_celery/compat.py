@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from time import monotonic
 from typing import Any
 
+import celery
 from celery.utils.collections import ConfigurationView
 
 __all__ = [
@@ -43,14 +44,19 @@ __all__ = [
 # --- Celery -----------------------------------------------------------------------------------
 
 
+#: Celery 5.7 searches the settings map by map, each for every spelling of a key; 5.4 to 5.6
+#: spelling by spelling, each in every map (``ConfigurationView.__getitem__``, read in each).
+_SETTINGS_BY_MAP = tuple(int(part) for part in celery.__version__.split(".")[:2]) >= (5, 7)
+
+
 def celery_setting(app: Any, key: str) -> Any:
-    """``app.conf[key]``, found as Celery's ``ConfigurationView.__getitem__`` finds it: the
-    first mapping of ``conf.maps`` (the changes, then the defaults) that holds one of the key's
-    spellings (``conf._to_keys``: the namespaced, new and old names), in their order. The
-    spellings depend on the key alone, so they are worked out once per configuration: Celery's
-    lookup costs about 5 µs, a handful of them per ``.delay()`` (read in Celery 5.4 – 5.7,
-    unchanged). Anything else (a configuration not loaded yet, whose namespace may still change
-    when Celery loads it in the same object; a key transform; a key found nowhere) goes
+    """``app.conf[key]``, found as Celery's ``ConfigurationView.__getitem__`` finds it: one of
+    the key's spellings (the namespaced, new and old names) in one of ``conf.maps`` (the
+    changes, then the defaults), in the order of the installed Celery (see
+    :data:`_SETTINGS_BY_MAP`). The spellings depend on the key alone, so they are worked out
+    once per configuration: Celery's lookup costs about 5 µs, a handful of them per
+    ``.delay()``. Anything else (a configuration not loaded yet, whose namespace may still
+    change when Celery loads it in the same object; a key transform; a key found nowhere) goes
     through Celery's own lookup."""
     conf = app.conf
     if (not getattr(app, "configured", False) or not isinstance(conf, ConfigurationView)
@@ -59,11 +65,19 @@ def celery_setting(app: Any, key: str) -> Any:
     known: dict[str, tuple[str, ...]] = vars(conf).setdefault("_ojs_spellings", {})
     spellings = known.get(key)
     if spellings is None:
-        spellings = known[key] = tuple(conf._to_keys(key))
-    for mapping in conf.maps:
+        found = [*conf._to_keys(key), *(f(key) for f in conf._keys or ())]
+        spellings = known[key] = tuple(dict.fromkeys(found))  # in order, once each
+    maps = conf.maps
+    if _SETTINGS_BY_MAP:
+        for mapping in maps:
+            for spelling in spellings:
+                if spelling in mapping:
+                    return mapping[spelling]
+    else:
         for spelling in spellings:
-            if spelling in mapping:
-                return mapping[spelling]
+            for mapping in maps:
+                if spelling in mapping:
+                    return mapping[spelling]
     return conf[key]
 
 
