@@ -67,8 +67,8 @@ class StoreUncertain(StoreError):
     def __init__(self, job_id: str, error: str = "") -> None:
         self.job_id = job_id
         self.error = error
-        # its arguments, not its message: Celery's JSON result serializer rebuilds an
-        # exception from its args
+        # its arguments, not its message: pickle and Celery's JSON result serializer rebuild
+        # an exception from its args
         super().__init__(job_id, error)
 
     def __str__(self) -> str:
@@ -77,9 +77,6 @@ class StoreUncertain(StoreError):
                 f"asked whether it was done{said}; the job may or may not be stored (look it "
                 "up, or enqueue the same envelope again with this id: it returns the job if it "
                 "was stored)")
-
-    def __reduce__(self) -> tuple[type[StoreUncertain], tuple[str, str]]:
-        return (type(self), (self.job_id, self.error))
 
 
 class DuplicateJob(ValueError):
