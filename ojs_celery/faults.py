@@ -1,5 +1,5 @@
 """Failures of long-lived loops (the worker's beat, directives and drain; the sweep loop and
-the sweep task), logged once per kind.
+the sweep task), logged once per kind; and a condition that lasts, said at most so often.
 
 A loop that meets an error keeps going (a Redis error reply, a PostgreSQL read-only
 transaction, a bug in one request's data must not end the BEAT thread, or the sweeper declares a
@@ -50,3 +50,19 @@ class OncePerKind:
             recovered, self._seen = bool(self._seen), set()
         if recovered:
             self.logger.warning("ojs_celery: %s works again", self.what)
+
+
+class AtMostEvery:
+    """Says whether a lasting condition (an outcome waiting for the store, a clock out of
+    step) is due to be logged again: the first time, then once every ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._said: float | None = None
+
+    def due(self, now: float) -> bool:
+        """``now`` on a monotonic clock; True: log it now (and count from now)."""
+        if self._said is not None and now - self._said < self.seconds:
+            return False
+        self._said = now
+        return True

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from . import lifecycle
 from .effects import carry_out
 from .envelope import JsonValue
-from .faults import OncePerKind
+from .faults import AtMostEvery, OncePerKind
 from .lifecycle import BlindSpell, Rule, WorkerClock
 from .producer import BrokerUnavailable
 from .runtime import Runtime
@@ -213,9 +213,8 @@ def _skip(
     return None
 
 
-#: How often a blind spell ahead of this host's clock is said (see ``_blind_spell``).
-FUTURE_SPELL_WARN_EVERY = 600.0
-_future_spell_said = -FUTURE_SPELL_WARN_EVERY
+#: A blind spell ahead of this host's clock is said every ten minutes at most (``_blind_spell``).
+_future_spell = AtMostEvery(600.0)
 
 
 def _blind_spell(runtime: Runtime) -> BlindSpell | None:
@@ -223,14 +222,12 @@ def _blind_spell(runtime: Runtime) -> BlindSpell | None:
     this host's clock (a sweeper whose clock is ahead recorded it): such a spell would keep
     every worker and job from being judged for as long as that clock is ahead, so it is left
     out, and said every ten minutes at most."""
-    global _future_spell_said
     settings = runtime.settings
     wall = time.time()
     spell = runtime.store.meta.record_contact(wall, settings.blind_after)
     if spell is None or spell.end <= wall + settings.blind_after:
         return spell
-    if time.monotonic() - _future_spell_said >= FUTURE_SPELL_WARN_EVERY:
-        _future_spell_said = time.monotonic()
+    if _future_spell.due(time.monotonic()):
         logger.warning("ojs_celery: a blind spell recorded by another sweeper ends %.1fs ahead "
                        "of this host's clock: left out (are the hosts' clocks in step?)",
                        spell.end - wall)

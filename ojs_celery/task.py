@@ -26,6 +26,7 @@ from .context import JobContext, _current, maybe_current_job
 from .eager import apply_eagerly, run_eagerly
 from .effects import carry_out
 from .envelope import CELERY_KWARGS_FIELD, Job, json_native
+from .faults import AtMostEvery
 from .identity import current_worker_id
 from .lifecycle import Transition
 from .lifecycle.rules import celery_semantics
@@ -393,7 +394,7 @@ def _write(operation: Callable[[], Transition], ctx: JobContext) -> Transition |
     began = time.monotonic()
     job = ctx.job
     give_up = max(ctx.started + job.timeout + job.grace_period, began + OUTCOME_RETRY_AT_LEAST)
-    said: float | None = None
+    waiting = AtMostEvery(OUTCOME_RETRY_SAY_EVERY)
     pause = 0.2
     while True:
         try:
@@ -404,8 +405,7 @@ def _write(operation: Callable[[], Transition], ctx: JobContext) -> Transition |
                 logger.error("ojs_celery: giving up writing an outcome after %.0fs: %s",
                              now - began, exc)
                 return None
-            if said is None or now - said >= OUTCOME_RETRY_SAY_EVERY:
-                said = now
+            if waiting.due(now):
                 logger.warning("ojs_celery: store write of an outcome failed, retrying (for "
                                "%.0fs now): %s", now - began, exc)
             time.sleep(min(pause, give_up - now))

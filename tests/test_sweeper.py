@@ -4,7 +4,6 @@ explicit clocks: what is due is enforced once, whoever sweeps."""
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import pathlib
 import threading
@@ -18,6 +17,7 @@ from celery import Celery
 from ojs_celery import enqueue
 from ojs_celery import sweeper as sweeper_module
 from ojs_celery.envelope import parse_envelope
+from ojs_celery.faults import AtMostEvery
 from ojs_celery.lifecycle import BlindSpell
 from ojs_celery.runtime import Runtime, get_runtime
 from ojs_celery.store import StoreError
@@ -506,7 +506,7 @@ def test_a_blind_spell_ahead_of_this_hosts_clock_is_left_out(
                                   last_beat=wall - timeout - 5))
     store.meta.record_contact(wall - 2, blind_after=1.0)
     store.meta.record_contact(wall + 3600, blind_after=1.0)  # the host an hour ahead
-    monkeypatch.setattr(sweeper_module, "_future_spell_said", -math.inf)  # said once a process
+    monkeypatch.setattr(sweeper_module, "_future_spell", AtMostEvery(600.0))  # said per process
     with caplog.at_level(logging.WARNING, logger="ojs_celery.sweeper"):
         assert sweep(runtime, now=time.time()).applied["worker"] == 1
     assert store.workers.get("worker_gone") is None
