@@ -24,6 +24,7 @@ from pydantic import (
 from . import compat
 from .envelope import TYPE_PATTERN, Job, field_violations
 from .lifecycle import DAY, ERRORS_KEPT, Policy
+from .store.base import DEFAULT_TIMEOUT as DEFAULT_STORE_TIMEOUT
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ class Settings(BaseModel):
     #: insert that does not wait for the disk (README, settings).
     store_synchronous_commit: Literal["on", "off", "local", "remote_write",
                                       "remote_apply"] | None = None
+    #: Seconds a store call waits for the store's answer before it fails (see
+    #: :data:`ojs_celery.store.base.DEFAULT_TIMEOUT`).
+    store_timeout: float = Field(DEFAULT_STORE_TIMEOUT, gt=0, le=3600)
     type_map: dict[str, str] = {}
     events: bool = True
     amqp_max_priority: int = Field(10, ge=1, le=255)

@@ -124,6 +124,7 @@ class Runtime:
                         policy=self.settings.policy,
                         prefix=self.settings.store_prefix,
                         synchronous_commit=self.settings.store_synchronous_commit,
+                        timeout=self.settings.store_timeout,
                     )
                     self._joint_known = False
         return self._store

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import socket
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -189,6 +190,16 @@ def redis_server(tmp_path: pathlib.Path) -> Iterator[PrivateRedis]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port whose listener never accepts: the kernel completes the connection, and no
+    server ever answers on it (a hung server, as a client sees it)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield int(listener.getsockname()[1])
 
 
 @pytest.fixture

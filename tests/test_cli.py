@@ -150,6 +150,19 @@ def test_a_store_that_is_down_is_one_line_and_status_4(env: Env) -> None:
             assert re.search(r"job [0-9a-f-]{36}: .*may or may not be stored", out.stderr)
 
 
+def test_a_store_that_never_answers_gives_up_after_store_timeout(
+    env: Env, silent_port: int
+) -> None:
+    """``ojs.store_timeout`` bounds the wait for a store that accepts connections and never
+    answers (a hung server): status 4 and one line, well within the run's 60 s."""
+    hung = {"ojs": {**env.config["ojs"], "store_url": f"redis://127.0.0.1:{silent_port}/0",
+                    "store_timeout": 1}}
+    out = run_with(env, hung, "enqueue", "-", stdin='{"type": "e2e.add", "args": [1, 2]}')
+    assert out.returncode == 4, out.stderr
+    assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr
+    assert "Timeout" in out.stderr and "may or may not be stored" in out.stderr
+
+
 def test_a_broker_that_is_down_stores_the_job_for_the_sweeper(
     env: Env, tmp_path: pathlib.Path
 ) -> None:

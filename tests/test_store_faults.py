@@ -10,7 +10,9 @@ session the server terminates.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -118,10 +120,15 @@ class Ops:
 
 
 def each_fails_then_works(store: JobStore, ops: dict[str, Op], heal: Callable[[], object],
-                          message: str) -> None:
+                          message: str, within: float | None = None) -> None:
+    """Each of ``ops`` fails with a StoreError saying ``message`` (in at most ``within``
+    seconds), then works once ``heal()`` returned."""
     for name, op in ops.items():
+        started = time.monotonic()
         with pytest.raises(StoreError) as info:
             op(store)
+        took = time.monotonic() - started
+        assert within is None or took < within, (name, took)
         assert message in str(info.value), (name, str(info.value))
         assert info.value.__cause__ is not None, name
     heal()
@@ -206,6 +213,27 @@ def test_redis_read_only_replica(private_redis: PrivateRedis, redis_store: JobSt
     each_fails_then_works(redis_store, writes,
                           lambda: admin.replicaof("NO", "ONE"),
                           "read only replica")
+
+
+def test_redis_server_that_stops_answering(private_redis: PrivateRedis) -> None:
+    """A Redis that stops answering (frozen by SIGSTOP: its kernel keeps the connections open,
+    as with a hung server) fails each call within a few ``store_timeout``s, not after the
+    kernel's quarter of an hour; a write whose reply never came is settled by reads that time
+    out too, and leaves as StoreUncertain. Once the server answers, the same store works."""
+    store = open_store(private_redis.url, policy=Policy(), prefix="frozen", timeout=1.0)
+    try:
+        ops = Ops(store)
+        writes = {**ops.writes(), "get (a read)": lambda s: s.get(ops.jobs[0].id)}
+        os.kill(private_redis.process.pid, signal.SIGSTOP)
+        try:
+            # timeout, then at most two more (a lost write's settling reads), with slack
+            each_fails_then_works(store, writes,
+                                  lambda: os.kill(private_redis.process.pid, signal.SIGCONT),
+                                  "Timeout", within=10)
+        finally:
+            os.kill(private_redis.process.pid, signal.SIGCONT)
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize(
@@ -450,3 +478,50 @@ def test_a_store_that_is_down_says_so_in_one_line(url: str) -> None:
     said = str(info.value)
     assert "\n" not in said and said.startswith("job store error: ")
     assert "refused" in said.lower()
+
+
+# ------------------------------------------------------------------ a server that never answers
+
+
+@pytest.mark.parametrize("scheme", ["redis", "postgresql"])
+def test_a_store_that_never_answers_fails_within_its_timeout(
+    silent_port: int, scheme: str
+) -> None:
+    url = (f"redis://127.0.0.1:{silent_port}/0" if scheme == "redis"
+           else f"postgresql://ojs@127.0.0.1:{silent_port}/ojs")
+    store = open_store(url, policy=Policy(), prefix="silent", timeout=1.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreError) as info:  # connecting (PostgreSQL) or the first reply
+            store.create(new_job())
+        assert time.monotonic() - started < 15  # libpq's connect_timeout is at least 2 s
+        assert "job store error" in str(info.value)
+    finally:
+        store.close()
+
+
+def _libpq_settings(store: SQLStore) -> dict[str, str]:
+    with store.engine.connect() as conn:
+        settings: dict[str, str] = conn.connection.dbapi_connection.info.get_parameters()
+        return settings
+
+
+def test_postgres_connections_give_up_on_a_silent_server(pg_prefix: str) -> None:
+    """libpq's own limits, set from ``store_timeout`` on every connection of the store (the
+    pool's and so the insert lane's); those the URL names are kept."""
+    store = open_store(postgres_url(), policy=Policy(), prefix=pg_prefix, timeout=12)
+    url = sa.make_url(postgres_url()).update_query_dict({"keepalives_idle": "30"})
+    named = open_store(url.render_as_string(hide_password=False), policy=Policy(),
+                       prefix=pg_prefix, timeout=12)
+    try:
+        assert isinstance(store, SQLStore) and isinstance(named, SQLStore)
+        settings = _libpq_settings(store)
+        assert {name: settings.get(name) for name in (
+            "connect_timeout", "keepalives", "keepalives_idle", "keepalives_interval",
+            "keepalives_count", "tcp_user_timeout")} == {
+            "connect_timeout": "12", "keepalives": "1", "keepalives_idle": "6",
+            "keepalives_interval": "2", "keepalives_count": "3", "tcp_user_timeout": "12000"}
+        assert _libpq_settings(named)["keepalives_idle"] == "30"
+    finally:
+        store.close()
+        named.close()

@@ -8,7 +8,7 @@ A store has three parts on one backend: the jobs (:class:`JobStore`), the worker
 from __future__ import annotations
 
 from ..lifecycle import Policy
-from .base import DuplicateJob, JobStore, StoreError, StoreUncertain
+from .base import DEFAULT_TIMEOUT, DuplicateJob, JobStore, StoreError, StoreUncertain
 from .meta import MetaArea
 from .workers import WorkerInfo, WorkerRegistry
 
@@ -26,23 +26,25 @@ __all__ = [
 
 def open_store(
     url: str, policy: Policy | None = None, prefix: str = "ojs",
-    synchronous_commit: str | None = None,
+    synchronous_commit: str | None = None, timeout: float = DEFAULT_TIMEOUT,
 ) -> JobStore:
     """A store for ``url``: ``sqlite:///path``, ``postgresql://...`` or ``redis://...``.
 
     ``prefix`` namespaces the tables (SQL) or keys (Redis), so several apps or test runs can
     share one server. ``synchronous_commit``: PostgreSQL's, for every session of the store.
+    ``timeout``: the seconds a call waits for the server before it fails (the ``store_timeout``
+    setting); the URL's own socket or connection timeouts, when it names them, win.
     """
     scheme = url.split(":", 1)[0].lower()
     if scheme in ("redis", "rediss", "unix"):
         from .redis import RedisStore
 
-        return RedisStore(url, policy=policy, prefix=prefix)
+        return RedisStore(url, policy=policy, prefix=prefix, timeout=timeout)
     if scheme.startswith(("sqlite", "postgresql", "postgres")):
         from .sql import SQLStore
 
         return SQLStore(url, policy=policy, prefix=prefix,
-                        synchronous_commit=synchronous_commit)
+                        synchronous_commit=synchronous_commit, timeout=timeout)
     raise ValueError(
         f"store_url: unsupported scheme {scheme!r} (use sqlite:///path, postgresql://... "
         "or redis://...)"

@@ -90,6 +90,13 @@ class DuplicateJob(ValueError):
         return (type(self), (self.job_id,))
 
 
+#: Seconds a store call waits for the store's answer (and for a new connection) before it fails
+#: with :class:`StoreError` (:class:`StoreUncertain` for a write that may have been done): the
+#: default of the ``store_timeout`` setting. Without one, a store host that stops answering would
+#: hold every caller until the kernel gives up on the connection, a quarter of an hour later.
+DEFAULT_TIMEOUT = 10.0
+
+
 #: A URL's password: ``scheme://user:PASSWORD@`` (up to the netloc's last ``@``), or a query
 #: parameter such as ``?password=PASSWORD``.
 _SECRETS = re.compile(

@@ -30,6 +30,7 @@ from redis.retry import Retry
 from .. import compat
 from ..lifecycle import CLOCKS, Policy, Record
 from .base import (
+    DEFAULT_TIMEOUT,
     RECORD_FIELDS,
     JobStore,
     NewRow,
@@ -131,16 +132,23 @@ class RedisStore(JobStore):
     the child, so a store used before Celery's prefork pool forks keeps working after.
     """
 
-    def __init__(self, url: str, policy: Policy | None = None, prefix: str = "ojs") -> None:
+    def __init__(self, url: str, policy: Policy | None = None, prefix: str = "ojs",
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
         super().__init__(policy)
         #: The URL without its password (the client keeps the real one).
         self.url = mask_secrets(url)
         self.prefix = prefix
         # Few, quick retries: a store call should fail fast (StoreError) when Redis is down.
+        # A lost connection is retried; a server that stopped answering (a timeout) is not: it
+        # would only make the caller wait ``timeout`` again. The URL's own ``socket_timeout``
+        # and ``socket_connect_timeout`` win over ``timeout`` (redis-py lets them).
         self.client: redis.Redis = redis.Redis.from_url(
             url,
             decode_responses=True,
-            retry=Retry(compat.jitter_backoff(base=0.01, cap=0.2), retries=2),
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(compat.jitter_backoff(base=0.01, cap=0.2), retries=2,
+                        supported_errors=(redis.ConnectionError,)),
         )
         self._job_prefix = f"{prefix}:job:"
         self._due_keys = {clock: f"{prefix}:due:{clock}" for clock in CLOCKS}

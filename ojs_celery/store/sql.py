@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sqlite3
 import threading
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -41,6 +42,7 @@ from sqlalchemy.pool import StaticPool
 
 from ..lifecycle import CLOCKS, Policy, Record
 from .base import (
+    DEFAULT_TIMEOUT,
     RECORD_FIELDS,
     JobStore,
     NewRow,
@@ -101,6 +103,29 @@ def normalise_url(url: str) -> URL:
     elif parsed.drivername.startswith("postgres+"):
         parsed = parsed.set(drivername="postgresql+" + parsed.drivername.split("+", 1)[1])
     return parsed
+
+
+#: The PostgreSQL drivers built on libpq, which take :func:`_unanswered_after`'s settings.
+_LIBPQ_DRIVERS = ("psycopg", "psycopg2")
+
+
+def _unanswered_after(timeout: float, given: Mapping[str, object]) -> dict[str, Any]:
+    """libpq's settings that end a PostgreSQL connection whose server stopped answering
+    (a host or network gone) after about ``timeout`` seconds, instead of the kernel's quarter
+    of an hour: the connect's own limit, TCP keepalives while a reply is awaited, and the limit
+    on data the server leaves unacknowledged. Those the URL names (``given``) are kept. A
+    server that is up but stuck (frozen, or waiting for its disk) still answers at the TCP
+    level, so none of these ends that wait (README, "When the job store stops answering")."""
+    seconds = max(2, math.ceil(timeout))  # libpq's connect_timeout: whole seconds, at least 2
+    wanted: dict[str, Any] = {
+        "connect_timeout": seconds,
+        "keepalives": 1,
+        "keepalives_idle": max(1, seconds // 2),
+        "keepalives_interval": max(1, seconds // 6),
+        "keepalives_count": 3,
+        "tcp_user_timeout": seconds * 1000,
+    }
+    return {name: value for name, value in wanted.items() if name not in given}
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -177,10 +202,11 @@ class SQLStore(JobStore):
 
     def __init__(
         self, url: str, policy: Policy | None = None, prefix: str = "ojs",
-        synchronous_commit: str | None = None,
+        synchronous_commit: str | None = None, timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__(policy)
         self.url = normalise_url(url)
+        self.timeout = timeout
         self.prefix = prefix
         backend = self.url.get_backend_name()
         if backend not in ("sqlite", "postgresql"):
@@ -340,7 +366,10 @@ class SQLStore(JobStore):
             engine = sa.create_engine(self.url, **kwargs)
             event.listen(engine, "connect", _sqlite_on_connect)
             return engine
-        engine = sa.create_engine(self.url, isolation_level="AUTOCOMMIT")
+        libpq = self.url.get_driver_name() in _LIBPQ_DRIVERS
+        engine = sa.create_engine(
+            self.url, isolation_level="AUTOCOMMIT",
+            connect_args=_unanswered_after(self.timeout, self.url.query) if libpq else {})
         if self.synchronous_commit is not None:
             statement = f"SET synchronous_commit = {self.synchronous_commit}"  # a literal
 
