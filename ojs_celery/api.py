@@ -265,19 +265,24 @@ def enqueue_job(
         return transition.record.job
     # A fresh UUIDv7 cannot collide: publish while the store write is in flight (one round
     # trip instead of two). If the write fails, enqueue raises and the message already sent
-    # names a job that does not exist, which a worker drops.
+    # names a job that does not exist, which a worker drops. Its outbox entry is cleared only
+    # once the write is confirmed: there is none to clear otherwise.
     transition, confirm = runtime.store.begin_create(job)
     assert transition.record is not None
     unpublished: Exception | None = None
+    acks: list[tuple[str, int]] = []
     if transition.publish is not None:
         try:
-            publish(runtime, transition.record.job, transition.publish, record=transition.record)
+            publish(runtime, transition.record.job, transition.publish, record=transition.record,
+                    acks=acks)
         except Exception as exc:  # the store write decides what enqueue reports
             unpublished = exc
         except BaseException:  # interrupted: Ctrl-C, gevent's Timeout, a worker's exit
             _settle_interrupted(job.id, confirm)
             raise
     confirm()  # raises if nothing was stored: the message, if sent, names no job
+    for job_id, token in acks:
+        runtime.acks.ack(job_id, token)
     runtime.emit(transition)
     if unpublished is not None:
         log_unpublished(job.id, unpublished)

@@ -146,8 +146,9 @@ def publish(
     message returned, to put its snapshot in the header; ``producer``, a kombu producer held
     for many messages (``app.producer_or_acquire()``), to spare a pool acquire per message
     (otherwise one is acquired here, as Celery would);
-    ``acks``, inside :func:`sent_together`, to collect the outbox acknowledgement for the
-    caller to give once the batch is really sent, instead of giving it now.
+    ``acks``, to collect the outbox acknowledgement for the caller to give once it knows
+    there is an entry to clear (a batch of :func:`sent_together` really sent, the store write
+    that owes the message confirmed), instead of giving it now.
 
     Raises :class:`BrokerUnavailable` if the broker cannot be reached; the outbox entry stays,
     so the sweeper publishes it later.

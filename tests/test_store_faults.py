@@ -10,6 +10,7 @@ session the server terminates.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -25,14 +26,16 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from ojs_celery import lifecycle
+from ojs_celery import enqueue, lifecycle
 from ojs_celery.conf import read_settings
 from ojs_celery.envelope import Job
 from ojs_celery.lifecycle import Policy
+from ojs_celery.runtime import get_runtime
 from ojs_celery.store import JobStore, StoreError, WorkerInfo, open_store
 from ojs_celery.store.sql import SQLStore
+from tests.e2eapp import make_app
 from tests.services import postgres_url
-from tests.workers import wait_for
+from tests.workers import filesystem_config, wait_for
 
 Op = Callable[[JobStore], Any]
 
@@ -525,3 +528,27 @@ def test_postgres_connections_give_up_on_a_silent_server(pg_prefix: str) -> None
     finally:
         store.close()
         named.close()
+
+
+def test_an_enqueue_the_store_refuses_leaves_no_outbox_entry_to_clear(
+    pg_prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``enqueue`` of a job with a generated id publishes while its insert is in flight. When
+    the store refuses the insert (read-only sessions, as on a standby), enqueue raises and
+    nothing is stored, so there is no outbox entry: none is cleared, and nothing says that one
+    could not be (PostgreSQL refuses even an update of no rows there)."""
+    config = filesystem_config(tmp_path)
+    config["ojs"] = {**config["ojs"], "store_url": _read_only_url(), "store_prefix": pg_prefix,
+                     "events": False}
+    app = make_app(config)
+    runtime = get_runtime(app)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ojs_celery"):
+            with pytest.raises(StoreError, match="read-only transaction"):
+                enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+            assert runtime.acks.flush()
+        assert runtime.store.due("dispatch", time.time() + 3600, 10) == []  # no entry
+        assert not [r for r in caplog.records if "outbox" in r.getMessage()], caplog.text
+    finally:
+        runtime.close()
+        app.close()
