@@ -263,16 +263,17 @@ def _watch_sweeps(runtime: Runtime) -> None:
         time.sleep(stale_after)
         warned = 0.0
         while True:
+            now = time.time()
             try:
                 last = last_sweep(runtime)
-            except Exception:
-                last = None
-            now = time.time()
+            except Exception:  # the store is down: what fails is logged where it fails
+                last = now
             if (last is None or now - last > stale_after) and now - warned > 60:
                 warned = now
                 logger.warning(
-                    "ojs_celery: no OJS sweep has run for %.0fs (interval %ss): run `celery "
-                    "beat` with a worker consuming queue %r, or `ojs-celery sweep --loop`",
+                    "ojs_celery: no OJS sweep has completed for %.0fs (interval %ss): if none "
+                    "runs, run `celery beat` with a worker consuming queue %r, or `ojs-celery "
+                    "sweep --loop`; if they run, the sweep worker's log says why they fail",
                     (now - last) if last else stale_after, interval,
                     runtime.settings.sweep_queue,
                 )

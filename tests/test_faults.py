@@ -70,7 +70,7 @@ def test_store_down_when_a_message_arrives_sends_it_back_to_the_broker(
 
 def test_workers_warn_when_no_sweep_runs(tmp_path: pathlib.Path) -> None:
     with start_env("filesystem", tmp_path, config={"ojs": {"sweep_interval": 0.2}}) as env:
-        wait_for(lambda: "no OJS sweep has run" in env.worker.log(), 10, "the warning")
+        wait_for(lambda: "no OJS sweep has completed" in env.worker.log(), 10, "the warning")
 
 
 def test_a_batch_with_the_broker_down_is_stored_and_owed(tmp_path: pathlib.Path) -> None:

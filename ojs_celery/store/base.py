@@ -55,6 +55,11 @@ class StoreError(RuntimeError):
     """The store could not be reached or refused an operation."""
 
 
+class StoreTimeout(StoreError):
+    """The store gave no answer within its timeout: asking it again at once would only wait as
+    long again, so a call that settles a lost reply does not."""
+
+
 class StoreUncertain(StoreError):
     """The store failed during an insert and could not be asked afterwards whether the insert
     was done: the job may or may not be stored. (A refused connection cannot tell either: an
@@ -118,11 +123,13 @@ def mask_secrets(text: str) -> str:
 def store_errors(
     is_fault: Callable[[Exception], bool],
     detail: Callable[[Exception], object] = lambda exc: exc,
+    is_timeout: Callable[[Exception], bool] = lambda exc: False,
 ) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]:
     """A decorator for a backend's operations: an exception that ``is_fault`` recognises as
     its server's or driver's leaves as :class:`StoreError` with the server's message (``detail``
     picks the part that says it) and the original as its cause, so that callers handle one
-    exception type whatever the backend. :class:`DuplicateJob` keeps its meaning.
+    exception type whatever the backend; as :class:`StoreTimeout` when ``is_timeout`` says the
+    server did not answer in time. :class:`DuplicateJob` keeps its meaning.
     """
 
     def decorate(method: Callable[_P, _T]) -> Callable[_P, _T]:
@@ -138,7 +145,7 @@ def store_errors(
                 cause = detail(exc)
                 said = " ".join(str(cause).split())  # one line (psycopg's take two)
                 message = mask_secrets(f"job store error: {type(cause).__name__}: {said}")
-                raise StoreError(message) from exc
+                raise (StoreTimeout if is_timeout(exc) else StoreError)(message) from exc
 
         return wrapper
 
@@ -353,9 +360,12 @@ class JobStore(ABC):
     def _load_or_uncertain(self, job_id: str) -> Record | None:
         """The record, read to settle an insert; tried twice, because the failure that made
         the insert uncertain often ended the pooled connection the first read takes (a
-        session terminated in a failover), and the second gets a new one."""
+        session terminated in a failover), and the second gets a new one. Not after a
+        :class:`StoreTimeout`: the store is not answering, and would not answer the second."""
         try:
             return self._load(job_id)
+        except StoreTimeout as exc:
+            raise StoreUncertain(job_id, str(exc)) from exc
         except StoreError:
             pass
         try:

@@ -90,7 +90,8 @@ CLOCKS_ID = format(zlib.crc32(",".join(CLOCKS).encode()), "08x")
 #: Every error of Redis or of redis-py: a lost connection, and every error reply (``OOM`` under
 #: ``maxmemory`` with ``noeviction``, ``READONLY`` on a replica, ``NOPERM`` from an ACL,
 #: ``MISCONF``...). The connection that carried an error reply stays usable.
-_wrap_errors = store_errors(lambda exc: isinstance(exc, (redis.RedisError, OSError)))
+_wrap_errors = store_errors(lambda exc: isinstance(exc, (redis.RedisError, OSError)),
+                            is_timeout=lambda exc: isinstance(exc, redis.TimeoutError))
 
 
 def _num(value: float | None) -> str:
@@ -220,6 +221,8 @@ class RedisStore(JobStore):
         """The reply to an insert :meth:`_insert_begin` sent."""
         try:
             done = answer()
+        except redis.TimeoutError:
+            raise  # no answer in time: sent again it would wait as long; a read settles it
         except LOST:  # sent again: the script recognises its own earlier insert
             return self._insert(record, deadlines)
         if done is MISSED:
