@@ -222,12 +222,13 @@ class OJSTask(Task):  # type: ignore[misc]
             logger.error("ojs_celery: store unreachable, job %s goes back to the broker: %s",
                          job_id, exc)
             time.sleep(STORE_DOWN_PAUSE)
-            raise Reject(f"store unreachable: {exc}", requeue=True) from exc
+            # from None: logged above in one line; Celery logs the Reject with its traceback
+            raise Reject(f"store unreachable: {exc}", requeue=True) from None
         except Exception as exc:  # any other error: undecided, the broker keeps the message
             logger.error("ojs_celery: cannot start job %s, its message goes back to the broker: "
                          "%r", job_id, exc, exc_info=True)
             time.sleep(STORE_DOWN_PAUSE)
-            raise Reject(f"start undecided: {exc}", requeue=True) from exc
+            raise Reject(f"start undecided: {exc}", requeue=True) from None  # traced above
         if started.reason == "unknown_job":
             if arrived.record_may_come():
                 logger.warning("ojs_celery: job %s has no record yet (its insert may be in "
