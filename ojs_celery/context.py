@@ -44,6 +44,9 @@ class JobContext:
         self.last_checkpoint: JsonValue = record.job.last_checkpoint
         self.cancelled = False
         self.started = time.monotonic()
+        #: Seconds the attempt's start waited (for the store) after the message reached the
+        #: pool process, where Celery's time limits start counting.
+        self.start_waited = 0.0
         self._last_progress_event = -PROGRESS_EVENT_INTERVAL
 
     @property

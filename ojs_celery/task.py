@@ -57,6 +57,9 @@ __all__ = ["JobError", "OJSTask", "error_from_exception"]
 OUTCOME_RETRY_SAY_EVERY = 60.0
 #: The least time an outcome the store refuses is retried (see ``_write``).
 OUTCOME_RETRY_AT_LEAST = 30.0
+#: A start that waited this long for the store is named in a timeout's error: the handler had
+#: that much less of its time limit.
+START_WAIT_WORTH_SAYING = 1.0
 #: Pause before a message goes back to the broker because the store is unreachable.
 STORE_DOWN_PAUSE = 1.0
 
@@ -170,7 +173,9 @@ class OJSTask(Task):  # type: ignore[misc]
         softlimit.watch()
         softlimit.hold()  # until the handler's first line, and again after its last
         try:
+            arrived = time.monotonic()
             ctx = self._start(runtime, str(self.request.id), current_worker_id(), args, kwargs)
+            ctx.start_waited = ctx.started - arrived
             reset = _current.set(ctx)
             try:
                 outcome = run_handler(lambda: self._run_released(args, kwargs))
@@ -276,10 +281,11 @@ class OJSTask(Task):  # type: ignore[misc]
                 "shutdown", "cancelled because the worker shut down before the job finished")
         elif isinstance(outcome, TimedOut):
             elapsed = time.monotonic() - ctx.started
-            error = lifecycle.timeout_error(
-                "timeout", job.timeout, elapsed,
-                f"execution timeout of {job.timeout}s exceeded",
-            )
+            said = f"execution timeout of {job.timeout}s exceeded"
+            if ctx.start_waited >= START_WAIT_WORTH_SAYING:
+                said += (f" (Celery's time limit counts from the message's arrival: the start "
+                         f"waited {ctx.start_waited:.1f}s for the job store)")
+            error = lifecycle.timeout_error("timeout", job.timeout, elapsed, said)
         elif isinstance(outcome, Retried):
             error = (error_from_exception(outcome.cause) if outcome.cause is not None
                      else lifecycle.make_error("Retry", "retry requested by the handler"))

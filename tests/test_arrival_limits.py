@@ -57,6 +57,8 @@ def test_time_limits_in_the_bookkeeping_end_in_an_outcome(env: Env) -> None:
         done = env.wait_state(job_id, "completed", timeout=60)
         assert done.attempt == 2
         assert [(e["attempt"], e["type"]) for e in done.errors] == [(1, "timeout")]
+        # the error says why a 1 s limit fired before the handler ran at all
+        assert "the start waited 4." in str(done.errors[0]["message"]), done.errors
         assert runs(env, job_id) == [f"{SLOW_TYPE} {job_id} attempt=2"]
 
     done = env.wait_state(outcome, "completed", timeout=60)
