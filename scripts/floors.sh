@@ -19,7 +19,7 @@ FLOORS=(
     "pydantic==2.6.2"             # 2.6.1 and older (pydantic-core 2.16.2) take "2030-01-02" as an aware datetime
     "SQLAlchemy==2.0.28"          # 2.0.27 and older drop an INSERT's rowcount (preserve_rowcount)
     "click==8.1.2"                # Celery 5.4 to 5.6 ask for 8.1.2 (5.7: 8.3.1)
-    "redis==5.0.0"
+    "redis==5.0.8"                # 5.0.7 and older drop a unix socket's socket_timeout
     "hiredis==2.1.0"              # the oldest with wheels for Python 3.11
     "psycopg==3.1.4" "psycopg-binary==3.1.4"   # the oldest binary wheels for Python 3.11
 )
