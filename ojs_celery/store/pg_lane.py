@@ -28,7 +28,7 @@ from typing import Any
 from psycopg import pq
 
 from .base import StoreError
-from .sql_lane import DetachedLane
+from .sql_lane import DetachedLane, unanswered
 
 __all__ = ["PgLane", "text_param", "text_params"]
 
@@ -71,9 +71,11 @@ class PgLane(DetachedLane):
             pgconn = self._pgconn()
             pgconn.send_query_prepared(name.encode(), text_params(values))
             _flush(pgconn)
-        except Exception:
+        except Exception as exc:
             self._drop()
             self._lock.release()
+            if unanswered(exc):
+                raise  # the ordinary path would wait for the silent server as long again
             return None
 
         def answer() -> int:

@@ -54,7 +54,7 @@ from .base import (
     store_errors,
 )
 from .meta import MetaArea
-from .sql_lane import SqliteLane
+from .sql_lane import SqliteLane, unanswered
 from .sql_lane import fits as sqlite_lane_fits
 from .workers import WorkerInfo, WorkerRegistry
 
@@ -77,7 +77,8 @@ def _is_fault(exc: Exception) -> bool:
 
 #: The driver's own exception says what happened; SQLAlchemy's adds the SQL text and its
 #: parameters (a whole job, perhaps), which have no place in a message.
-_wrap_errors = store_errors(_is_fault, lambda exc: getattr(exc, "orig", None) or exc)
+_wrap_errors = store_errors(_is_fault, lambda exc: getattr(exc, "orig", None) or exc,
+                            is_timeout=unanswered)
 
 
 @contextlib.contextmanager
@@ -109,13 +110,17 @@ def normalise_url(url: str) -> URL:
 _LIBPQ_DRIVERS = ("psycopg", "psycopg2")
 
 
-def _unanswered_after(timeout: float, given: Mapping[str, object]) -> dict[str, Any]:
+def _unanswered_after(timeout: float, given: Mapping[str, object], driver: str) -> dict[str, Any]:
     """libpq's settings that end a PostgreSQL connection whose server stopped answering
     (a host or network gone) after about ``timeout`` seconds, instead of the kernel's quarter
     of an hour: the connect's own limit, TCP keepalives while a reply is awaited, and the limit
-    on data the server leaves unacknowledged. Those the URL names (``given``) are kept. A
-    server that is up but stuck (frozen, or waiting for its disk) still answers at the TCP
-    level, so none of these ends that wait (README, "When the job store stops answering")."""
+    on data the server leaves unacknowledged (libpq 12 and later). Those the URL names
+    (``given``) are kept, and so is ``PGCONNECT_TIMEOUT``; a URL naming a ``service`` gets none
+    (its file decides). A server that is up but stuck (frozen, or waiting for its disk) still
+    answers at the TCP level, so none of these ends that wait (README, "When the job store
+    stops answering")."""
+    if "service" in given:
+        return {}
     seconds = max(2, math.ceil(timeout))  # libpq's connect_timeout: whole seconds, at least 2
     wanted: dict[str, Any] = {
         "connect_timeout": seconds,
@@ -123,9 +128,27 @@ def _unanswered_after(timeout: float, given: Mapping[str, object]) -> dict[str, 
         "keepalives_idle": max(1, seconds // 2),
         "keepalives_interval": max(1, seconds // 6),
         "keepalives_count": 3,
-        "tcp_user_timeout": seconds * 1000,
     }
+    if "PGCONNECT_TIMEOUT" in os.environ:
+        del wanted["connect_timeout"]
+    if _libpq_version(driver) >= 120000:
+        wanted["tcp_user_timeout"] = seconds * 1000
     return {name: value for name, value in wanted.items() if name not in given}
+
+
+def _libpq_version(driver: str) -> int:
+    """The libpq the driver runs on, as ``PQlibVersion`` gives it (120000 for 12.0); 0 if it
+    cannot say."""
+    try:
+        if driver == "psycopg":
+            from psycopg import pq
+
+            return int(pq.version())
+        import psycopg2.extensions  # type: ignore[import-not-found,import-untyped,unused-ignore]
+
+        return int(psycopg2.extensions.libpq_version())
+    except Exception:
+        return 0
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -366,10 +389,11 @@ class SQLStore(JobStore):
             engine = sa.create_engine(self.url, **kwargs)
             event.listen(engine, "connect", _sqlite_on_connect)
             return engine
-        libpq = self.url.get_driver_name() in _LIBPQ_DRIVERS
+        driver = self.url.get_driver_name()
         engine = sa.create_engine(
             self.url, isolation_level="AUTOCOMMIT",
-            connect_args=_unanswered_after(self.timeout, self.url.query) if libpq else {})
+            connect_args=(_unanswered_after(self.timeout, self.url.query, driver)
+                          if driver in _LIBPQ_DRIVERS else {}))
         if self.synchronous_commit is not None:
             statement = f"SET synchronous_commit = {self.synchronous_commit}"  # a literal
 

@@ -24,7 +24,14 @@ from sqlalchemy.engine import URL
 
 from ..forking import forget_in_children
 
-__all__ = ["DetachedLane", "SqliteLane", "fits"]
+__all__ = ["DetachedLane", "SqliteLane", "fits", "unanswered"]
+
+
+def unanswered(exc: BaseException) -> bool:
+    """The server gave no answer within libpq's ``connect_timeout`` (its message, "timeout
+    expired", is libpq's in every psycopg version; SQLAlchemy's error keeps it as ``orig``):
+    asking again at once would only wait as long again."""
+    return "timeout expired" in str(getattr(exc, "orig", None) or exc)
 
 
 class DetachedLane:
