@@ -266,7 +266,8 @@ def enqueue_job(
     # A fresh UUIDv7 cannot collide: publish while the store write is in flight (one round
     # trip instead of two). If the write fails, enqueue raises and the message already sent
     # names a job that does not exist, which a worker drops. Its outbox entry is cleared only
-    # once the write is confirmed: there is none to clear otherwise.
+    # once the write is confirmed: there is none to clear otherwise. (A write left uncertain
+    # that did land keeps its entry: the sweeper publishes once more, and fencing drops it.)
     transition, confirm = runtime.store.begin_create(job)
     assert transition.record is not None
     unpublished: Exception | None = None

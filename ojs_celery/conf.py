@@ -60,7 +60,7 @@ class Settings(BaseModel):
                                       "remote_apply"] | None = None
     #: Seconds a store call waits for the store's answer before it fails (see
     #: :data:`ojs_celery.store.base.DEFAULT_TIMEOUT`).
-    store_timeout: float = Field(DEFAULT_STORE_TIMEOUT, gt=0, le=3600)
+    store_timeout: float = Field(DEFAULT_STORE_TIMEOUT, ge=0.1, le=3600)
     type_map: dict[str, str] = {}
     events: bool = True
     amqp_max_priority: int = Field(10, ge=1, le=255)

@@ -20,6 +20,7 @@ from .logs import quiet_worker_logs
 from .producer import warn_default_timeouts
 from .request import cancel_revoked
 from .runtime import Runtime, attach, get_runtime
+from .store import StoreError
 from .sweeper import SWEEP_TASK, last_sweep, sweep, sweep_faults
 from .worker import children
 from .worker.steps import STEPS
@@ -266,8 +267,10 @@ def _watch_sweeps(runtime: Runtime) -> None:
             now = time.time()
             try:
                 last = last_sweep(runtime)
-            except Exception:  # the store is down: what fails is logged where it fails
+            except StoreError:  # the store is down: what fails is logged where it fails
                 last = now
+            except Exception:  # an unreadable record of the last sweep: as if none ran
+                last = None
             if (last is None or now - last > stale_after) and now - warned > 60:
                 warned = now
                 logger.warning(

@@ -132,6 +132,8 @@ def test_unknown_nested_retention_key() -> None:
         ({"store_prefix": "1abc"}, "ojs.store_prefix"),
         ({"store_prefix": "a" * 41}, "ojs.store_prefix"),
         ({"store_timeout": 0}, "ojs.store_timeout"),
+        ({"store_timeout": 0.01}, "ojs.store_timeout"),
+        ({"store_timeout": 3601}, "ojs.store_timeout"),
         ({"store_timeout": "soon"}, "ojs.store_timeout"),
         ({"store_synchronous_commit": "fast"}, "ojs.store_synchronous_commit"),
         ({"store_synchronous_commit": False}, "ojs.store_synchronous_commit"),

@@ -69,15 +69,22 @@ class StoreUncertain(StoreError):
     recognises its own earlier success).
     """
 
-    def __init__(self, job_id: str, error: str = "") -> None:
+    def __init__(self, job_id: str, error: str = "", batch: int = 1) -> None:
         self.job_id = job_id
         self.error = error
+        #: The jobs of the write (a batch is stored whole or not at all: look up ``job_id``,
+        #: its first).
+        self.batch = batch
         # its arguments, not its message: pickle and Celery's JSON result serializer rebuild
         # an exception from its args
-        super().__init__(job_id, error)
+        super().__init__(job_id, error, batch)
 
     def __str__(self) -> str:
         said = f" ({self.error})" if self.error else ""
+        if self.batch > 1:
+            return (f"a batch of {self.batch} jobs, the first {self.job_id}: the job store "
+                    f"failed during the write{said}; the batch may or may not be stored, all "
+                    "of it or none (look up its first job)")
         return (f"job {self.job_id}: the job store failed during the write and could not be "
                 f"asked whether it was done{said}; the job may or may not be stored (look it "
                 "up, or enqueue the same envelope again with this id: it returns the job if it "
@@ -329,7 +336,11 @@ class JobStore(ABC):
         for record, _ in rows:
             record.nonce = record.origin = new_nonce()
         if rows:
-            taken = self._insert_many(rows)
+            try:
+                taken = self._insert_many(rows)
+            except StoreTimeout as unanswered:  # all or none of it may still be stored
+                raise StoreUncertain(rows[0][0].job.id, str(unanswered), batch=len(rows)) \
+                    from unanswered
             if taken is not None:
                 raise DuplicateJob(taken)
         for record, _ in rows:
@@ -351,6 +362,8 @@ class JobStore(ABC):
             try:
                 if insert() if insert is not None else self._insert(record, deadlines):
                     return True
+            except StoreTimeout as unanswered:  # it may still arrive and be done
+                raise StoreUncertain(record.job.id, str(unanswered)) from unanswered
             except StoreError as refused:
                 if self._load_or_uncertain(record.job.id) is None:
                     raise refused  # keeps the driver error as its cause
@@ -422,6 +435,8 @@ class JobStore(ABC):
             new.nonce = new_nonce()
             try:
                 won = self._cas(new, record, self._deadlines(new))
+            except StoreTimeout:
+                raise  # not answering: a read to settle it would wait as long again
             except StoreError:
                 if lost:
                     raise

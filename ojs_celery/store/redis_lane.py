@@ -57,19 +57,24 @@ class Lane:
 
     def call(self, *command: str | int) -> Any:
         """Redis's reply to ``command``, or :data:`MISSED` when the caller must take the
-        ordinary path (which sends it again if the reply was lost, as redis-py's retry would)."""
+        ordinary path (which sends it again if the reply was lost, as redis-py's retry would).
+        A reply that did not come in time raises redis-py's ``TimeoutError``: a server that
+        is not answering would keep the ordinary path waiting as long again."""
         answer = self._send(command, check=False)  # a dead connection only costs a detour
         if answer is None:
             return MISSED
         try:
             return answer()
+        except RedisTimeoutError:
+            raise
         except LOST:
             return MISSED
 
     def send(self, *command: str | int) -> Callable[[], Any] | None:
         """Send ``command`` now and return the function that reads its reply, so the caller
         may do something else in between. The reader returns :data:`MISSED` for ``NOSCRIPT``
-        and raises one of :data:`LOST` when the reply is lost. None: nothing was sent."""
+        and raises one of :data:`LOST` when the reply is lost. None: nothing was sent. Raises
+        redis-py's ``TimeoutError`` when a new connection got no answer in time."""
         return self._send(command, check=True)
 
     def _send(self, command: tuple[str | int, ...], check: bool) -> Callable[[], Any] | None:
@@ -85,6 +90,9 @@ class Lane:
                 if check:
                     _ready(connection)
             connection.send_packed_command(_pack(connection, command))
+        except RedisTimeoutError:  # a new connection's handshake got no answer in time
+            self._done(connection, own, broken=True)
+            raise
         except LOST:
             self._done(connection, own, broken=True)
             return None
