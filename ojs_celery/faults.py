@@ -4,14 +4,17 @@ the sweep task), logged once per kind; and a condition that lasts, said at most 
 A loop that meets an error keeps going (a Redis error reply, a PostgreSQL read-only
 transaction, a bug in one request's data must not end the BEAT thread, or the sweeper declares a
 live worker dead). Logging every occurrence would flood the log at every interval during an
-outage, so each kind of failure is logged once, with its traceback, until the loop succeeds
-again; then a line says so. Repeats are logged in one line at ``again_level``.
+outage, so each kind of failure is logged once, until the loop succeeds again; then a line
+says so. Repeats are logged in one line at ``again_level``. A store's failure is one line (its
+message says it all); any other error, a bug perhaps, comes with its traceback.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+
+from .store.base import StoreError
 
 
 def kind_of(exc: BaseException) -> str:
@@ -40,7 +43,7 @@ class OncePerKind:
             self._seen.add(kind)
         if first:
             self.logger.log(self.level, "ojs_celery: %s failed (%s), retrying: %s", self.what,
-                            kind, exc, exc_info=exc)
+                            kind, exc, exc_info=None if isinstance(exc, StoreError) else exc)
         else:
             self.logger.log(self.again_level, "ojs_celery: %s failed again (%s): %s", self.what,
                             kind, exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery, signals
@@ -254,31 +255,60 @@ def check_sweep_queue(app: Celery, name: str) -> str | None:
 STALE_SWEEP_INTERVALS = 5
 
 
+class SweepWatch:
+    """Whether sweeps are overdue, as a worker can tell from the store's record of the last
+    one. While the store fails to answer, or answers late, no sweep could run either (and what
+    failed is logged where it failed): sweeps are overdue only ``stale_after`` seconds after it
+    answers again, not at once because the last one is old."""
+
+    def __init__(self, read_last: Callable[[], float | None], interval: float,
+                 stale_after: float, clock: Callable[[], float] = time.time) -> None:
+        self._read_last = read_last
+        self._interval = interval
+        self._stale_after = stale_after
+        self._clock = clock
+        self._excused = 0.0
+
+    def overdue(self) -> float | None:
+        """Seconds without a sweep when that is more than ``stale_after``, else None."""
+        asked = self._clock()
+        last: float | None
+        try:
+            last = self._read_last()
+        except StoreError:
+            last = None
+            self._excused = self._clock()
+        except Exception:  # an unreadable record of the last sweep: as if none ran
+            last = None
+        now = self._clock()
+        if now - asked > self._interval:  # answered late
+            self._excused = now
+        since = max(last or 0.0, self._excused)
+        if not since:
+            return self._stale_after  # no sweep ever ran
+        return now - since if now - since > self._stale_after else None
+
+
 def _watch_sweeps(runtime: Runtime) -> None:
     """Warn (at most once a minute) when no sweep has run for several intervals: without one,
     timeouts of crashed or frozen workers and TTLs of unconsumed queues are not enforced."""
     interval = runtime.settings.sweep_interval
     stale_after = interval * STALE_SWEEP_INTERVALS
+    watch = SweepWatch(lambda: last_sweep(runtime), interval, stale_after)
 
     def check() -> None:
         time.sleep(stale_after)
         warned = 0.0
         while True:
+            late = watch.overdue()
             now = time.time()
-            try:
-                last = last_sweep(runtime)
-            except StoreError:  # the store is down: what fails is logged where it fails
-                last = now
-            except Exception:  # an unreadable record of the last sweep: as if none ran
-                last = None
-            if (last is None or now - last > stale_after) and now - warned > 60:
+            if late is not None and now - warned > 60:
                 warned = now
                 logger.warning(
                     "ojs_celery: no OJS sweep has completed for %.0fs (interval %ss): if none "
                     "runs, run `celery beat` with a worker consuming queue %r, or `ojs-celery "
                     "sweep --loop`; if they run, the sweep worker's log says why they fail",
-                    (now - last) if last else stale_after, interval,
-                    runtime.settings.sweep_queue,
+                    late, interval, runtime.settings.sweep_queue,
                 )
             time.sleep(max(interval, 1.0))
 

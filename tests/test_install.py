@@ -13,7 +13,9 @@ from celery.exceptions import ImproperlyConfigured
 
 from ojs_celery import OJSTask, enqueue, install, signals
 from ojs_celery.embedded import embedded_settings
+from ojs_celery.install import SweepWatch
 from ojs_celery.runtime import get_runtime
+from ojs_celery.store import StoreError
 
 
 class DjangoSettings:
@@ -169,3 +171,49 @@ def test_importing_the_package_connects_no_celery_signal() -> None:
         capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["0", "1"]
+
+
+class _Store:
+    """What a worker reads of the last sweep, on a clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.last: float | None = None
+        self.down = False
+        self.answer_takes = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def read_last(self) -> float | None:
+        self.now += self.answer_takes
+        if self.down:
+            raise StoreError("job store error: TimeoutError: Timeout reading from socket")
+        return self.last
+
+
+def test_sweeps_are_overdue_only_once_the_store_answered_for_a_while() -> None:
+    """The worker's stale-sweep warning: due when no sweep ran for ``stale_after``, but not
+    while the store does not answer (nor answers late), nor at once when it answers again
+    with the last sweep from before the outage: sweeps could not run meanwhile either."""
+    store = _Store()
+    watch = SweepWatch(store.read_last, interval=1.0, stale_after=5.0, clock=store.clock)
+    assert watch.overdue() == 5.0  # none ever ran
+    store.last = store.now
+    store.now += 4
+    assert watch.overdue() is None
+    store.now += 2
+    assert watch.overdue() == 6.0
+    store.last = store.now
+    store.down = True  # frozen for 20 s: every read times out
+    for _ in range(10):
+        store.now += 2
+        assert watch.overdue() is None
+    store.down = False  # back, the last sweep 20 s old
+    assert watch.overdue() is None
+    store.answer_takes = 3.0  # a read that waited for the store: excused as well
+    store.now += 4
+    assert watch.overdue() is None
+    store.answer_takes = 0.0
+    store.now += 6  # answering for 6 s now, still no sweep
+    assert watch.overdue() == 6.0
