@@ -173,9 +173,9 @@ class OJSTask(Task):  # type: ignore[misc]
         softlimit.watch()
         softlimit.hold()  # until the handler's first line, and again after its last
         try:
-            arrived = time.monotonic()
+            entered = time.monotonic()
             ctx = self._start(runtime, str(self.request.id), current_worker_id(), args, kwargs)
-            ctx.start_waited = ctx.started - arrived
+            ctx.start_waited = ctx.started - entered
             reset = _current.set(ctx)
             try:
                 outcome = run_handler(lambda: self._run_released(args, kwargs))

@@ -584,3 +584,33 @@ def test_an_enqueue_the_store_refuses_leaves_no_outbox_entry_to_clear(
     finally:
         runtime.close()
         app.close()
+
+
+def test_an_outcome_whose_reply_never_came_is_recognised_when_retried(
+    private_redis: PrivateRedis,
+) -> None:
+    """A completion sent into a frozen Redis times out (StoreTimeout), and the server runs it
+    once it thaws. The worker's retry of that outcome then finds the job completed by its own
+    write (the nonce it remembered) and gets the completion, not a rejection as a stale
+    outcome that would keep the result from Celery's backend and callbacks."""
+    store = open_store(private_redis.url, policy=Policy(), prefix="unsettled", timeout=1.0)
+    pid = private_redis.process.pid
+    try:
+        job = new_job()
+        store.create(job)
+        started = store.start(job.id, 1, "w1")
+        assert started.record is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreError, match="Timeout"):
+                store.complete(job.id, 1, "w1", "the result", hint=started.record)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: (j := store.get(job.id)) is not None and j.state == "completed", 10,
+                 "the thawed server to run the completion")
+        again = store.complete(job.id, 1, "w1", "the result", hint=started.record)
+        assert again.record is not None and again.record.job.result == "the result", again
+        # another job's, or a later, completion is still fenced as before
+        assert store.complete(job.id, 1, "w1", "the result").record is None
+    finally:
+        store.close()

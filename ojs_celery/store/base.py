@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -102,6 +103,11 @@ class DuplicateJob(ValueError):
         return (type(self), (self.job_id,))
 
 
+#: At most this many jobs' unsettled writes are remembered per thread (see ``JobStore.apply``):
+#: an outcome retries one job at a time, so this bounds only what is never retried.
+UNSETTLED_KEPT = 64
+
+
 #: Seconds a store call waits for the store's answer (and for a new connection) before it fails
 #: with :class:`StoreError` (:class:`StoreUncertain` for a write that may have been done): the
 #: default of the ``store_timeout`` setting. Without one, a store host that stops answering would
@@ -176,6 +182,8 @@ class JobStore(ABC):
 
     def __init__(self, policy: Policy | None = None) -> None:
         self.policy = policy or Policy()
+        #: Per thread, the writes whose replies never came, by job (see :meth:`apply`).
+        self._unsettled = threading.local()
 
     # ------------------------------------------------------------------ primitives (backends)
 
@@ -411,10 +419,26 @@ class JobStore(ABC):
 
         A write that fails with :class:`StoreError` may have committed with its reply lost:
         the record is read again, and if it carries that write's nonce the write is done and
-        its transition returned; a second failure is raised.
+        its transition returned; a second failure is raised. A write that got no answer in
+        time (:class:`StoreTimeout`) is raised at once, and remembered: the store may still
+        run it, and the thread's next ``apply`` to the job (an outcome's retry) that finds its
+        nonce in the record returns its transition, as if the reply had come.
         """
+        lost = self._unsettled_take(job_id)
+        try:
+            return self._apply(job_id, rule, hint, lost)
+        except BaseException:
+            if lost:
+                self._unsettled_keep(job_id, lost)
+            raise
+
+    def _apply(
+        self, job_id: str, rule: Rule, hint: Record | None, lost: dict[str, Transition]
+    ) -> Transition:
+        """:meth:`apply`; ``lost``: the writes whose replies were lost, by nonce (this call's
+        and the thread's earlier unsettled ones)."""
         record = hint
-        lost: dict[str, Transition] = {}  # writes whose reply was lost, by nonce
+        failed = False
         for _ in range(self.max_conflicts):
             if record is None:
                 record = self._load(job_id)
@@ -436,10 +460,13 @@ class JobStore(ABC):
             try:
                 won = self._cas(new, record, self._deadlines(new))
             except StoreTimeout:
+                new.version = record.version + 1
+                lost[new.nonce] = transition
                 raise  # not answering: a read to settle it would wait as long again
             except StoreError:
-                if lost:
+                if failed:
                     raise
+                failed = True
                 won = False
                 new.version = record.version + 1
                 lost[new.nonce] = transition
@@ -449,6 +476,20 @@ class JobStore(ABC):
             record = None
             hint = None
         raise StoreError(f"job {job_id}: too many concurrent writers, gave up")
+
+    def _unsettled_take(self, job_id: str) -> dict[str, Transition]:
+        """This thread's remembered unsettled writes of ``job_id`` (see :meth:`apply`),
+        forgotten here: :meth:`apply` keeps them again if it fails once more."""
+        kept: dict[str, dict[str, Transition]] | None = getattr(self._unsettled, "jobs", None)
+        return kept.pop(job_id, {}) if kept else {}
+
+    def _unsettled_keep(self, job_id: str, lost: dict[str, Transition]) -> None:
+        kept: dict[str, dict[str, Transition]] | None = getattr(self._unsettled, "jobs", None)
+        if kept is None:
+            kept = self._unsettled.jobs = {}
+        kept[job_id] = lost
+        while len(kept) > UNSETTLED_KEPT:  # the oldest: their retries are long over
+            del kept[next(iter(kept))]
 
     def apply_many(self, job_ids: Sequence[str], rule: Rule) -> list[Transition | None]:
         """:meth:`apply` for several jobs with one batched read and one batched write.
