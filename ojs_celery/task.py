@@ -47,7 +47,7 @@ from .outcome import (
 )
 from .producer import call_mismatch
 from .runtime import Runtime, get_runtime
-from .store import StoreError
+from .store import StoreError, StoreTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,14 @@ class OJSTask(Task):  # type: ignore[misc]
             return runtime.runs(self, job.type) and arrival.carries_call(args, kwargs, job)
 
         try:
-            started = arrival.start(runtime.store, job_id, arrived, worker_id, carries)
+            try:
+                started = arrival.start(runtime.store, job_id, arrived, worker_id, carries)
+            except StoreTimeout:
+                # Once more, here: if the store ran the unanswered start meanwhile, this thread
+                # knows it as its own (JobStore.apply); a message sent back would find the job
+                # started by nobody, and wait for the stall clock.
+                time.sleep(STORE_DOWN_PAUSE)
+                started = arrival.start(runtime.store, job_id, arrived, worker_id, carries)
         except StoreError as exc:
             logger.error("ojs_celery: store unreachable, job %s goes back to the broker: %s",
                          job_id, exc)

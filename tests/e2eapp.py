@@ -18,7 +18,7 @@ from celery import Celery, Task, signals
 from celery.exceptions import Ignore, Reject
 
 from ojs_celery import JobError, OJSTask, current_job, install, unacked
-from ojs_celery.store import JobStore
+from ojs_celery.store import JobStore, StoreTimeout
 
 #: Jobs of this type are slowed in their own store writes (with ``slow_bookkeeping`` set).
 SLOW_TYPE = "e2e.slow_bookkeeping"
@@ -389,7 +389,8 @@ def route_by_kwarg(name: str, args: Any, kwargs: Any, options: Any, task: Any = 
 def slow_bookkeeping(store: JobStore, directory: str) -> None:
     """Jobs of type SLOW_TYPE with args ``[where, seconds]`` sleep ``seconds`` in their first
     start (``where`` "start": before the write; "started": after it) or their first completion
-    ("complete": before the write): a loaded machine on which a time limit fires there."""
+    ("complete": before the write): a loaded machine on which a time limit fires there. With
+    ``where`` "start-unanswered", the first start's write is done and its reply lost."""
     for name, places in (("start", ("start", "started")), ("complete", ("complete",))):
         original = getattr(store, name)
 
@@ -409,6 +410,20 @@ def slow_bookkeeping(store: JobStore, directory: str) -> None:
             return _original(*args, **kwargs)
 
         setattr(store, name, slowed)
+
+    # ["start-unanswered", 0]: the first start's write is done, and its reply lost to a timeout
+    # (a store that thawed after store_timeout)
+    cas = store._cas
+
+    def unanswered(record: Any, previous: Any, deadlines: Any) -> bool:
+        done = bool(cas(record, previous, deadlines))
+        job = record.job
+        if (done and job.type == SLOW_TYPE and job.args[0] == "start-unanswered"
+                and job.state == "active" and _first(directory, f"unanswered-{job.id}")):
+            raise StoreTimeout("job store error: TimeoutError: the test's lost reply")
+        return done
+
+    store._cas = unanswered  # type: ignore[method-assign]
 
 
 def _first(directory: str, marker: str) -> bool:

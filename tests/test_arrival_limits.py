@@ -73,3 +73,15 @@ def test_time_limits_in_the_bookkeeping_end_in_an_outcome(env: Env) -> None:
     done = env.wait_state(killed_late, "completed", timeout=60)
     assert done.attempt == 2
     assert [(e["attempt"], e["type"]) for e in done.errors] == [(1, "timeout")]
+
+
+def test_a_start_whose_reply_timed_out_is_known_as_its_own(env: Env) -> None:
+    """The store ran a start whose reply never came (StoreTimeout): the pool process tries the
+    start once more and recognises its own write, so the job runs now, once, as attempt 1,
+    instead of its message going back to find the job started by nobody (which would wait for
+    the stall clock and count a failed attempt)."""
+    job_id = enqueue({"type": SLOW_TYPE, "args": ["start-unanswered", 0], "timeout": 30},
+                     app=env.app).id
+    done = env.wait_state(job_id, "completed", timeout=30)
+    assert (done.attempt, done.errors) == (1, [])
+    assert runs(env, job_id) == [f"{SLOW_TYPE} {job_id} attempt=1"]

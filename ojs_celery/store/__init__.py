@@ -8,7 +8,14 @@ A store has three parts on one backend: the jobs (:class:`JobStore`), the worker
 from __future__ import annotations
 
 from ..lifecycle import Policy
-from .base import DEFAULT_TIMEOUT, DuplicateJob, JobStore, StoreError, StoreUncertain
+from .base import (
+    DEFAULT_TIMEOUT,
+    DuplicateJob,
+    JobStore,
+    StoreError,
+    StoreTimeout,
+    StoreUncertain,
+)
 from .meta import MetaArea
 from .workers import WorkerInfo, WorkerRegistry
 
@@ -17,6 +24,7 @@ __all__ = [
     "JobStore",
     "MetaArea",
     "StoreError",
+    "StoreTimeout",
     "StoreUncertain",
     "WorkerInfo",
     "WorkerRegistry",
