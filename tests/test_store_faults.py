@@ -614,3 +614,32 @@ def test_an_outcome_whose_reply_never_came_is_recognised_when_retried(
         assert store.complete(job.id, 1, "w1", "the result").record is None
     finally:
         store.close()
+
+
+def test_a_remembered_write_answers_only_the_refusal_it_caused(
+    private_redis: PrivateRedis,
+) -> None:
+    """A progress write that timed out and then landed is remembered; the completion that
+    follows is not refused by it (the job is still active), so it is written as usual, not
+    answered with the progress write's transition."""
+    store = open_store(private_redis.url, policy=Policy(), prefix="unsettled", timeout=1.0)
+    pid = private_redis.process.pid
+    try:
+        job = new_job()
+        store.create(job)
+        started = store.start(job.id, 1, "w1")
+        assert started.record is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreError, match="Timeout"):
+                store.heartbeat(job.id, 1, "w1", progress=0.5, hint=started.record)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: (j := store.get(job.id)) is not None and j.progress is not None, 10,
+                 "the thawed server to run the progress write")
+        done = store.complete(job.id, 1, "w1", "the result", hint=started.record)
+        assert done.record is not None and done.record.job.state == "completed", done
+        stored = store.get(job.id)
+        assert stored is not None and (stored.state, stored.result) == ("completed", "the result")
+    finally:
+        store.close()

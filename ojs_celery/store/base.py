@@ -421,8 +421,10 @@ class JobStore(ABC):
         the record is read again, and if it carries that write's nonce the write is done and
         its transition returned; a second failure is raised. A write that got no answer in
         time (:class:`StoreTimeout`) is raised at once, and remembered: the store may still
-        run it, and the thread's next ``apply`` to the job (an outcome's retry) that finds its
-        nonce in the record returns its transition, as if the reply had come.
+        run it, and the thread's next ``apply`` to the job (an outcome's retry) whose rule the
+        record refuses because it carries that write's nonce returns that write's transition,
+        as if the reply had come. (A rule the record does not refuse, another caller's, say,
+        is applied as usual: a remembered write is only ever an answer to a refusal it caused.)
         """
         lost = self._unsettled_take(job_id)
         try:
@@ -444,12 +446,12 @@ class JobStore(ABC):
                 record = self._load(job_id)
                 if record is None:
                     return lifecycle.rejected("unknown_job")
-                mine = lost.get(record.nonce)
-                if mine is not None:
-                    return mine
             transition = rule(record)
             transition.previous = record
             if transition.record is None:
+                mine = lost.get(record.nonce)
+                if mine is not None:  # refused because our own write, unanswered, was done
+                    return mine
                 if hint is not None and record is hint:
                     record = None  # a stale hint may be why: decide on fresh data
                     hint = None
