@@ -21,6 +21,7 @@ from tests import services
 from tests.e2eapp import make_app
 from tests.test_store_faults import PrivateRedis
 from tests.workers import (
+    MADE,
     Beat,
     Worker,
     amqp_config,
@@ -38,9 +39,22 @@ BROKERS = ("filesystem", "redis", "amqp")
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Remove from the shared Redis and RabbitMQ what this process's tests named and left
-    (queues a worker was given, stores, exchanges): each xdist worker its own names."""
+    (queues a worker was given, stores, exchanges): each xdist worker its own names, and the
+    xdist controller, once every worker is done, all of them again. kombu's Redis transport
+    keeps one record of unacknowledged messages for the whole database, so a message that a
+    killed worker of one xdist worker held is put back on its queue by whichever consumer
+    restores it, perhaps another xdist worker's, after the first has cleaned up."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["ojs_made"] = sorted(MADE)
     forget_made(services.reachable_url("OJS_TEST_REDIS_URL", services.DEFAULT_REDIS_URL, 6379),
                 services.reachable_url("OJS_TEST_AMQP_URL", services.DEFAULT_AMQP_URL, 5672))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist's controller: collect a finished worker's names for its own clean-up."""
+    MADE.update(getattr(node, "workeroutput", {}).get("ojs_made", ()))
 
 
 def broker_config(kind: str, tmp: pathlib.Path) -> dict[str, Any]:
