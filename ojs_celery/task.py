@@ -222,14 +222,15 @@ class OJSTask(Task):  # type: ignore[misc]
             return runtime.runs(self, job.type) and arrival.carries_call(args, kwargs, job)
 
         try:
-            try:
-                started = arrival.start(runtime.store, job_id, arrived, worker_id, carries)
-            except StoreTimeout:
-                # Once more, here: if the store ran the unanswered start meanwhile, this thread
-                # knows it as its own (JobStore.apply); a message sent back would find the job
-                # started by nobody, and wait for the stall clock.
-                time.sleep(STORE_DOWN_PAUSE)
-                started = arrival.start(runtime.store, job_id, arrived, worker_id, carries)
+            with runtime.store.remembering(f"start with token {arrived.token}"):
+                try:
+                    started = arrival.start(runtime.store, job_id, arrived, worker_id, carries)
+                except StoreTimeout:
+                    # Once more, here: if the store ran the unanswered start meanwhile, this
+                    # thread knows it as its own (JobStore.remembering); a message sent back
+                    # would find the job started by nobody, and wait for the stall clock.
+                    time.sleep(STORE_DOWN_PAUSE)
+                    started = arrival.start(runtime.store, job_id, arrived, worker_id, carries)
         except StoreError as exc:
             logger.error("ojs_celery: store unreachable, job %s goes back to the broker: %s",
                          job_id, exc)
@@ -266,7 +267,13 @@ class OJSTask(Task):  # type: ignore[misc]
 
     def _record_outcome(self, runtime: Runtime, ctx: JobContext, outcome: Outcome) -> Any:
         """Write the attempt's outcome to the store (fenced on attempt and worker), then tell
-        Celery only what the store accepted: the one mapping from outcome to effects."""
+        Celery only what the store accepted: the one mapping from outcome to effects. A write
+        that got no answer in time and is retried (``_write``) is known as this outcome's own
+        if the store ran it meanwhile (``JobStore.remembering``)."""
+        with runtime.store.remembering(f"outcome of attempt {ctx.attempt}"):
+            return self._write_outcome(runtime, ctx, outcome)
+
+    def _write_outcome(self, runtime: Runtime, ctx: JobContext, outcome: Outcome) -> Any:
         job = ctx.job
         store = runtime.store
         now = time.time()

@@ -31,7 +31,14 @@ from ojs_celery.conf import read_settings
 from ojs_celery.envelope import Job
 from ojs_celery.lifecycle import Policy
 from ojs_celery.runtime import get_runtime
-from ojs_celery.store import JobStore, StoreError, StoreUncertain, WorkerInfo, open_store
+from ojs_celery.store import (
+    JobStore,
+    StoreError,
+    StoreTimeout,
+    StoreUncertain,
+    WorkerInfo,
+    open_store,
+)
 from ojs_celery.store.sql import SQLStore
 from tests.e2eapp import make_app
 from tests.services import postgres_url
@@ -602,13 +609,14 @@ def test_an_outcome_whose_reply_never_came_is_recognised_when_retried(
         assert started.record is not None
         os.kill(pid, signal.SIGSTOP)
         try:
-            with pytest.raises(StoreError, match="Timeout"):
+            with store.remembering("outcome"), pytest.raises(StoreError, match="Timeout"):
                 store.complete(job.id, 1, "w1", "the result", hint=started.record)
         finally:
             os.kill(pid, signal.SIGCONT)
         wait_for(lambda: (j := store.get(job.id)) is not None and j.state == "completed", 10,
                  "the thawed server to run the completion")
-        again = store.complete(job.id, 1, "w1", "the result", hint=started.record)
+        with store.remembering("outcome"):
+            again = store.complete(job.id, 1, "w1", "the result", hint=started.record)
         assert again.record is not None and again.record.job.result == "the result", again
         # another job's, or a later, completion is still fenced as before
         assert store.complete(job.id, 1, "w1", "the result").record is None
@@ -631,15 +639,59 @@ def test_a_remembered_write_answers_only_the_refusal_it_caused(
         assert started.record is not None
         os.kill(pid, signal.SIGSTOP)
         try:
-            with pytest.raises(StoreError, match="Timeout"):
+            with store.remembering("outcome"), pytest.raises(StoreError, match="Timeout"):
                 store.heartbeat(job.id, 1, "w1", progress=0.5, hint=started.record)
         finally:
             os.kill(pid, signal.SIGCONT)
         wait_for(lambda: (j := store.get(job.id)) is not None and j.progress is not None, 10,
                  "the thawed server to run the progress write")
-        done = store.complete(job.id, 1, "w1", "the result", hint=started.record)
+        with store.remembering("outcome"):
+            done = store.complete(job.id, 1, "w1", "the result", hint=started.record)
         assert done.record is not None and done.record.job.state == "completed", done
         stored = store.get(job.id)
         assert stored is not None and (stored.state, stored.result) == ("completed", "the result")
     finally:
         store.close()
+
+
+def _unanswered_once(store: JobStore) -> None:
+    """The store's next compare-and-set is done and its reply then lost to a timeout."""
+    cas = store._cas  # type: ignore[attr-defined]
+
+    def once(*args: Any) -> bool:
+        store._cas = cas  # type: ignore[attr-defined]
+        cas(*args)
+        raise StoreTimeout("job store error: TimeoutError: the test's lost reply")
+
+    store._cas = once  # type: ignore[attr-defined]
+
+
+def test_an_unanswered_write_is_known_only_to_its_own_operation_and_process(
+    tmp_path: Path,
+) -> None:
+    """Remembered writes answer only the same operation's retries (``remembering``), in the
+    same process: a cancel that landed unanswered is no answer to another caller's refusal,
+    and a forked child (a pool process) does not inherit what its parent sent."""
+    store = open_store(f"sqlite:///{tmp_path / 's.sqlite3'}", policy=Policy(), prefix="mem")
+    job = new_job()
+    store.create(job)
+    started = store.start(job.id, 1, "w1")
+    assert started.record is not None
+    _unanswered_once(store)
+    with store.remembering("cancel"), pytest.raises(StoreTimeout):
+        store.cancel(job.id)
+    assert store.get(job.id).state == "cancelled"  # type: ignore[union-attr]  # it landed
+    # another operation, or none, gets the refusal
+    assert store.fail_token(job.id, 1, "w1", lifecycle.make_error("x", "y")).record is None
+    with store.remembering("outcome"):
+        assert store.cancel(job.id).record is None
+    # a forked child, with the same operation: not its write
+    child = os.fork()
+    if child == 0:
+        with store.remembering("cancel"):
+            os._exit(0 if store.cancel(job.id).record is None else 1)
+    assert os.waitpid(child, 0)[1] == 0
+    with store.remembering("cancel"):  # the same operation here: its own, once
+        assert store.cancel(job.id).record is not None
+        assert store.cancel(job.id).record is None
+    store.close()

@@ -19,12 +19,14 @@ it reads the record again, instead of mistaking itself for a lost race.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import re
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from pydantic_core import PydanticSerializationError
@@ -103,9 +105,11 @@ class DuplicateJob(ValueError):
         return (type(self), (self.job_id,))
 
 
-#: At most this many jobs' unsettled writes are remembered per thread (see ``JobStore.apply``):
-#: an outcome retries one job at a time, so this bounds only what is never retried.
+#: At most this many jobs' unanswered writes are remembered per thread (see
+#: ``JobStore.remembering``): a worker retries one job at a time, so this bounds only what is
+#: never retried; and at most this many tries of each (all from one version: one landed at most).
 UNSETTLED_KEPT = 64
+UNSETTLED_PER_OPERATION = 4
 
 
 #: Seconds a store call waits for the store's answer (and for a new connection) before it fails
@@ -420,19 +424,36 @@ class JobStore(ABC):
         A write that fails with :class:`StoreError` may have committed with its reply lost:
         the record is read again, and if it carries that write's nonce the write is done and
         its transition returned; a second failure is raised. A write that got no answer in
-        time (:class:`StoreTimeout`) is raised at once, and remembered: the store may still
-        run it, and the thread's next ``apply`` to the job (an outcome's retry) whose rule the
-        record refuses because it carries that write's nonce returns that write's transition,
-        as if the reply had come. (A rule the record does not refuse, another caller's, say,
-        is applied as usual: a remembered write is only ever an answer to a refusal it caused.)
+        time (:class:`StoreTimeout`) is raised at once; inside :meth:`remembering` it is also
+        remembered, since the store may still run it (see there).
         """
-        lost = self._unsettled_take(job_id)
+        key = self._remembered_as(job_id)
+        lost = self._unsettled_take(key) if key is not None else {}
         try:
             return self._apply(job_id, rule, hint, lost)
         except BaseException:
-            if lost:
-                self._unsettled_keep(job_id, lost)
+            if lost and key is not None:
+                self._unsettled_keep(key, lost)
             raise
+
+    @contextlib.contextmanager
+    def remembering(self, operation: str) -> Iterator[None]:
+        """Within it, this thread's :meth:`apply` remembers the writes that got no answer in
+        time (the store may still run them) under the job and ``operation`` (an attempt's
+        start, its outcome); a later ``apply`` of the same job and operation in this thread and
+        process whose rule the record refuses because it carries such a write's nonce returns
+        that write's transition, as if its reply had come. So a worker that tries an
+        unanswered outcome or start again knows it as its own when the store did run it. Only
+        the same operation's retries: another caller's refusal stays a refusal."""
+        memory = self._unsettled
+        if getattr(memory, "pid", None) != os.getpid():  # a forked child: not its writes
+            memory.pid, memory.jobs = os.getpid(), {}
+        outer = getattr(memory, "operation", None)
+        memory.operation = operation
+        try:
+            yield
+        finally:
+            memory.operation = outer
 
     def _apply(
         self, job_id: str, rule: Rule, hint: Record | None, lost: dict[str, Transition]
@@ -479,17 +500,25 @@ class JobStore(ABC):
             hint = None
         raise StoreError(f"job {job_id}: too many concurrent writers, gave up")
 
-    def _unsettled_take(self, job_id: str) -> dict[str, Transition]:
-        """This thread's remembered unsettled writes of ``job_id`` (see :meth:`apply`),
-        forgotten here: :meth:`apply` keeps them again if it fails once more."""
-        kept: dict[str, dict[str, Transition]] | None = getattr(self._unsettled, "jobs", None)
-        return kept.pop(job_id, {}) if kept else {}
+    def _remembered_as(self, job_id: str) -> tuple[str, str] | None:
+        """The key of ``job_id``'s unanswered writes in :meth:`remembering`, else None."""
+        memory = self._unsettled
+        operation: str | None = getattr(memory, "operation", None)
+        if operation is None or getattr(memory, "pid", None) != os.getpid():
+            return None
+        return job_id, operation
 
-    def _unsettled_keep(self, job_id: str, lost: dict[str, Transition]) -> None:
-        kept: dict[str, dict[str, Transition]] | None = getattr(self._unsettled, "jobs", None)
-        if kept is None:
-            kept = self._unsettled.jobs = {}
-        kept[job_id] = lost
+    def _unsettled_take(self, key: tuple[str, str]) -> dict[str, Transition]:
+        """The remembered unanswered writes under ``key`` (see :meth:`remembering`), forgotten
+        here: :meth:`apply` keeps them again if it fails once more."""
+        kept: dict[tuple[str, str], dict[str, Transition]] = self._unsettled.jobs
+        return kept.pop(key, {})
+
+    def _unsettled_keep(self, key: tuple[str, str], lost: dict[str, Transition]) -> None:
+        while len(lost) > UNSETTLED_PER_OPERATION:  # the oldest tries: one at most landed
+            del lost[next(iter(lost))]
+        kept: dict[tuple[str, str], dict[str, Transition]] = self._unsettled.jobs
+        kept[key] = lost
         while len(kept) > UNSETTLED_KEPT:  # the oldest: their retries are long over
             del kept[next(iter(kept))]
 
