@@ -10,6 +10,7 @@ session the server terminates.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -593,6 +594,34 @@ def test_an_enqueue_the_store_refuses_leaves_no_outbox_entry_to_clear(
         app.close()
 
 
+@contextlib.contextmanager
+def unanswered_then_landed(
+    private_redis: PrivateRedis, write: Callable[[JobStore, Job, Any], object],
+    landed: Callable[[Job], bool],
+) -> Iterator[tuple[JobStore, Job, Any]]:
+    """A started job; then ``write`` (the worker's outcome operation) sent into the frozen
+    server times out, and the thawed server runs it (``landed``). Yields the store, the job
+    and its start's record."""
+    store = open_store(private_redis.url, policy=Policy(), prefix="unsettled", timeout=1.0)
+    pid = private_redis.process.pid
+    try:
+        job = new_job()
+        store.create(job)
+        started = store.start(job.id, 1, "w1").record
+        assert started is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with store.remembering("outcome"), pytest.raises(StoreError, match="Timeout"):
+                write(store, job, started)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: (j := store.get(job.id)) is not None and landed(j), 10,
+                 "the thawed server to run the write")
+        yield store, job, started
+    finally:
+        store.close()
+
+
 def test_an_outcome_whose_reply_never_came_is_recognised_when_retried(
     private_redis: PrivateRedis,
 ) -> None:
@@ -600,28 +629,15 @@ def test_an_outcome_whose_reply_never_came_is_recognised_when_retried(
     once it thaws. The worker's retry of that outcome then finds the job completed by its own
     write (the nonce it remembered) and gets the completion, not a rejection as a stale
     outcome that would keep the result from Celery's backend and callbacks."""
-    store = open_store(private_redis.url, policy=Policy(), prefix="unsettled", timeout=1.0)
-    pid = private_redis.process.pid
-    try:
-        job = new_job()
-        store.create(job)
-        started = store.start(job.id, 1, "w1")
-        assert started.record is not None
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            with store.remembering("outcome"), pytest.raises(StoreError, match="Timeout"):
-                store.complete(job.id, 1, "w1", "the result", hint=started.record)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        wait_for(lambda: (j := store.get(job.id)) is not None and j.state == "completed", 10,
-                 "the thawed server to run the completion")
+    with unanswered_then_landed(
+        private_redis, lambda s, job, rec: s.complete(job.id, 1, "w1", "the result", hint=rec),
+        lambda j: j.state == "completed",
+    ) as (store, job, started):
         with store.remembering("outcome"):
-            again = store.complete(job.id, 1, "w1", "the result", hint=started.record)
+            again = store.complete(job.id, 1, "w1", "the result", hint=started)
         assert again.record is not None and again.record.job.result == "the result", again
         # another job's, or a later, completion is still fenced as before
         assert store.complete(job.id, 1, "w1", "the result").record is None
-    finally:
-        store.close()
 
 
 def test_a_remembered_write_answers_only_the_refusal_it_caused(
@@ -630,28 +646,15 @@ def test_a_remembered_write_answers_only_the_refusal_it_caused(
     """A progress write that timed out and then landed is remembered; the completion that
     follows is not refused by it (the job is still active), so it is written as usual, not
     answered with the progress write's transition."""
-    store = open_store(private_redis.url, policy=Policy(), prefix="unsettled", timeout=1.0)
-    pid = private_redis.process.pid
-    try:
-        job = new_job()
-        store.create(job)
-        started = store.start(job.id, 1, "w1")
-        assert started.record is not None
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            with store.remembering("outcome"), pytest.raises(StoreError, match="Timeout"):
-                store.heartbeat(job.id, 1, "w1", progress=0.5, hint=started.record)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        wait_for(lambda: (j := store.get(job.id)) is not None and j.progress is not None, 10,
-                 "the thawed server to run the progress write")
+    with unanswered_then_landed(
+        private_redis, lambda s, job, rec: s.heartbeat(job.id, 1, "w1", progress=0.5, hint=rec),
+        lambda j: j.progress is not None,
+    ) as (store, job, started):
         with store.remembering("outcome"):
-            done = store.complete(job.id, 1, "w1", "the result", hint=started.record)
+            done = store.complete(job.id, 1, "w1", "the result", hint=started)
         assert done.record is not None and done.record.job.state == "completed", done
         stored = store.get(job.id)
         assert stored is not None and (stored.state, stored.result) == ("completed", "the result")
-    finally:
-        store.close()
 
 
 def _unanswered_once(store: JobStore) -> None:
