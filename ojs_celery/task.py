@@ -222,7 +222,7 @@ class OJSTask(Task):  # type: ignore[misc]
             return runtime.runs(self, job.type) and arrival.carries_call(args, kwargs, job)
 
         try:
-            with runtime.store.remembering(f"start with token {arrived.token}"):
+            with runtime.store.remembering("start"):
                 try:
                     started = arrival.start(runtime.store, job_id, arrived, worker_id, carries)
                 except StoreTimeout:
@@ -270,7 +270,7 @@ class OJSTask(Task):  # type: ignore[misc]
         Celery only what the store accepted: the one mapping from outcome to effects. A write
         that got no answer in time and is retried (``_write``) is known as this outcome's own
         if the store ran it meanwhile (``JobStore.remembering``)."""
-        with runtime.store.remembering(f"outcome of attempt {ctx.attempt}"):
+        with runtime.store.remembering("outcome"):
             return self._write_outcome(runtime, ctx, outcome)
 
     def _write_outcome(self, runtime: Runtime, ctx: JobContext, outcome: Outcome) -> Any:

@@ -19,14 +19,13 @@ it reads the record again, instead of mistaking itself for a lost race.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from pydantic_core import PydanticSerializationError
@@ -135,6 +134,28 @@ def mask_secrets(text: str) -> str:
     return _SECRETS.sub(
         lambda m: f"{m['head']}**@" if m["head"] is not None else f"{m['param']}**", text
     )
+
+
+class _Remembering:
+    """:meth:`JobStore.remembering`'s context (a class: it is entered twice per job)."""
+
+    __slots__ = ("_memory", "_operation", "_outer")
+
+    def __init__(self, memory: threading.local, operation: str) -> None:
+        self._memory = memory
+        self._operation = operation
+        self._outer: str | None = None
+
+    def __enter__(self) -> None:
+        memory = self._memory
+        pid = os.getpid()
+        if getattr(memory, "pid", None) != pid:  # a forked child: not its writes
+            memory.pid, memory.jobs = pid, {}
+        self._outer = getattr(memory, "operation", None)
+        memory.operation = self._operation
+
+    def __exit__(self, *_: object) -> None:
+        self._memory.operation = self._outer
 
 
 def store_errors(
@@ -436,24 +457,15 @@ class JobStore(ABC):
                 self._unsettled_keep(key, lost)
             raise
 
-    @contextlib.contextmanager
-    def remembering(self, operation: str) -> Iterator[None]:
-        """Within it, this thread's :meth:`apply` remembers the writes that got no answer in
-        time (the store may still run them) under the job and ``operation`` (an attempt's
-        start, its outcome); a later ``apply`` of the same job and operation in this thread and
-        process whose rule the record refuses because it carries such a write's nonce returns
-        that write's transition, as if its reply had come. So a worker that tries an
-        unanswered outcome or start again knows it as its own when the store did run it. Only
-        the same operation's retries: another caller's refusal stays a refusal."""
-        memory = self._unsettled
-        if getattr(memory, "pid", None) != os.getpid():  # a forked child: not its writes
-            memory.pid, memory.jobs = os.getpid(), {}
-        outer = getattr(memory, "operation", None)
-        memory.operation = operation
-        try:
-            yield
-        finally:
-            memory.operation = outer
+    def remembering(self, operation: str) -> _Remembering:
+        """A context within which this thread's :meth:`apply` remembers the writes that got no
+        answer in time (the store may still run them) under the job and ``operation`` (an
+        attempt's start, its outcome); a later ``apply`` of the same job and operation in this
+        thread and process whose rule the record refuses because it carries such a write's
+        nonce returns that write's transition, as if its reply had come. So a worker that
+        tries an unanswered outcome or start again knows it as its own when the store did run
+        it. Only the same operation's retries: another caller's refusal stays a refusal."""
+        return _Remembering(self._unsettled, operation)
 
     def _apply(
         self, job_id: str, rule: Rule, hint: Record | None, lost: dict[str, Transition]
