@@ -207,7 +207,8 @@ class JobStore(ABC):
 
     def __init__(self, policy: Policy | None = None) -> None:
         self.policy = policy or Policy()
-        #: Per thread, the writes whose replies never came, by job (see :meth:`apply`).
+        #: Per thread, the writes whose replies never came, by job and operation (see
+        #: :meth:`remembering`).
         self._unsettled = threading.local()
 
     # ------------------------------------------------------------------ primitives (backends)
