@@ -47,7 +47,7 @@ from .outcome import (
 )
 from .producer import call_mismatch
 from .runtime import Runtime, get_runtime
-from .store import StoreError, StoreTimeout
+from .store import JobStore, StoreError, StoreTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -267,22 +267,16 @@ class OJSTask(Task):  # type: ignore[misc]
 
     def _record_outcome(self, runtime: Runtime, ctx: JobContext, outcome: Outcome) -> Any:
         """Write the attempt's outcome to the store (fenced on attempt and worker), then tell
-        Celery only what the store accepted: the one mapping from outcome to effects. A write
-        that got no answer in time and is retried (``_write``) is known as this outcome's own
-        if the store ran it meanwhile (``JobStore.remembering``)."""
-        with runtime.store.remembering("outcome"):
-            return self._write_outcome(runtime, ctx, outcome)
-
-    def _write_outcome(self, runtime: Runtime, ctx: JobContext, outcome: Outcome) -> Any:
+        Celery only what the store accepted: the one mapping from outcome to effects."""
         job = ctx.job
         store = runtime.store
         now = time.time()
         if isinstance(outcome, Completed):
-            done = _write(lambda: store.complete(job.id, ctx.attempt, ctx.worker_id,
+            done = _write(store, lambda: store.complete(job.id, ctx.attempt, ctx.worker_id,
                                                  outcome.value, hint=ctx.record), ctx)
             return self._tell_celery(runtime, ctx, done, outcome)
         if isinstance(outcome, Cancelled):
-            done = _write(lambda: store.apply(job.id, lambda r: lifecycle.cancel_by_owner(
+            done = _write(store, lambda: store.apply(job.id, lambda r: lifecycle.cancel_by_owner(
                 r, ctx.attempt, ctx.worker_id, now)), ctx)
             if done is not None and done.applied:
                 carry_out(runtime, done)
@@ -305,7 +299,7 @@ class OJSTask(Task):  # type: ignore[misc]
                      else lifecycle.make_error("Retry", "retry requested by the handler"))
             delay = outcome.delay
             if outcome.args is not None or outcome.kwargs is not None:
-                done = _write(lambda: store.apply(job.id, lambda r: _with_arguments(
+                done = _write(store, lambda: store.apply(job.id, lambda r: _with_arguments(
                     lifecycle.fail(r, ctx.attempt, ctx.worker_id, error, now, delay=delay,
                                    policy=store.policy), outcome), ctx.record), ctx)
                 return self._tell_celery(runtime, ctx, done, outcome)
@@ -323,7 +317,7 @@ class OJSTask(Task):  # type: ignore[misc]
             # Celery semantics: an exception, or a soft time limit that escaped the handler,
             # ends the job unless autoretry_for or self.retry() asked (then it is Retried).
             retryable = retryable and error.get("type") == "shutdown"
-        done = _write(lambda: store.fail(job.id, ctx.attempt, ctx.worker_id, error,
+        done = _write(store, lambda: store.fail(job.id, ctx.attempt, ctx.worker_id, error,
                                          delay=delay, retryable=retryable, hint=ctx.record),
                       ctx)
         return self._tell_celery(runtime, ctx, done, outcome)
@@ -402,8 +396,12 @@ def _with_arguments(done: Transition, outcome: Retried) -> Transition:
     return done
 
 
-def _write(operation: Callable[[], Transition], ctx: JobContext) -> Transition | None:
-    """Run an outcome's store write, retrying while the store refuses it; None: gave up.
+def _write(
+    store: JobStore, operation: Callable[[], Transition], ctx: JobContext
+) -> Transition | None:
+    """Run an outcome's store write, retrying while the store refuses it; None: gave up. A try
+    that got no answer in time is known as this outcome's own by a later try if the store ran
+    it meanwhile (``JobStore.remembering``).
 
     Giving up loses a finished attempt (its message acknowledged, its job active until a clock
     runs it again), so the write is retried up to the attempt's own end (its timeout and grace
@@ -419,7 +417,8 @@ def _write(operation: Callable[[], Transition], ctx: JobContext) -> Transition |
     pause = 0.2
     while True:
         try:
-            return operation()
+            with store.remembering("outcome"):
+                return operation()
         except StoreError as exc:
             now = time.monotonic()
             if now >= give_up:

@@ -6,15 +6,18 @@ import logging
 import math
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from ojs_celery import task as task_module
+from ojs_celery.envelope import Job
 from ojs_celery.lifecycle import Transition
 from ojs_celery.outcome import Completed, Failed, run_handler
-from ojs_celery.store import StoreError
+from ojs_celery.store import StoreError, open_store
+from tests.test_store_faults import unanswered_once
 
 
 @pytest.mark.parametrize("value", [1.5, -0.0, 1e308, [1, {"a": None}], "x", None])
@@ -34,7 +37,7 @@ def test_a_result_json_cannot_carry_fails_the_attempt_naming_why(value: Any) -> 
 @pytest.mark.parametrize(("refused_for", "written"), [(600.0, True), (1000.0, False)])
 def test_an_outcome_the_store_refuses_is_retried_up_to_the_attempts_end(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, refused_for: float,
-    written: bool,
+    written: bool, tmp_path: Path,
 ) -> None:
     """A finished attempt's outcome is retried while the store refuses it, up to the end of
     the attempt's timeout and grace period (here 900 s from its start): giving up after 30 s
@@ -48,6 +51,7 @@ def test_an_outcome_the_store_refuses_is_retried_up_to_the_attempts_end(
         sleep=lambda seconds: clock.__setitem__(0, clock[0] + seconds)))
     ctx = SimpleNamespace(started=0.0, job=SimpleNamespace(timeout=870, grace_period=30))
     taken = Transition(record=None, reason="written")
+    store = open_store(f"sqlite:///{tmp_path / 'store.sqlite3'}")  # never written here
 
     def write() -> Transition:
         if clock[0] < refused_for:
@@ -55,10 +59,32 @@ def test_an_outcome_the_store_refuses_is_retried_up_to_the_attempts_end(
         return taken
 
     with caplog.at_level(logging.WARNING, logger="ojs_celery.task"):
-        done = task_module._write(write, ctx)  # type: ignore[arg-type]
+        done = task_module._write(store, write, ctx)  # type: ignore[arg-type]
     assert (done is taken) is written
     said = [r.getMessage() for r in caplog.records if r.name == "ojs_celery.task"]
     if written:
         assert 10 <= len(said) <= 12 and all("retrying" in line for line in said)
     else:
         assert clock[0] == 900 and "giving up writing an outcome after 900s" in said[-1]
+
+
+def test_an_outcome_retried_after_no_answer_is_known_as_its_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """The outcome's first try is done by the store but its reply is lost to a timeout; the
+    retry (``_write``) finds the job completed by that very write and returns its completion,
+    rather than a refusal that would keep the result from Celery."""
+    monkeypatch.setattr(task_module, "time", SimpleNamespace(
+        monotonic=time.monotonic, time=time.time, sleep=lambda seconds: None))
+    store = open_store(f"sqlite:///{tmp_path / 'store.sqlite3'}")
+    job = Job.model_validate({"type": "outcome.job", "args": []})
+    store.create(job)
+    started = store.start(job.id, 1, "w1").record
+    assert started is not None
+    ctx = SimpleNamespace(started=time.monotonic(), job=started.job)
+    unanswered_once(store)
+    done = task_module._write(  # type: ignore[arg-type]
+        store, lambda: store.complete(job.id, 1, "w1", "the result", hint=started), ctx)
+    assert done is not None and done.record is not None, done
+    assert done.record.job.result == "the result"
+    store.close()

@@ -657,7 +657,7 @@ def test_a_remembered_write_answers_only_the_refusal_it_caused(
         assert stored is not None and (stored.state, stored.result) == ("completed", "the result")
 
 
-def _unanswered_once(store: JobStore) -> None:
+def unanswered_once(store: JobStore) -> None:
     """The store's next compare-and-set is done and its reply then lost to a timeout."""
     cas = store._cas  # type: ignore[attr-defined]
 
@@ -680,7 +680,7 @@ def test_an_unanswered_write_is_known_only_to_its_own_operation_and_process(
     store.create(job)
     started = store.start(job.id, 1, "w1")
     assert started.record is not None
-    _unanswered_once(store)
+    unanswered_once(store)
     with store.remembering("cancel"), pytest.raises(StoreTimeout):
         store.cancel(job.id)
     assert store.get(job.id).state == "cancelled"  # type: ignore[union-attr]  # it landed
