@@ -9,6 +9,7 @@ Redis runs as a private ``redis-server`` started here; PostgreSQL is the shared 
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import shutil
 import socket
 import subprocess
@@ -20,11 +21,15 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from ojs_celery import lifecycle
+from ojs_celery import enqueue_batch, lifecycle
 from ojs_celery.envelope import parse_envelope
+from ojs_celery.runtime import get_runtime
 from ojs_celery.store import JobStore, StoreError, StoreUncertain, open_store
 from ojs_celery.store.redis import RedisStore
+from tests.conftest import messages
+from tests.e2eapp import make_app
 from tests.services import postgres_url
+from tests.workers import filesystem_config, unique
 
 
 def free_port() -> int:
@@ -123,7 +128,8 @@ def private_redis() -> Iterator[tuple[str, int]]:
 
 
 @pytest.fixture(params=["redis", "postgres"])
-def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[JobStore, CuttingProxy]]:
+def proxied_url(request: pytest.FixtureRequest) -> Iterator[tuple[str, CuttingProxy]]:
+    """A store URL (a private Redis, or the shared PostgreSQL) reached through the proxy."""
     if request.param == "redis":
         upstream: tuple[str, int] = request.getfixturevalue("private_redis")
         proxy = CuttingProxy(upstream)
@@ -135,6 +141,25 @@ def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[JobStore, CuttingP
         netloc = parts.netloc.rsplit("@", 1)
         host = f"127.0.0.1:{proxy.port}"
         url = real.replace(parts.netloc, f"{netloc[0]}@{host}" if len(netloc) == 2 else host)
+    try:
+        yield url, proxy
+    finally:
+        proxy.armed.clear()
+        proxy.refusing.clear()
+        proxy.close()
+
+
+def forget(store: JobStore) -> None:
+    store.clear()
+    drop = getattr(store, "drop_tables", None)
+    if drop is not None:
+        drop()
+    store.close()
+
+
+@pytest.fixture
+def proxied(proxied_url: tuple[str, CuttingProxy]) -> Iterator[tuple[JobStore, CuttingProxy]]:
+    url, proxy = proxied_url
     store = open_store(url, prefix=f"r{uuid.uuid4().hex[:10]}")
     try:
         store.ping()  # connect (and create the tables) before any cut
@@ -142,12 +167,15 @@ def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[JobStore, CuttingP
     finally:
         proxy.armed.clear()
         proxy.refusing.clear()
-        store.clear()
-        drop = getattr(store, "drop_tables", None)
-        if drop is not None:
-            drop()
-        store.close()
-        proxy.close()
+        forget(store)
+
+
+def cut_batch_insert(store: JobStore, proxy: CuttingProxy) -> None:
+    """Arm the proxy for a batch insert's write: its script call on Redis (once loaded), its
+    transaction's ``COMMIT`` on PostgreSQL (the statements before it change nothing yet)."""
+    store.create_many([parse_envelope({"type": "t.job", "args": ["warm"]})])
+    proxy.match = b"EVALSHA" if isinstance(store, RedisStore) else b"COMMIT"
+    proxy.armed.set()
 
 
 def test_a_start_whose_reply_was_lost_is_applied(
@@ -248,6 +276,54 @@ def test_a_batch_whose_reply_was_lost_is_written_whole(
     if done is not None:
         assert [t.record.nonce for t in done if t is not None and t.record is not None] == [
             r.nonce for r in records if r is not None]
+
+
+def test_a_batch_insert_whose_reply_was_lost_returns_its_jobs(
+    proxied: tuple[JobStore, CuttingProxy],
+) -> None:
+    """All or none of a batch is stored: sent again, or read back on its first job, the write
+    is recognised as the batch's own (not a duplicate, not an error)."""
+    store, proxy = proxied
+    cut_batch_insert(store, proxy)
+    jobs = [parse_envelope({"type": "t.job", "args": [n]}) for n in range(3)]
+    made = store.create_many(jobs)
+    assert proxy.cuts == 1
+    records = store.get_records([job.id for job in jobs])
+    assert [r.origin for r in records if r is not None] == [
+        t.record.origin for t in made if t.record is not None]
+
+
+def test_a_batch_insert_lost_with_the_store_is_uncertain(
+    proxied: tuple[JobStore, CuttingProxy],
+) -> None:
+    store, proxy = proxied
+    cut_batch_insert(store, proxy)
+    proxy.refusing.set()  # the store is gone once the write's reply is cut
+    jobs = [parse_envelope({"type": "t.job", "args": [n]}) for n in range(3)]
+    with pytest.raises(StoreUncertain) as caught:
+        store.create_many(jobs)
+    assert caught.value.job_id == jobs[0].id and caught.value.batch == 3
+    proxy.refusing.clear()
+    assert all(r is not None for r in store.get_records([job.id for job in jobs]))
+
+
+def test_an_enqueue_batch_whose_reply_was_lost_returns_and_publishes_its_jobs(
+    proxied_url: tuple[str, CuttingProxy], tmp_path: pathlib.Path,
+) -> None:
+    """The caller is told the batch is stored (it is), and its messages go out at once."""
+    url, proxy = proxied_url
+    config = filesystem_config(tmp_path)
+    config["ojs"] = {"store_url": url, "store_prefix": unique("r"), "events": False}
+    app = make_app(config)
+    store = get_runtime(app).store
+    try:
+        cut_batch_insert(store, proxy)
+        jobs = enqueue_batch([{"type": "e2e.add", "args": [n, 1]} for n in range(3)], app=app)
+        assert proxy.cuts == 1
+        assert all(r is not None for r in store.get_records([job.id for job in jobs]))
+        assert len(messages(app)) == 3
+    finally:
+        forget(store)
 
 
 def test_store_uncertain_is_rebuilt_from_its_arguments() -> None:

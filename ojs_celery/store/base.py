@@ -375,11 +375,38 @@ class JobStore(ABC):
             except StoreTimeout as unanswered:  # all or none of it may still be stored
                 raise StoreUncertain(rows[0][0].job.id, str(unanswered), batch=len(rows)) \
                     from unanswered
+            except StoreUncertain:
+                raise
+            except StoreError:  # a lost reply (the write may be done) or an error reply
+                taken = self._settle_batch(rows)
             if taken is not None:
                 raise DuplicateJob(taken)
         for record, _ in rows:
             record.version = 1
         return transitions
+
+    def _settle_batch(self, rows: Sequence[NewRow]) -> str | None:
+        """Whether a batch insert that failed without a clear answer was stored, settled as
+        :meth:`_settle_insert` settles one insert, on the batch's first job (the batch is
+        stored whole or not at all): None when it is stored, else the id another job has.
+        Raises the store's refusal when nothing was stored, :class:`StoreUncertain` (naming
+        the batch) when the store cannot tell."""
+        first, deadlines = rows[0]
+        taken: list[str] = []
+
+        def again() -> bool:
+            found = self._insert_many(rows)
+            if found is not None:
+                taken.append(found)
+            return found is None
+
+        try:
+            stored = self._settle_insert(first, deadlines, again)
+        except StoreUncertain as unsure:
+            raise StoreUncertain(first.job.id, unsure.error, batch=len(rows)) from unsure
+        if stored:
+            return None
+        return taken[0] if taken else first.job.id
 
     def _settle_insert(
         self, record: Record, deadlines: dict[str, float | None],
