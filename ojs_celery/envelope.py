@@ -26,12 +26,13 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StringConstraints,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
 )
 from pydantic import JsonValue as JsonValue  # explicit re-export: the package's JSON type
-from pydantic_core import PydanticSerializationError, to_jsonable_python
+from pydantic_core import PydanticSerializationError
 
 from .entropy import random_bytes
 
@@ -484,12 +485,21 @@ def _is_utf8(value: Any) -> bool:
     return True
 
 
-def _is_json(value: Any) -> bool:
+#: Extension fields by name, each JSON data (what ``args`` holds).
+_EXTENSIONS: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(dict[str, JsonValue])
+
+
+def _extension_violations(job: Job) -> list[tuple[str, str]]:
+    """The extension fields of a valid ``job`` (``x_celery_kwargs`` among them) that hold
+    what JSON cannot carry, as ``args`` is checked: a Python caller's ``datetime`` or
+    ``bytes`` would otherwise be stored as text, and no longer match the call it came from."""
+    if not job.model_extra:
+        return []
     try:
-        to_jsonable_python(value)
-    except PydanticSerializationError:
-        return False
-    return True
+        _EXTENSIONS.validate_python(job.model_extra)
+    except ValidationError as exc:
+        return field_violations(exc)
+    return []
 
 
 def _surely_small(job: Job) -> bool:
@@ -591,16 +601,15 @@ def parse_envelope(
         violations += [(path, rule) for path, rule in rules(data) if _top_field(path) not in named]
     if violations or job is None:
         raise InvalidJob(violations)
-    violations = _too_long(job)
+    violations = _too_long(job) + _extension_violations(job)
     if violations:
         raise InvalidJob(violations)
     if _surely_small(job):
         return job
     try:
         size = len(job.to_json().encode())
-    except PydanticSerializationError:
-        bad = [key for key, value in job.extensions.items() if not _is_json(value)]
-        raise InvalidJob([(key, "must be JSON data") for key in bad or ["(envelope)"]]) from None
+    except PydanticSerializationError:  # everything is checked JSON data by now
+        raise InvalidJob([("(envelope)", "must be JSON data")]) from None
     except UnicodeEncodeError:
         bad = [str(key) for key, value in clean.items() if not _is_utf8(value)]
         raise InvalidJob([(key, _UTF8_RULE) for key in bad or ["(envelope)"]]) from None

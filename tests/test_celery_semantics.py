@@ -130,6 +130,30 @@ def test_a_call_with_nan_or_an_infinity_is_refused_before_anything_is_stored(
     assert get_runtime(app).store.due("dispatch", 1e12, 10) == []  # nothing stored
 
 
+def test_a_call_with_python_objects_json_cannot_carry_is_refused_in_args_and_kwargs(
+        tmp_path: Path) -> None:
+    """A ``datetime`` or ``bytes`` keyword argument is refused as one in ``args`` is: stored
+    as text, the job would no longer match its own message, which the worker would drop."""
+    app = Celery("pyobjects", set_as_current=False)
+    app.conf.update(embedded_settings(tmp_path))
+    install(app)
+
+    @app.task(shared=False, name="m.at", base=OJSTask)
+    def at(a: object = None, when: object = None) -> None: ...
+
+    rule = "input was not a valid JSON value"
+    now = datetime.now(timezone.utc)
+    for call, field in [(lambda: at.delay(b"raw"), "args[0]"),
+                        (lambda: at.delay(when=now), "x_celery_kwargs.when"),
+                        (lambda: at.apply_async(kwargs={"when": [b"raw"]}),
+                         "x_celery_kwargs.when[0]")]:
+        with pytest.raises(InvalidJob) as refused:
+            call()
+        assert refused.value.violations == [(field, rule)]
+    assert not list((tmp_path / "broker").glob("*.msg"))  # nothing published
+    assert get_runtime(app).store.due("dispatch", 1e12, 10) == []  # nothing stored
+
+
 def test_arguments_that_do_not_fit_raise_at_the_call_as_in_celery(tmp_path: Path) -> None:
     """Celery's own argument check (``Task.typing``) runs before anything is stored, so a
     wrong call raises ``TypeError`` where it is made, not later in the worker."""

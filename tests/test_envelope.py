@@ -598,7 +598,14 @@ def test_to_json_is_compact_one_line_and_omits_absent_fields() -> None:
 
 
 def test_non_json_extension_rejected_with_path() -> None:
-    assert violations(env(x_thing=object())) == [("x_thing", "must be JSON data")]
+    rule = "input was not a valid JSON value"  # as for args
+    assert violations(env(x_thing=object())) == [("x_thing", rule)]
+    # what pydantic would write as text (a Python caller's datetime, bytes) is refused too:
+    # stored as text, a Celery caller's kwargs would no longer match its own message
+    assert violations(env(x_celery_kwargs={"when": datetime.now(timezone.utc)})) == [
+        ("x_celery_kwargs.when", rule)]
+    assert violations(env(x_celery_kwargs={"b": [1, {"raw": b"bytes"}]}, x_ok=[1])) == [
+        ("x_celery_kwargs.b[1].raw", rule)]
 
 
 def test_system_fields_from_client_ignored() -> None:
