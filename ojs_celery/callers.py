@@ -53,10 +53,7 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
     retry semantics (README, "Celery callers") unless the task or the settings choose OJS
     semantics."""
     runtime = get_runtime(task.app)
-    envelope: dict[str, Any] = {"type": task.ojs_type or task.name,
-                                "args": json_native(list(args or ()))}
-    if kwargs:
-        envelope["x_celery_kwargs"] = json_native(dict(kwargs))
+    envelope = call_arguments(task, args, kwargs)
     if options.get("task_id"):
         envelope["id"] = options["task_id"]
     envelope["queue"] = ojs_queue_of(
@@ -80,6 +77,17 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
     job = enqueue_job(runtime, job, id_chosen="id" in envelope,
                       celery_options=canvas_options(options))
     return job.id
+
+
+def call_arguments(task: Task, args: Any, kwargs: Any) -> dict[str, Any]:
+    """The envelope fields of a Celery call's type and arguments (kwargs travel in
+    ``x_celery_kwargs``); :func:`~ojs_celery.envelope.parse_envelope` names what JSON cannot
+    carry."""
+    envelope: dict[str, Any] = {"type": task.ojs_type or task.name,
+                                "args": json_native(list(args or ()))}
+    if kwargs:
+        envelope["x_celery_kwargs"] = json_native(dict(kwargs))
+    return envelope
 
 
 def wrap_send_task(app: Celery) -> None:

@@ -6,18 +6,26 @@ Celery's own ``Task.apply`` does the work (its tracer, ``link``/``link_error``, 
 view of its job: an in-memory record, so that ``current_job()``, progress and checkpoints work.
 Nothing touches the store, the broker or the outbox, so tests that set ``task_always_eager``
 need neither (and a broker URL that points nowhere is never dialled).
+
+A call that eager mode runs in place of a published one is checked as a published one is: its
+arguments must be JSON data (``InvalidJob`` at the call) and so must its result (else the run
+fails with ``TypeError``, as on a worker), so that eager tests fail where production would. An
+explicit ``.apply()`` publishes nothing, on a worker as in tests, and keeps Celery's freedom.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, cast
 
 from celery.result import EagerResult
 
+from .callers import call_arguments
 from .context import JobContext, _current
-from .envelope import CELERY_KWARGS_FIELD, Job, JsonValue, new_job_id, utcnow
+from .envelope import CELERY_KWARGS_FIELD, Job, JsonValue, new_job_id, parse_envelope, utcnow
 from .lifecycle import Record
+from .outcome import result_problem
 
 if TYPE_CHECKING:
     from celery import Task
@@ -26,6 +34,9 @@ if TYPE_CHECKING:
 
 #: The worker id an eager attempt runs under (no worker is involved).
 EAGER_WORKER_ID = "eager"
+#: Set while eager mode runs a call in place of a published one (its retries' reruns
+#: included): its result must then be JSON, as a worker's would (see the module docstring).
+_in_place_of_a_call: ContextVar[bool] = ContextVar("ojs_eager_call", default=False)
 
 
 class EagerJobContext(JobContext):
@@ -62,10 +73,15 @@ class EagerJobContext(JobContext):
 def apply_eagerly(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -> EagerResult:
     """``apply_async`` under ``task_always_eager``: Celery's ``Task.apply``, as Celery's own
     ``apply_async`` does (nothing is published, no job is stored)."""
+    parse_envelope(call_arguments(task, args, kwargs), celery_id=True)  # InvalidJob, as a call
     link, link_error = options.pop("link", None), options.pop("link_error", None)
     task_id = options.pop("task_id", None) or new_job_id()
-    result: EagerResult = task.apply(args, kwargs, task_id=task_id, link=link,
-                                     link_error=link_error, **options)
+    reset = _in_place_of_a_call.set(True)
+    try:
+        result: EagerResult = task.apply(args, kwargs, task_id=task_id, link=link,
+                                         link_error=link_error, **options)
+    finally:
+        _in_place_of_a_call.reset(reset)
     return result
 
 
@@ -86,6 +102,10 @@ def run_eagerly(task: Task, run: Callable[[], Any]) -> Any:
     ctx = EagerJobContext(Record(job=job, worker_id=EAGER_WORKER_ID))
     reset = _current.set(ctx)
     try:
-        return run()
+        value = run()
     finally:
         _current.reset(reset)
+    problem = result_problem(value) if _in_place_of_a_call.get() else None
+    if problem is not None:
+        raise problem
+    return value

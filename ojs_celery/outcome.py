@@ -145,11 +145,18 @@ def run_handler(call: Callable[[], Any]) -> Outcome:
         return Failed(exc, exc.retryable if isinstance(exc, JobError) else True)
     finally:
         pending_retry.reset(reset)
+    problem = result_problem(value)
+    return Completed(value) if problem is None else Failed(problem)
+
+
+def result_problem(value: Any) -> TypeError | None:
+    """Why a handler's return value cannot be its job's result (JSON data; NaN and infinities
+    are not JSON either); None: it can."""
     try:
-        _STRICT_JSON.encode(value)  # NaN and infinities are not JSON either
+        _STRICT_JSON.encode(value)
     except (TypeError, ValueError) as bad:
-        return Failed(TypeError(f"result is not JSON-serialisable: {bad}"))
-    return Completed(value)
+        return TypeError(f"result is not JSON-serialisable: {bad}")
+    return None
 
 
 def celery_exception(outcome: Outcome) -> BaseException | None:

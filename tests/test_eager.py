@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import Any
 from unittest import mock
 
@@ -13,7 +14,7 @@ import pytest
 from celery import Celery, chain, group
 from celery.exceptions import MaxRetriesExceededError
 
-from ojs_celery import OJSTask, current_job, install
+from ojs_celery import InvalidJob, OJSTask, current_job, install
 
 
 def dead_port() -> int:
@@ -55,6 +56,10 @@ def app() -> Iterator[Celery]:
             raise self.retry(exc=ConnectionError("not yet"), countdown=60)
         return f"ok on {ctx.attempt}"
 
+    @app.task(shared=False, name="eager.when", base=OJSTask)
+    def when(year: int) -> dict[str, Any]:
+        return {"when": datetime(year, 1, 1, tzinfo=timezone.utc)}  # not JSON data
+
     yield app
 
 
@@ -95,3 +100,30 @@ def test_canvas_runs_eagerly(app: Celery) -> None:
     add = app.tasks["eager.add"]
     assert chain(add.s(1, 2), add.s(3)).apply_async().get() == 6
     assert group(add.s(i, i) for i in range(3)).apply_async().get() == [0, 2, 4]
+
+
+def test_a_call_with_arguments_json_cannot_carry_is_refused_as_on_a_worker(app: Celery) -> None:
+    """A published call would raise InvalidJob at the call: an eager test must not pass."""
+    add = app.tasks["eager.add"]
+    with pytest.raises(InvalidJob) as caught:
+        add.delay(datetime.now(timezone.utc), 1)
+    assert [path for path, _ in caught.value.violations] == ["args[0]"]
+    with pytest.raises(InvalidJob, match="x_celery_kwargs"):
+        add.apply_async((1,), {"b": b"bytes"})
+    assert app.runs == []  # type: ignore[attr-defined]
+
+
+def test_a_result_json_cannot_carry_fails_the_call_as_on_a_worker(app: Celery) -> None:
+    result = app.tasks["eager.when"].delay(2026)
+    assert result.state == "FAILURE"
+    assert isinstance(result.result, TypeError)
+    assert "not JSON-serialisable" in str(result.result)
+
+
+def test_an_explicit_apply_keeps_any_result(app: Celery) -> None:
+    """``.apply()`` publishes nothing on a worker either: Celery's freedom stays."""
+    app.conf.task_always_eager = False
+    assert app.tasks["eager.when"].apply((2026,)).get() == {
+        "when": datetime(2026, 1, 1, tzinfo=timezone.utc)}
+    assert app.tasks["eager.add"].apply((datetime.now(timezone.utc), 1), throw=False).state in {
+        "SUCCESS", "FAILURE"}  # runs (datetime + int fails in the handler, not at the call)
