@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Task
+from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 from celery.utils.time import maybe_make_aware
@@ -255,6 +256,11 @@ class OJSTask(Task):  # type: ignore[misc]
             carry_out(runtime, started, report_result=True)
         except Exception as exc:  # the store decided; its events must not undo that
             logger.error("ojs_celery: job %s: effects of its start failed: %r", job_id, exc)
+        if any(name == "job.expired" for name, _ in started.events):
+            # Celery's worker announces an expired message so (in its main process, where
+            # the expiry is decided before the pool; here the store decides it at the start)
+            celery_signals.task_revoked.send(sender=self, request=self.request,
+                                             terminated=False, signum=None, expired=True)
         if started.reason == "foreign":
             logger.error("ojs_celery: job %s: message dropped, it is not the job's (another "
                          "task, other arguments or another job's record)", job_id)

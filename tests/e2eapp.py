@@ -376,6 +376,14 @@ def make_app(config: dict[str, Any]) -> Celery:
         record(directory, "postrun", f"{task_id} {state}")
 
     signals.task_postrun.connect(on_postrun, weak=False)
+
+    def on_revoked(sender: Any = None, request: Any = None, terminated: Any = None,
+                   expired: Any = None, **_: Any) -> None:
+        if sender is None or sender.app is not app:
+            return
+        record(directory, "revoked", f"{request.id} terminated={terminated} expired={expired}")
+
+    signals.task_revoked.connect(on_revoked, weak=False)
     return app
 
 

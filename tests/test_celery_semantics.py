@@ -354,6 +354,9 @@ def test_expires_is_checked_at_a_retry(env: Env) -> None:
     assert job.error is not None and job.error["type"] == "expired"
     assert job.expires_at is not None
     assert _runs(env, tag) == ["retries=0"]
+    # as Celery's worker announces an expired message (the signal comes from the pool child)
+    wait_for(lambda: f"{result.id} terminated=False expired=True" in env.lines("revoked"), 10,
+             "task_revoked(expired=True)")
 
 
 def test_an_envelope_keeps_the_ojs_defaults(env: Env) -> None:
