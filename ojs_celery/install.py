@@ -21,7 +21,7 @@ from .logs import quiet_worker_logs
 from .producer import warn_default_timeouts
 from .request import cancel_revoked
 from .runtime import Runtime, attach, get_runtime
-from .store import StoreError
+from .store import StoreError, preload_store
 from .sweeper import SWEEP_TASK, last_sweep, sweep, sweep_faults
 from .worker import children
 from .worker.steps import STEPS
@@ -62,6 +62,11 @@ def install(app: Celery) -> Runtime:
         if getattr(sender, "app", None) is not app:
             return
         _settings_or_exit()
+        try:  # imports only: the pool forks after this
+            preload_store(runtime.settings.store_url)
+        except Exception as exc:  # a driver SQLAlchemy cannot load: no job could ever start
+            raise SystemExit(f"ojs_celery: store_url: the job store's driver cannot be loaded "
+                             f"({type(exc).__name__}: {exc})") from None
         quiet_worker_logs(app, SWEEP_TASK)
         worker_id = assign_worker_id()
         name = pool_name(getattr(sender, "pool_cls", ""))

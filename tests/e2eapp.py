@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import sys
 import time
 from typing import Any
 
@@ -384,6 +385,16 @@ def make_app(config: dict[str, Any]) -> Celery:
         record(directory, "revoked", f"{request.id} terminated={terminated} expired={expired}")
 
     signals.task_revoked.connect(on_revoked, weak=False)
+
+    watched = list(config.get("prerun_modules") or [])
+    if watched:  # which modules a pool process has when a job reaches it, before its start
+
+        def on_prerun(sender: Any = None, task_id: Any = None, **_: Any) -> None:
+            if sender is not None and sender.app is app:
+                found = " ".join(f"{name}={name in sys.modules}" for name in watched)
+                record(directory, "prerun", f"{task_id} {found}")
+
+        signals.task_prerun.connect(on_prerun, weak=False)
     return app
 
 

@@ -16,6 +16,9 @@ from ojs_celery.embedded import embedded_settings
 from ojs_celery.install import SweepWatch
 from ojs_celery.runtime import get_runtime
 from ojs_celery.store import StoreError
+from tests.e2eapp import make_app
+from tests.services import postgres_url
+from tests.workers import filesystem_config, lines, running_worker, unique, wait_for
 
 
 class DjangoSettings:
@@ -157,6 +160,52 @@ def test_worker_and_beat_refuse_to_start_on_invalid_settings(
     assert done.returncode != 0
     assert "ojs.worker_heartbeat_timeout" not in done.stdout
     assert "worker_heartbeat_timeout (3.0s) must be longer" in done.stderr
+
+
+@pytest.mark.e2e
+def test_a_worker_whose_store_driver_cannot_be_loaded_exits_naming_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A driver SQLAlchemy cannot load would fail every job's start: the worker says so once
+    and exits, before its pool starts."""
+    (tmp_path / "nodriver_app.py").write_text(
+        "from celery import Celery\n"
+        "import ojs_celery\n"
+        "from ojs_celery.embedded import embedded_settings\n"
+        "app = Celery('nodriver_app')\n"
+        f"app.conf.update(embedded_settings({str(tmp_path / 'files')!r}))\n"
+        "app.conf.ojs = {'store_url': 'postgresql+nosuchdriver://u@127.0.0.1:1/x'}\n"
+        "ojs_celery.install(app)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "nodriver_app", "worker", "--pool", "solo",
+         "-n", "nodriver@%h"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "store_url: the job store's driver cannot be loaded" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.e2e
+def test_a_new_pool_process_has_the_store_driver_before_its_first_job(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The worker imports the job store's driver before its pool forks, so the first job of a
+    new pool process does not import it on its own time limit (a quarter of a second for
+    psycopg and SQLAlchemy's dialect)."""
+    config = filesystem_config(tmp_path)
+    config["ojs"] = {**config["ojs"], "store_url": postgres_url(), "store_prefix": unique("t")}
+    config["prerun_modules"] = ["psycopg", "ojs_celery.store.pg_lane"]
+    app = make_app(config)
+    try:
+        with running_worker(config, tmp_path / "worker.log", concurrency=1):
+            job = enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+            wait_for(lambda: lines(config["dir"], "prerun"), 30, "the first job's prerun")
+        assert lines(config["dir"], "prerun") == [
+            f"{job.id} psycopg=True ojs_celery.store.pg_lane=True"]
+    finally:
+        store = get_runtime(app).store
+        store.clear()
+        store.drop_tables()  # type: ignore[attr-defined]
 
 
 def test_importing_the_package_connects_no_celery_signal() -> None:

@@ -216,6 +216,16 @@ def build_metadata(prefix: str) -> sa.MetaData:
     return metadata
 
 
+def preload(url: str) -> None:
+    """Import the modules a store for ``url`` needs (see
+    :func:`ojs_celery.store.preload_store`): SQLAlchemy's dialect, the driver, and the
+    PostgreSQL fast lane where psycopg 3 is the driver."""
+    normal = normalise_url(url)
+    normal.get_dialect().import_dbapi()
+    if normal.drivername == "postgresql+psycopg":
+        from . import pg_lane  # noqa: F401
+
+
 class SQLStore(JobStore):
     """Job store on SQLite or PostgreSQL; see the module docstring.
 
