@@ -90,6 +90,12 @@ def call_arguments(task: Task, args: Any, kwargs: Any) -> dict[str, Any]:
     return envelope
 
 
+def check_call_arguments(task: Task, args: Any, kwargs: Any) -> None:
+    """Raise :class:`~ojs_celery.InvalidJob` naming what JSON cannot carry in a call's (or a
+    retry's) arguments: the job's record and its messages hold them as JSON."""
+    parse_envelope(call_arguments(task, args, kwargs), celery_id=True)
+
+
 def wrap_send_task(app: Celery) -> None:
     """Make ``app.send_task`` of an OJS task by name an OJS job (idempotent; see the module
     docstring for which calls it takes over)."""

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 from celery.result import EagerResult
 
-from .callers import call_arguments
+from .callers import check_call_arguments
 from .context import JobContext, _current
-from .envelope import CELERY_KWARGS_FIELD, Job, JsonValue, new_job_id, parse_envelope, utcnow
+from .envelope import CELERY_KWARGS_FIELD, Job, JsonValue, new_job_id, utcnow
 from .lifecycle import Record
 from .outcome import result_problem
 
@@ -73,7 +73,7 @@ class EagerJobContext(JobContext):
 def apply_eagerly(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -> EagerResult:
     """``apply_async`` under ``task_always_eager``: Celery's ``Task.apply``, as Celery's own
     ``apply_async`` does (nothing is published, no job is stored)."""
-    parse_envelope(call_arguments(task, args, kwargs), celery_id=True)  # InvalidJob, as a call
+    check_call_arguments(task, args, kwargs)  # InvalidJob, as a published call
     link, link_error = options.pop("link", None), options.pop("link_error", None)
     task_id = options.pop("task_id", None) or new_job_id()
     reset = _in_place_of_a_call.set(True)
@@ -83,6 +83,11 @@ def apply_eagerly(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -
     finally:
         _in_place_of_a_call.reset(reset)
     return result
+
+
+def in_place_of_a_call() -> bool:
+    """Whether this eager run stands in for a published call (see the module docstring)."""
+    return _in_place_of_a_call.get()
 
 
 def run_eagerly(task: Task, run: Callable[[], Any]) -> Any:

@@ -22,9 +22,9 @@ from celery.result import AsyncResult
 from celery.utils.time import maybe_make_aware
 
 from . import arrival, compat, lifecycle, softlimit
-from .callers import enqueue_call
+from .callers import check_call_arguments, enqueue_call
 from .context import JobContext, _current, maybe_current_job
-from .eager import apply_eagerly, run_eagerly
+from .eager import apply_eagerly, in_place_of_a_call, run_eagerly
 from .effects import carry_out
 from .envelope import CELERY_KWARGS_FIELD, Job, json_native
 from .faults import AtMostEvery
@@ -131,6 +131,9 @@ class OJSTask(Task):  # type: ignore[misc]
         ``throw=False`` returns the ``Retry`` and fails the attempt when the handler returns.
         """
         ctx = maybe_current_job()
+        if ctx is not None and (args is not None or kwargs is not None) and (
+                not self.request.is_eager or in_place_of_a_call()):
+            check_call_arguments(self, args, kwargs)  # InvalidJob, as the call would raise
         if ctx is None or self.request.is_eager:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         celery = celery_semantics(ctx.job) is not None

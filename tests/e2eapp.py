@@ -12,6 +12,7 @@ import os
 import pathlib
 import sys
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 from billiard.exceptions import SoftTimeLimitExceeded
@@ -297,6 +298,13 @@ def make_app(config: dict[str, Any]) -> Celery:
     def celery_retry_later(self: OJSTask, tag: str, countdown: float) -> None:
         record(directory, "celery", f"{tag} retries={self.request.retries}")
         raise self.retry(countdown=countdown)
+
+    @app.task(shared=False, name="e2e.celery_retry_with", base=OJSTask, bind=True)
+    def celery_retry_with(self: OJSTask, tag: str, value: str) -> None:
+        """Retries with a keyword argument JSON cannot carry (``value``: "datetime", "object")."""
+        record(directory, "celery", f"{tag} retries={self.request.retries}")
+        bad = {"datetime": datetime.now(timezone.utc), "object": object()}[value]
+        raise self.retry(args=[tag, value], kwargs={"extra": bad}, countdown=0.1)
 
     @app.task(shared=False, name="e2e.celery_dies_once", base=OJSTask, bind=True)
     def celery_dies_once(self: OJSTask, tag: str) -> int:

@@ -359,6 +359,21 @@ def test_expires_is_checked_at_a_retry(env: Env) -> None:
              "task_revoked(expired=True)")
 
 
+@pytest.mark.parametrize("value", ["datetime", "object"])
+def test_a_retry_with_arguments_json_cannot_carry_ends_the_job_naming_them(
+        env: Env, value: str) -> None:
+    """``self.retry(kwargs=...)`` is checked as the call is: a datetime stored as text would
+    no longer match the retry's message (dropped by the worker, the job left waiting), an
+    object would fail the outcome's write. The retry raises InvalidJob, which ends the job."""
+    tag = unique("retrybad")
+    result = env.app.tasks["e2e.celery_retry_with"].delay(tag, value)
+    job = env.wait_state(result.id, "discarded", timeout=30)
+    assert job.error is not None and job.error["type"] == "InvalidJob"
+    assert "x_celery_kwargs.extra: input was not a valid JSON value" in str(job.error["message"])
+    assert type(_failure(env, result.id).result).__name__ == "InvalidJob"
+    assert _runs(env, tag) == ["retries=0"]
+
+
 def test_an_envelope_keeps_the_ojs_defaults(env: Env) -> None:
     tag = unique("envelope")
     job = enqueue({"type": "e2e.celery_fails", "args": [tag],
