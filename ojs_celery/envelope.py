@@ -13,7 +13,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Annotated, Any, Final, Literal
 
@@ -118,15 +118,20 @@ State = Literal[
 class InvalidJob(ValueError):
     """An envelope broke one or more rules; ``violations`` holds ``(field path, rule)`` pairs."""
 
-    def __init__(self, violations: list[tuple[str, str]]) -> None:
-        self.violations = violations
-        lines = "\n".join(f"  {path}: {rule}" for path, rule in violations)
-        super().__init__(f"invalid OJS job ({len(violations)} violation(s)):\n{lines}")
+    def __init__(self, violations: Sequence[Sequence[str]]) -> None:
+        self.violations = [(str(path), str(rule)) for path, rule in violations]
+        # Its arguments are what rebuilds it, not its message: raised in a prefork child, it
+        # must unpickle in the worker's main process (billiard sends it there, or the worker
+        # stops consuming), and Celery's JSON result serializer rebuilds a task's exception
+        # from its args (JSON turns the pairs into lists, taken back as pairs above).
+        super().__init__(self.violations)
+
+    def __str__(self) -> str:
+        lines = "\n".join(f"  {path}: {rule}" for path, rule in self.violations)
+        return f"invalid OJS job ({len(self.violations)} violation(s)):\n{lines}"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Rebuilt from its violations: raised in a prefork child, it must unpickle in the
-        # worker's main process (billiard sends it there), or the worker stops consuming.
-        return (type(self), (self.violations,), self.__dict__)
+        return (type(self), self.args, self.__dict__)
 
 
 class DuplicateJob(InvalidJob):
@@ -141,6 +146,7 @@ class DuplicateJob(InvalidJob):
     def __init__(self, job_id: str, path: str = "id") -> None:
         super().__init__([(path, f"a different job with id {job_id} exists already")])
         self.job_id = job_id
+        self.args = (job_id, path)  # what rebuilds it (see InvalidJob)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.job_id,), self.__dict__)

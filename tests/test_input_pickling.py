@@ -3,9 +3,11 @@ raised to the worker's main process, which must be able to rebuild it."""
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import pytest
+from celery import Celery
 
 from ojs_celery import (
     BrokerUnavailable,
@@ -57,3 +59,15 @@ def test_round_trip_keeps_what_callers_read() -> None:
     assert (job_error.type, job_error.retryable) == ("billing.declined", False)
     retry = pickle.loads(pickle.dumps(EXCEPTIONS[-1]))
     assert isinstance(retry.exc, ValueError) and retry.delay == 0.5
+
+
+@pytest.mark.parametrize("exc", EXCEPTIONS[:-1], ids=lambda e: type(e).__name__)
+def test_celerys_json_results_rebuild_them(exc: BaseException) -> None:
+    """A task's exception in a result backend with Celery's JSON serializer (its default) is
+    rebuilt from its ``args``: ``AsyncResult.result`` is the same exception, not a bare
+    ``Exception`` (RetryRequested, the last, never reaches a backend)."""
+    backend = Celery(set_as_current=False).backend
+    stored = json.loads(json.dumps(backend.prepare_exception(exc, serializer="json")))
+    back = backend.exception_to_python(stored)
+    assert type(back) is type(exc)
+    assert str(back) == str(exc)

@@ -98,9 +98,12 @@ class DuplicateJob(ValueError):
 
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
-        super().__init__(f"id: a job with id {job_id} exists already (ids must be unique)")
+        super().__init__(job_id)  # its id, not its message, rebuilds it (pickle, Celery's JSON)
 
-    def __reduce__(self) -> tuple[Any, ...]:  # pickles with its id, not its message
+    def __str__(self) -> str:
+        return f"id: a job with id {self.job_id} exists already (ids must be unique)"
+
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.job_id,))
 
 
