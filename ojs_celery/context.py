@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from .envelope import Job, JsonValue
+from .envelope import Job, JsonValue, json_data_violations
 from .lifecycle import Record
 from .store import StoreError
 
@@ -76,8 +77,17 @@ class JobContext:
 
         Counts as a heartbeat. A checkpoint is what the next attempt gets as ``last_checkpoint``.
         Emits ``job.progress`` (the progress extension's fields), at most one a second per
-        attempt (the extension's rate), and always when the job reaches 1.0.
+        attempt (the extension's rate), and always when the job reaches 1.0. Raises
+        ``ValueError``, writing nothing, for a value that is no finite number or ``data`` or a
+        ``checkpoint`` that is not JSON data (the job's record holds them as JSON).
         """
+        problems = json_data_violations({"data": data, "checkpoint": checkpoint})
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            problems.insert(0, ("value", "must be a finite number (0 to 1)"))
+        if problems:
+            raise ValueError("progress(): " + "; ".join(f"{path}: {rule}"
+                                                        for path, rule in problems))
         written = self._beat(progress=value, data=data, checkpoint=checkpoint)
         if written and (value is not None or data is not None):
             self._progress_event()

@@ -499,13 +499,27 @@ def _extension_violations(job: Job) -> list[tuple[str, str]]:
     """The extension fields of a valid ``job`` (``x_celery_kwargs`` among them) that hold
     what JSON cannot carry, as ``args`` is checked: a Python caller's ``datetime`` or
     ``bytes`` would otherwise be stored as text, and no longer match the call it came from."""
-    if not job.model_extra:
-        return []
+    return json_data_violations(job.model_extra) if job.model_extra else []
+
+
+def json_data_violations(fields: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(field path, rule)`` for each value of ``fields`` (by name) that a job's JSON cannot
+    hold as it is: what JSON cannot carry (a ``datetime``, ``bytes``, any object), arrays and
+    objects nested too deep, a number that is not finite."""
+    found: list[tuple[str, str]] = []
+    for name, value in fields.items():
+        rule = (_data_rule(value) if isinstance(value, (list, dict, tuple))
+                else _FINITE_RULE if isinstance(value, float) and not math.isfinite(value)
+                else None)
+        if rule is not None:
+            found.append((name, rule))
     try:
-        _EXTENSIONS.validate_python(job.model_extra)
+        _EXTENSIONS.validate_python(fields)
     except ValidationError as exc:
-        return field_violations(exc)
-    return []
+        named = {path for path, _ in found}
+        found += [(path, rule) for path, rule in field_violations(exc)
+                  if _top_field(path) not in named]
+    return found
 
 
 def _surely_small(job: Job) -> bool:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pathlib
+import re
+from datetime import datetime, timezone
 from typing import Any
 
+import pytest
 from celery import Celery
 
 from ojs_celery import OJSTask, enqueue, install, signals
@@ -47,3 +50,35 @@ def test_progress_events_at_most_one_a_second_and_always_the_last(
     stored = runtime.store.get(job.id)
     assert stored is not None and stored.progress is not None
     assert stored.progress["progress"] == 1.0
+
+
+def test_progress_refuses_what_the_record_cannot_hold_and_writes_nothing(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A handler's mistake is named at the call, before anything is written: stored, a
+    ``datetime`` would turn into text and an object would fail the write."""
+    app = Celery("progress_checks", set_as_current=False)
+    app.conf.update(embedded_settings(tmp_path))
+    runtime = install(app)
+
+    @app.task(shared=False, name="progress.checked", base=OJSTask)
+    def checked() -> None:
+        return None
+
+    job = enqueue({"type": "progress.checked", "args": []}, app=app)
+    started = runtime.store.start(job.id, 1, "worker_p")
+    assert started.record is not None
+    ctx = JobContext(runtime, started.record, "worker_p")
+    assert ctx.progress(0.5, checkpoint={"page": 3})
+    for call, said in [
+        (lambda: ctx.progress(0.6, checkpoint={"at": datetime.now(timezone.utc)}),
+         "checkpoint.at: input was not a valid JSON value"),
+        (lambda: ctx.progress(0.6, data=[object()]), "data[0]: input was not a valid JSON value"),
+        (lambda: ctx.progress(float("nan")), "value: must be a finite number"),
+        (lambda: ctx.progress(0.6, data={"x": float("inf")}), "data: must hold only finite"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            call()
+    stored = runtime.store.get(job.id)
+    assert stored is not None and stored.last_checkpoint == {"page": 3}
+    assert stored.progress is not None and stored.progress["progress"] == 0.5
