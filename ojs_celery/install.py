@@ -24,6 +24,7 @@ from .runtime import Runtime, attach, get_runtime
 from .store import StoreError, preload_store
 from .sweeper import SWEEP_TASK, last_sweep, sweep, sweep_faults
 from .worker import children
+from .worker.gate import start_gate
 from .worker.steps import STEPS
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ def install(app: Celery) -> Runtime:
         except Exception as exc:  # a driver SQLAlchemy cannot load: no job could ever start
             raise SystemExit(f"ojs_celery: store_url: the job store's driver cannot be loaded "
                              f"({type(exc).__name__}: {exc})") from None
+        start_gate.prepare()  # shared with the pool processes it forks next
         quiet_worker_logs(app, SWEEP_TASK)
         worker_id = assign_worker_id()
         name = pool_name(getattr(sender, "pool_cls", ""))

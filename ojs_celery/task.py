@@ -49,6 +49,7 @@ from .outcome import (
 from .producer import call_mismatch
 from .runtime import Runtime, get_runtime
 from .store import JobStore, StoreError, StoreTimeout
+from .worker.gate import start_gate
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +216,10 @@ class OJSTask(Task):  # type: ignore[misc]
         dropped: nothing to start, or it is not the job's: another task, other ``args`` and
         ``kwargs``) or ``Reject`` with requeue (it goes back to the broker: whether it may
         start could not be decided, or its job's record may still come)."""
+        if not start_gate.is_open():
+            logger.info("ojs_celery: job %s not started, the worker is shutting down: its "
+                        "message goes back to the broker", job_id)
+            raise Reject("the worker is shutting down", requeue=True)
         arrived = arrival.read(self.request, job_id)
         if arrived.token is None:
             logger.error("ojs_celery: job %s: message dropped, its ojs header is unusable (%s); "

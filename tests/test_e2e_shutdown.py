@@ -24,7 +24,7 @@ from celery.result import AsyncResult
 from ojs_celery import enqueue
 from ojs_celery.runtime import get_runtime
 from tests.conftest import Env, start_env
-from tests.workers import Worker, filesystem_config, forget_redis_names, unique
+from tests.workers import Worker, filesystem_config, forget_redis_names, unique, wait_for
 
 SLACK = 6.0
 
@@ -105,6 +105,41 @@ def test_a_long_job_is_cancelled_in_the_window_and_resumes(
     try:
         done = env.wait_state(job.id, "completed")
         assert done.attempt == 2 and done.result == {"resumed_from": {"step": 1}}
+    finally:
+        second.stop()
+
+
+def test_jobs_the_pool_had_not_started_go_back_unattempted_when_the_window_begins(
+    env: Env, tmp_path: pathlib.Path
+) -> None:
+    """Drain 6 s, window 3 s, one pool process: the long job is cancelled 3 s before the end
+    and stops; the 1 s jobs prefetched behind it, which would start then and be cancelled at
+    once (their only attempt failed with ``shutdown`` for work they never did), go back to the
+    broker unstarted and run on the next worker as their first attempt."""
+    queue = unique("own")
+    worker = own_worker(env, tmp_path, drain=6.0, queue=queue, concurrency=1,
+                        extra=["--prefetch-multiplier", "4"])
+    long = enqueue({"type": "e2e.sleep", "args": [60.0], "queue": queue, "timeout": 100,
+                    "retry": {"max_attempts": 3, "initial_interval": "PT0.1S"}}, app=env.app)
+    short = [enqueue({"type": "e2e.sleep", "args": [1.0, "short"], "queue": queue,
+                      "retry": {"max_attempts": 1}}, app=env.app) for _ in range(3)]
+    try:
+        env.wait_state(long.id, "active")
+        wait_for(lambda: all(any(job.id in line for line in env.lines("received"))
+                             for job in short), 15, "the short jobs prefetched")
+        sigterm(worker, group=True)
+        assert worker.process.wait(6 + SLACK) == 0
+        assert [e["type"] for e in env.job(long.id).errors] == ["shutdown"]
+        for job in short:
+            left = env.job(job.id)
+            assert (left.state, left.attempt, left.errors) == ("available", 0, [])
+    finally:
+        worker.stop()
+    second = own_worker(env, tmp_path, drain=6.0, queue=queue)
+    try:
+        for job in short:
+            done = env.wait_state(job.id, "completed")
+            assert done.attempt == 1 and done.result == "short"
     finally:
         second.stop()
 

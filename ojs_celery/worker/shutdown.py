@@ -35,6 +35,7 @@ from ..header import token_of
 from ..store import StoreError
 from .beat import BeatStep
 from .children import PoolChildrenStep
+from .gate import start_gate
 from .node import WorkerNode, anything_running, node_of, ojs_requests
 from .registration import deregister
 
@@ -135,6 +136,8 @@ class Drain:
         deadline = time.monotonic() + self.grace
         while anything_running() and time.monotonic() < deadline:
             remaining = deadline - time.monotonic()
+            if remaining <= window:  # a job started now would be cancelled at once
+                start_gate.close()
             for request in ojs_requests():
                 if (request.id not in self._cancelled
                         and remaining <= min(_job_grace(request), window)
