@@ -33,6 +33,10 @@ Pending = tuple[str, dict[str, Any], "str | None", float]
 MAX_BATCH = 200
 #: Seconds the bus thread waits after an event for more to batch with it.
 LINGER = 0.05
+#: Seconds :func:`listen` waits before connecting again after losing the broker, doubled
+#: after each failure up to the most.
+RECONNECT_FIRST = 1.0
+RECONNECT_MAX = 30.0
 
 
 def make_event(type_: str, data: dict[str, Any], subject: str | None, source: str,
@@ -137,26 +141,52 @@ def listen(
 
     ``ready`` is set once the receiver is bound, so nothing published after it is missed. The
     limit counts events, not bus messages (one message carries a batch of them), and is not
-    passed to kombu, whose ``limit`` also counts the idle one-second polls.
+    passed to kombu, whose ``limit`` also counts the idle one-second polls. A lost broker
+    connection (a restart) is logged in one line and made again, waiting longer each time up
+    to :data:`RECONNECT_MAX`: what was published meanwhile is lost, as the bus is best-effort.
     """
-    seen = 0
-    with app.connection_for_read() as connection:
+    counted = _Counted(handler, limit)
+    pause = RECONNECT_FIRST
+    while True:
+        with app.connection_for_read() as connection:
+            lost = (*connection.connection_errors, *connection.channel_errors, OSError)
+            receiver = app.events.Receiver(connection,
+                                           handlers={BUS_EVENT_TYPE: counted.on_message})
+            counted.receiver = receiver
+            if ready is not None:
+                receiver.on_consume_ready = lambda *_a, **_k: ready.set()
+            try:
+                receiver.capture(timeout=timeout, wakeup=False)
+                return
+            except TimeoutError:
+                return
+            except lost as exc:
+                if counted.flowed:  # events came since the last loss: start over
+                    pause, counted.flowed = RECONNECT_FIRST, False
+                logger.warning("ojs_celery: event bus: lost the broker (%s: %s); connecting "
+                               "again in %gs", type(exc).__name__, exc, pause)
+        time.sleep(pause)
+        pause = min(pause * 2, RECONNECT_MAX)
 
-        def on_event(raw: dict[str, Any]) -> None:
-            nonlocal seen
-            for event in raw.get("ojs_events") or ():
-                if limit is not None and seen >= limit:
-                    break
-                if isinstance(event, dict):
-                    seen += 1
-                    handler(event)
-            if limit is not None and seen >= limit:
-                receiver.should_stop = True
 
-        receiver = app.events.Receiver(connection, handlers={BUS_EVENT_TYPE: on_event})
-        if ready is not None:
-            receiver.on_consume_ready = lambda *_a, **_k: ready.set()
-        try:
-            receiver.capture(timeout=timeout, wakeup=False)
-        except TimeoutError:
-            return
+class _Counted:
+    """:func:`listen`'s handler of bus messages: each OJS event to ``handler``, up to
+    ``limit``, across connections."""
+
+    def __init__(self, handler: Callable[[Event], None], limit: int | None) -> None:
+        self.handler = handler
+        self.limit = limit
+        self.seen = 0
+        self.flowed = False
+        self.receiver: Any = None
+
+    def on_message(self, raw: dict[str, Any]) -> None:
+        self.flowed = True
+        for event in raw.get("ojs_events") or ():
+            if self.limit is not None and self.seen >= self.limit:
+                break
+            if isinstance(event, dict):
+                self.seen += 1
+                self.handler(event)
+        if self.limit is not None and self.seen >= self.limit:
+            self.receiver.should_stop = True

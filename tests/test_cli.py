@@ -5,17 +5,24 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import queue
 import re
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from ojs_celery import enqueue
+from ojs_celery.runtime import get_runtime
 from ojs_celery.store import open_store
 from tests.conftest import Env, start_env
-from tests.workers import ROOT, wait_for
+from tests.e2eapp import make_app
+from tests.test_store_faults import PrivateRedis
+from tests.workers import ROOT, redis_config, wait_for
 
 CLI = str(pathlib.Path(sys.executable).parent / "ojs-celery")
 
@@ -280,3 +287,64 @@ def test_sweep_once_and_loop(env: Env) -> None:
     finally:
         loop.terminate()
         loop.wait(10)
+
+
+def test_events_goes_on_after_the_broker_restarts(
+    redis_server: PrivateRedis, tmp_path: pathlib.Path
+) -> None:
+    """The broker (a private Redis) is killed and started again on its port: the listener
+    says so in one line, connects again and prints the events published after it is back;
+    no traceback, and it keeps running (the events published while it was away are lost: the
+    bus is best-effort)."""
+    config = redis_config(tmp_path, redis_server.url)
+    config["ojs"]["events"] = True
+    listener = subprocess.Popen(
+        [CLI, "-A", "tests.e2eapp:app", "events"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "OJS_E2E_CONFIG": json.dumps(config), "PYTHONPATH": str(ROOT)})
+    printed: queue.SimpleQueue[str] = queue.SimpleQueue()
+    said: list[str] = []
+    assert listener.stdout is not None and listener.stderr is not None
+    assert "listening" in listener.stderr.readline()
+    threading.Thread(target=lambda: [printed.put(line) for line in listener.stdout],
+                     daemon=True).start()
+    threading.Thread(target=lambda: [said.append(line) for line in listener.stderr],
+                     daemon=True).start()
+    app = make_app(config)
+
+    def enqueued_event_comes(within: float) -> bool:
+        """Enqueue jobs until one's job.enqueued event is printed (events published before
+        the listener is bound again are lost)."""
+        ids: set[str] = set()
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            ids.add(enqueue({"type": "e2e.add", "args": [1, 1]}, app=app).id)
+            get_runtime(app).flush()
+            try:
+                while True:
+                    event = json.loads(printed.get(timeout=0.5))
+                    if event.get("subject") in ids and event["type"] == "job.enqueued":
+                        return True
+            except queue.Empty:
+                continue
+        return False
+
+    try:
+        assert enqueued_event_comes(within=20)
+        port = redis_server.port
+        redis_server.process.kill()
+        redis_server.process.wait(10)
+        redis_server.process = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(tmp_path)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: any("lost the broker" in line for line in said), 20,
+                 "the listener to say it lost the broker")
+        assert enqueued_event_comes(within=40)
+        assert listener.poll() is None
+    finally:
+        listener.kill()
+        listener.communicate()
+        get_runtime(app).close()
+    assert not any("Traceback" in line for line in said), "".join(said)
+    assert sum("lost the broker" in line for line in said) >= 1
