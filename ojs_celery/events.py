@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from celery import Celery
+from kombu.exceptions import OperationalError as KombuOperationalError
 
 from . import signals
 from .batching import Batcher
@@ -148,23 +149,28 @@ def listen(
     counted = _Counted(handler, limit)
     pause = RECONNECT_FIRST
     while True:
-        with app.connection_for_read() as connection:
-            lost = (*connection.connection_errors, *connection.channel_errors, OSError)
-            receiver = app.events.Receiver(connection,
-                                           handlers={BUS_EVENT_TYPE: counted.on_message})
-            counted.receiver = receiver
-            if ready is not None:
-                receiver.on_consume_ready = lambda *_a, **_k: ready.set()
-            try:
+        connection = app.connection_for_read()
+        # losing the broker, whatever its transport: kombu's own error for a connection that
+        # cannot be made, its transport's (the driver's) and a socket's
+        lost = (KombuOperationalError, OSError, *connection.connection_errors,
+                *connection.channel_errors)
+        try:
+            with connection:
+                receiver = app.events.Receiver(connection,
+                                               handlers={BUS_EVENT_TYPE: counted.on_message})
+                counted.receiver = receiver
+                if ready is not None:
+                    receiver.on_consume_ready = lambda *_a, **_k: ready.set()
                 receiver.capture(timeout=timeout, wakeup=False)
                 return
-            except TimeoutError:
-                return
-            except lost as exc:
-                if counted.flowed:  # events came since the last loss: start over
-                    pause, counted.flowed = RECONNECT_FIRST, False
-                logger.warning("ojs_celery: event bus: lost the broker (%s: %s); connecting "
-                               "again in %gs", type(exc).__name__, exc, pause)
+        except TimeoutError:
+            return
+        except lost as exc:  # connecting (a broker still down) or consuming
+            if counted.flowed:  # events came since the last loss: start over
+                pause, counted.flowed = RECONNECT_FIRST, False
+            logger.warning("ojs_celery: event bus: lost the broker (%s: %s); connecting again "
+                           "in %gs", type(exc).__name__, str(exc).splitlines()[0] if str(exc)
+                           else "", pause)
         time.sleep(pause)
         pause = min(pause * 2, RECONNECT_MAX)
 
