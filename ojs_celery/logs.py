@@ -6,8 +6,10 @@ timeout is an expected outcome of an OJS job (recorded, evented, retried per its
 Celery logs the exception it raised with a full traceback. :func:`quiet_worker_logs` adds
 logging filters to Celery's own loggers: the sweep task's received/succeeded lines go, and a
 timeout of an OJS task keeps its one line (Celery's "Soft/Hard time limit (Ns) exceeded for
-task[job id]" and the task's failure line) without the traceback. Plain Celery tasks are left
-as Celery logs them.
+task[job id]" and the task's failure line) without the traceback, and so does the ``Reject``
+that sends an OJS message back to the broker (the store unreachable, a draining worker): OJS
+has said why in one line already, and during an outage or a deploy there is one per message.
+Plain Celery tasks are left as Celery logs them.
 """
 
 from __future__ import annotations
@@ -17,14 +19,19 @@ from typing import Any
 
 from billiard.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery import Celery
+from celery.exceptions import Reject
 
 #: Celery's loggers for "Task ... received" (strategy) and "... succeeded/raised" (trace).
 CELERY_TASK_LOGGERS = ("celery.worker.strategy", "celery.app.trace")
 TIMEOUTS = (SoftTimeLimitExceeded, TimeLimitExceeded)
+#: What an OJS task's records keep without a traceback (see the module docstring). A handler's
+#: own Reject never reaches Celery as one: the job's outcome reports it.
+SAID_ALREADY = (*TIMEOUTS, Reject)
 
 
 class QuietOJSRecords(logging.Filter):
-    """Drops the sweep task's INFO lines; strips the traceback from an OJS task's timeout."""
+    """Drops the sweep task's INFO lines; strips the traceback from an OJS task's timeout and
+    from the Reject that sends its message back."""
 
     def __init__(self, app: Celery, sweep_task: str) -> None:
         super().__init__()
@@ -38,7 +45,8 @@ class QuietOJSRecords(logging.Filter):
         if name == self.sweep_task:
             return record.levelno > logging.INFO
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, TIMEOUTS) and getattr(self.app.tasks.get(name), "__ojs_task__", False):
+        ojs_task = getattr(self.app.tasks.get(name), "__ojs_task__", False)
+        if isinstance(exc, SAID_ALREADY) and ojs_task:
             record.exc_info = None
             record.exc_text = None
         return True

@@ -64,6 +64,8 @@ OUTCOME_RETRY_AT_LEAST = 30.0
 START_WAIT_WORTH_SAYING = 1.0
 #: Pause before a message goes back to the broker because the store is unreachable.
 STORE_DOWN_PAUSE = 1.0
+#: The reason of the Reject that sends back a job the draining worker will not start.
+SHUTTING_DOWN = "the worker is shutting down"
 
 
 class OJSTask(Task):  # type: ignore[misc]
@@ -216,10 +218,10 @@ class OJSTask(Task):  # type: ignore[misc]
         dropped: nothing to start, or it is not the job's: another task, other ``args`` and
         ``kwargs``) or ``Reject`` with requeue (it goes back to the broker: whether it may
         start could not be decided, or its job's record may still come)."""
-        if not start_gate.is_open():
+        if start_gate.too_late(self.request.timelimit, runtime.settings.cancel_window):
             logger.info("ojs_celery: job %s not started, the worker is shutting down: its "
                         "message goes back to the broker", job_id)
-            raise Reject("the worker is shutting down", requeue=True)
+            raise Reject(SHUTTING_DOWN, requeue=True)
         arrived = arrival.read(self.request, job_id)
         if arrived.token is None:
             logger.error("ojs_celery: job %s: message dropped, its ojs header is unusable (%s); "

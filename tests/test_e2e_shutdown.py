@@ -133,6 +133,9 @@ def test_jobs_the_pool_had_not_started_go_back_unattempted_when_the_window_begin
         for job in short:
             left = env.job(job.id)
             assert (left.state, left.attempt, left.errors) == ("available", 0, [])
+        log = worker.log()
+        assert "not started, the worker is shutting down" in log
+        assert "celery.exceptions.Reject" not in log  # one line each, no traceback
     finally:
         worker.stop()
     second = own_worker(env, tmp_path, drain=6.0, queue=queue)

@@ -7,6 +7,7 @@ import logging
 import pytest
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery
+from celery.exceptions import Reject
 
 from ojs_celery import OJSTask
 from ojs_celery.logs import quiet_worker_logs
@@ -51,6 +52,12 @@ def test_sweep_lines_go_and_ojs_timeouts_lose_their_traceback(
                     exc_info=_raised(SoftTimeLimitExceeded()))
         trace.error("Task %(name)s[%(id)s] raised", {"name": "quiet.ojs", "id": "j2"},
                     exc_info=_raised(ValueError("boom")))
+        # the Reject that sends an OJS message back: OJS said why already, in one line
+        trace.warning("Task %(name)s[%(id)s] reject requeue=True", {"name": "quiet.ojs",
+                      "id": "j3"}, exc_info=_raised(Reject("store unreachable", requeue=True)))
+        trace.warning("Task %(name)s[%(id)s] reject requeue=True", {"name": "quiet.plain",
+                      "id": "p2"}, exc_info=_raised(Reject("a plain task's", requeue=True)))
     seen = [(r.args["id"], r.exc_info is not None) for r in caplog.records  # type: ignore[index]
             if r.name in ("celery.app.trace", "celery.worker.strategy")]
-    assert seen == [("j1", False), ("j1", False), ("p1", True), ("j2", True)]
+    assert seen == [("j1", False), ("j1", False), ("p1", True), ("j2", True), ("j3", False),
+                    ("p2", True)]

@@ -35,7 +35,7 @@ from ..header import token_of
 from ..store import StoreError
 from .beat import BeatStep
 from .children import PoolChildrenStep
-from .gate import start_gate
+from .gate import cancel_point, start_gate
 from .node import WorkerNode, anything_running, node_of, ojs_requests
 from .registration import deregister
 
@@ -134,13 +134,13 @@ class Drain:
         node = self.node
         window = node.settings.cancel_window
         deadline = time.monotonic() + self.grace
+        start_gate.drain_until(deadline)  # a job that would be cancelled at once: unstarted
         while anything_running() and time.monotonic() < deadline:
             remaining = deadline - time.monotonic()
-            if remaining <= window:  # a job started now would be cancelled at once
-                start_gate.close()
             for request in ojs_requests():
                 if (request.id not in self._cancelled
-                        and remaining <= min(_job_grace(request), window)
+                        and remaining <= cancel_point(getattr(request, "time_limits", None),
+                                                      window)
                         and not _own_limit_fired(request)):
                     self._each(self._cancel, request)
             time.sleep(POLL)
@@ -233,14 +233,6 @@ def _wait_gone(requests: list[Any]) -> None:
         if not ids & {r.id for r in ojs_requests()}:
             return
         time.sleep(POLL)
-
-
-def _job_grace(request: Any) -> float:
-    """The job's own grace period, from its time limits (hard − soft)."""
-    hard, soft = getattr(request, "time_limits", (None, None)) or (None, None)
-    if hard and soft:
-        return float(hard) - float(soft)
-    return 0.0
 
 
 class DrainStep(bootsteps.StartStopStep):  # type: ignore[misc]
