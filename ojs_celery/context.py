@@ -8,7 +8,7 @@ import time
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from .envelope import Job, JsonValue, json_data_violations
+from .envelope import Job, JsonValue, json_native, storable_violations
 from .lifecycle import Record
 from .store import StoreError
 
@@ -77,18 +77,20 @@ class JobContext:
 
         Counts as a heartbeat. A checkpoint is what the next attempt gets as ``last_checkpoint``.
         Emits ``job.progress`` (the progress extension's fields), at most one a second per
-        attempt (the extension's rate), and always when the job reaches 1.0. Raises
-        ``ValueError``, writing nothing, for a value that is no finite number or ``data`` or a
-        ``checkpoint`` that is not JSON data (the job's record holds them as JSON).
+        attempt (the extension's rate), and always when the job reaches 1.0. ``data`` and the
+        checkpoint are kept as JSON (tuples as lists, a ``datetime`` as text); ``ValueError``,
+        with nothing written, for what JSON cannot hold at all (a number that is not finite, an
+        object that has no JSON form) and for a value that is no finite number.
         """
-        problems = json_data_violations({"data": data, "checkpoint": checkpoint})
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value)):
+        data, checkpoint = json_native(data), json_native(checkpoint)
+        problems = storable_violations({"data": data, "checkpoint": checkpoint})
+        fraction = None if value is None else _number(value)
+        if fraction is not None and not math.isfinite(fraction):
             problems.insert(0, ("value", "must be a finite number (0 to 1)"))
         if problems:
             raise ValueError("progress(): " + "; ".join(f"{path}: {rule}"
                                                         for path, rule in problems))
-        written = self._beat(progress=value, data=data, checkpoint=checkpoint)
+        written = self._beat(progress=fraction, data=data, checkpoint=checkpoint)
         if written and (value is not None or data is not None):
             self._progress_event()
         return written
@@ -137,6 +139,14 @@ class JobContext:
             return False
         self._update(transition.record)
         return True
+
+
+def _number(value: Any) -> float:
+    """``value`` as a float (NaN when it is none: ``progress`` names it)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def current_job() -> JobContext:

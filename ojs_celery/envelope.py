@@ -32,7 +32,7 @@ from pydantic import (
     field_validator,
 )
 from pydantic import JsonValue as JsonValue  # explicit re-export: the package's JSON type
-from pydantic_core import PydanticSerializationError
+from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from .entropy import random_bytes
 
@@ -496,23 +496,55 @@ _EXTENSIONS: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(dict[str, JsonValue
 
 
 def _extension_violations(job: Job) -> list[tuple[str, str]]:
-    """The extension fields of a valid ``job`` (``x_celery_kwargs`` among them) that hold
-    what JSON cannot carry, as ``args`` is checked: a Python caller's ``datetime`` or
-    ``bytes`` would otherwise be stored as text, and no longer match the call it came from."""
-    return json_data_violations(job.model_extra) if job.model_extra else []
+    """What is wrong with a valid ``job``'s extension fields. ``x_celery_kwargs`` must be JSON
+    data, as ``args`` is (tuples taken as lists, :func:`json_native`): a Python caller's
+    ``datetime`` or ``bytes`` would be stored as text and no longer match the message of the
+    call it came from, which the worker would drop. Any other extension is written back as
+    pydantic writes it (a ``datetime`` as text), unless it cannot be written at all."""
+    extra = job.model_extra
+    if not extra:
+        return []
+    found = storable_violations({k: v for k, v in extra.items() if k != CELERY_KWARGS_FIELD})
+    if CELERY_KWARGS_FIELD in extra:
+        extra[CELERY_KWARGS_FIELD] = kwargs = json_native(extra[CELERY_KWARGS_FIELD])
+        found += json_data_violations({CELERY_KWARGS_FIELD: kwargs})
+    return found
+
+
+def storable_violations(fields: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(field, rule)`` for each value of ``fields`` (by name) that a job's JSON cannot hold
+    at all: nested too deep, a number that is not finite, an object pydantic cannot write (a
+    ``datetime``, a ``Decimal`` or a ``UUID`` it writes as text)."""
+    found: list[tuple[str, str]] = []
+    for name, value in fields.items():
+        rule = _value_rule(value)
+        if rule is None and not _is_json(value):
+            rule = "must be JSON data"
+        if rule is not None:
+            found.append((name, rule))
+    return found
+
+
+def _value_rule(value: Any) -> str | None:
+    if isinstance(value, (list, dict, tuple)):
+        return _data_rule(value)
+    return _FINITE_RULE if isinstance(value, float) and not math.isfinite(value) else None
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        to_jsonable_python(value)
+    except PydanticSerializationError:
+        return False
+    return True
 
 
 def json_data_violations(fields: dict[str, Any]) -> list[tuple[str, str]]:
     """``(field path, rule)`` for each value of ``fields`` (by name) that a job's JSON cannot
     hold as it is: what JSON cannot carry (a ``datetime``, ``bytes``, any object), arrays and
     objects nested too deep, a number that is not finite."""
-    found: list[tuple[str, str]] = []
-    for name, value in fields.items():
-        rule = (_data_rule(value) if isinstance(value, (list, dict, tuple))
-                else _FINITE_RULE if isinstance(value, float) and not math.isfinite(value)
-                else None)
-        if rule is not None:
-            found.append((name, rule))
+    found = [(name, rule) for name, value in fields.items()
+             if (rule := _value_rule(value)) is not None]
     try:
         _EXTENSIONS.validate_python(fields)
     except ValidationError as exc:
@@ -563,13 +595,21 @@ def decode_json(text: str | bytes, what: str = "(envelope)") -> Any:
 
 
 def json_native(value: Any) -> Any:
-    """Tuples become lists, as Celery's JSON serializer would send them; anything JSON cannot
-    carry is left for envelope validation to name."""
+    """Tuples become lists and number, boolean and null object keys become text, as Celery's
+    JSON serializer would send them; anything JSON cannot carry is left for envelope
+    validation to name."""
     if isinstance(value, (list, tuple)):
         return [json_native(v) for v in value]
     if isinstance(value, dict):
-        return {k: json_native(v) for k, v in value.items()}
+        return {_json_key(k): json_native(v) for k, v in value.items()}
     return value
+
+
+def _json_key(key: Any) -> Any:
+    """An object key as ``json.dumps`` writes it (``1`` → ``"1"``, ``True`` → ``"true"``)."""
+    if isinstance(key, str) or not (key is None or isinstance(key, (bool, int, float))):
+        return key
+    return json.dumps(key)
 
 
 def _not_a_json_number(name: str) -> Any:
@@ -628,7 +668,7 @@ def parse_envelope(
         return job
     try:
         size = len(job.to_json().encode())
-    except PydanticSerializationError:  # everything is checked JSON data by now
+    except PydanticSerializationError:  # every field is checked by now
         raise InvalidJob([("(envelope)", "must be JSON data")]) from None
     except UnicodeEncodeError:
         bad = [str(key) for key, value in clean.items() if not _is_utf8(value)]

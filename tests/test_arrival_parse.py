@@ -56,7 +56,7 @@ def test_the_main_process_reads_a_malformed_token_as_none(token: Any) -> None:
 
 
 def test_a_message_carries_its_job_when_its_arguments_are_the_records() -> None:
-    job = parse_envelope({"type": "a.b", "args": [1, [2, 3]], "x_celery_kwargs": {"k": [4]}})
+    job = parse_envelope({"type": "a.b", "args": [1, [2, 3]], "x_celery_kwargs": {"k": (4,)}})
     assert arrival.carries_call([1, [2, 3]], {"k": [4]}, job)
     assert arrival.carries_call((1, (2, 3)), {"k": (4,)}, job)  # a pickled message's tuples
     assert not arrival.carries_call([1, [2, 4]], {"k": [4]}, job)

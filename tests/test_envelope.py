@@ -598,14 +598,25 @@ def test_to_json_is_compact_one_line_and_omits_absent_fields() -> None:
 
 
 def test_non_json_extension_rejected_with_path() -> None:
-    rule = "input was not a valid JSON value"  # as for args
-    assert violations(env(x_thing=object())) == [("x_thing", rule)]
-    # what pydantic would write as text (a Python caller's datetime, bytes) is refused too:
-    # stored as text, a Celery caller's kwargs would no longer match its own message
+    assert violations(env(x_thing=object())) == [("x_thing", "must be JSON data")]
+    # Celery keyword arguments are JSON data, as args are: stored as text, a Python caller's
+    # datetime or bytes would no longer match its own message
+    rule = "input was not a valid JSON value"
     assert violations(env(x_celery_kwargs={"when": datetime.now(timezone.utc)})) == [
         ("x_celery_kwargs.when", rule)]
     assert violations(env(x_celery_kwargs={"b": [1, {"raw": b"bytes"}]}, x_ok=[1])) == [
         ("x_celery_kwargs.b[1].raw", rule)]
+
+
+def test_extensions_are_kept_as_json_writes_them() -> None:
+    """Tuples are arrays, number keys are text (as Celery's JSON serializer sends them); an
+    extension other than the Celery kwargs may hold what pydantic writes as text."""
+    job = parse_envelope(env(x_celery_kwargs={"k": (4, 5), "m": {1: "a", None: "b"}},
+                             x_meta={"at": datetime(2026, 1, 1, tzinfo=timezone.utc)},
+                             x_pair=(1, 2)))
+    assert job.extensions["x_celery_kwargs"] == {"k": [4, 5], "m": {"1": "a", "null": "b"}}
+    stored = json.loads(job.to_json())
+    assert stored["x_meta"] == {"at": "2026-01-01T00:00:00Z"} and stored["x_pair"] == [1, 2]
 
 
 def test_system_fields_from_client_ignored() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 import re
 from datetime import datetime, timezone
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -55,8 +56,10 @@ def test_progress_events_at_most_one_a_second_and_always_the_last(
 def test_progress_refuses_what_the_record_cannot_hold_and_writes_nothing(
     tmp_path: pathlib.Path,
 ) -> None:
-    """A handler's mistake is named at the call, before anything is written: stored, a
-    ``datetime`` would turn into text and an object would fail the write."""
+    """A handler's mistake is named at the call, before anything is written: an object with no
+    JSON form failed the write with pydantic's traceback, a number that is not finite made the
+    record's JSON unreadable to strict parsers. What JSON writes as text or as an array is
+    kept so."""
     app = Celery("progress_checks", set_as_current=False)
     app.conf.update(embedded_settings(tmp_path))
     runtime = install(app)
@@ -69,16 +72,18 @@ def test_progress_refuses_what_the_record_cannot_hold_and_writes_nothing(
     started = runtime.store.start(job.id, 1, "worker_p")
     assert started.record is not None
     ctx = JobContext(runtime, started.record, "worker_p")
-    assert ctx.progress(0.5, checkpoint={"page": 3})
+    assert ctx.progress(Decimal("0.5"), data={"pages": (1, 2)},
+                        checkpoint={"at": datetime(2026, 1, 1, tzinfo=timezone.utc)})
     for call, said in [
-        (lambda: ctx.progress(0.6, checkpoint={"at": datetime.now(timezone.utc)}),
-         "checkpoint.at: input was not a valid JSON value"),
-        (lambda: ctx.progress(0.6, data=[object()]), "data[0]: input was not a valid JSON value"),
+        (lambda: ctx.progress(0.6, data=[object()]), "data: must be JSON data"),
         (lambda: ctx.progress(float("nan")), "value: must be a finite number"),
-        (lambda: ctx.progress(0.6, data={"x": float("inf")}), "data: must hold only finite"),
+        (lambda: ctx.progress("most"), "value: must be a finite number"),
+        (lambda: ctx.progress(0.6, checkpoint={"x": float("inf")}),
+         "checkpoint: must hold only finite"),
     ]:
         with pytest.raises(ValueError, match=re.escape(said)):
             call()
     stored = runtime.store.get(job.id)
-    assert stored is not None and stored.last_checkpoint == {"page": 3}
+    assert stored is not None and stored.last_checkpoint == {"at": "2026-01-01T00:00:00Z"}
     assert stored.progress is not None and stored.progress["progress"] == 0.5
+    assert stored.progress["data"] == {"pages": [1, 2]}
