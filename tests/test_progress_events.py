@@ -14,11 +14,13 @@ from celery import Celery
 from ojs_celery import OJSTask, enqueue, install, signals
 from ojs_celery.context import JobContext
 from ojs_celery.embedded import embedded_settings
+from ojs_celery.runtime import Runtime
 
 
-def test_progress_events_at_most_one_a_second_and_always_the_last(
-    tmp_path: pathlib.Path,
-) -> None:
+@pytest.fixture
+def started(tmp_path: pathlib.Path) -> tuple[JobContext, Runtime]:
+    """The context of a started job (attempt 1 on ``worker_p``) and its runtime, on the
+    embedded default."""
     app = Celery("progress_events", set_as_current=False)
     app.conf.update(embedded_settings(tmp_path))
     app.conf.ojs = {**app.conf.ojs, "events": False}
@@ -31,7 +33,13 @@ def test_progress_events_at_most_one_a_second_and_always_the_last(
     job = enqueue({"type": "progress.job", "args": []}, app=app)
     started = runtime.store.start(job.id, 1, "worker_p")
     assert started.record is not None
-    ctx = JobContext(runtime, started.record, "worker_p")
+    return JobContext(runtime, started.record, "worker_p"), runtime
+
+
+def test_progress_events_at_most_one_a_second_and_always_the_last(
+    started: tuple[JobContext, Runtime],
+) -> None:
+    ctx, runtime = started
     seen: list[dict[str, Any]] = []
 
     def on_progress(sender: Any = None, event: dict[str, Any] | None = None, **_: Any) -> None:
@@ -48,30 +56,19 @@ def test_progress_events_at_most_one_a_second_and_always_the_last(
     assert [(e["progress"], e["progress_percent"]) for e in seen] == [(0.25, 25.0), (1.0, 100.0)]
     assert seen[0]["data"] == {"page": 1} and seen[0]["attempt"] == 1
     assert seen[0]["worker_id"] == "worker_p" and seen[0]["job_type"] == "progress.job"
-    stored = runtime.store.get(job.id)
+    stored = runtime.store.get(ctx.job.id)
     assert stored is not None and stored.progress is not None
     assert stored.progress["progress"] == 1.0
 
 
 def test_progress_refuses_what_the_record_cannot_hold_and_writes_nothing(
-    tmp_path: pathlib.Path,
+    started: tuple[JobContext, Runtime],
 ) -> None:
     """A handler's mistake is named at the call, before anything is written: an object with no
     JSON form failed the write with pydantic's traceback, a number that is not finite made the
     record's JSON unreadable to strict parsers. What JSON writes as text or as an array is
     kept so."""
-    app = Celery("progress_checks", set_as_current=False)
-    app.conf.update(embedded_settings(tmp_path))
-    runtime = install(app)
-
-    @app.task(shared=False, name="progress.checked", base=OJSTask)
-    def checked() -> None:
-        return None
-
-    job = enqueue({"type": "progress.checked", "args": []}, app=app)
-    started = runtime.store.start(job.id, 1, "worker_p")
-    assert started.record is not None
-    ctx = JobContext(runtime, started.record, "worker_p")
+    ctx, runtime = started
     assert ctx.progress(Decimal("0.5"), data={"pages": (1, 2)},
                         checkpoint={"at": datetime(2026, 1, 1, tzinfo=timezone.utc)})
     for call, said in [
@@ -83,7 +80,7 @@ def test_progress_refuses_what_the_record_cannot_hold_and_writes_nothing(
     ]:
         with pytest.raises(ValueError, match=re.escape(said)):
             call()
-    stored = runtime.store.get(job.id)
+    stored = runtime.store.get(ctx.job.id)
     assert stored is not None and stored.last_checkpoint == {"at": "2026-01-01T00:00:00Z"}
     assert stored.progress is not None and stored.progress["progress"] == 0.5
     assert stored.progress["data"] == {"pages": [1, 2]}
