@@ -10,7 +10,9 @@ need neither (and a broker URL that points nowhere is never dialled).
 A call that eager mode runs in place of a published one is checked as a published one is: its
 arguments must be JSON data (``InvalidJob`` at the call) and so must its result (else the run
 fails with ``TypeError``, as on a worker), so that eager tests fail where production would. An
-explicit ``.apply()`` publishes nothing, on a worker as in tests, and keeps Celery's freedom.
+explicit ``.apply()`` publishes nothing, on a worker as in tests, and keeps Celery's freedom
+(but one made inside such a call's handler is checked with it), and so does eager canvas, which
+Celery runs through ``.apply()``.
 """
 
 from __future__ import annotations

@@ -148,9 +148,6 @@ class DuplicateJob(InvalidJob):
         self.job_id = job_id
         self.args = (job_id, path)  # what rebuilds it (see InvalidJob)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.job_id,), self.__dict__)
-
 
 #: The version (7) and variant (0b10) bits of a UUIDv7, and the random bits they replace.
 _UUID7_MARK: Final = 0x7 << 76 | 0b10 << 62
@@ -491,8 +488,8 @@ def _is_utf8(value: Any) -> bool:
     return True
 
 
-#: Extension fields by name, each JSON data (what ``args`` holds).
-_EXTENSIONS: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(dict[str, JsonValue])
+#: Fields by name, each JSON data (what ``args`` holds): see :func:`json_data_violations`.
+_JSON_FIELDS: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(dict[str, JsonValue])
 
 
 def _extension_violations(job: Job) -> list[tuple[str, str]]:
@@ -546,7 +543,7 @@ def json_data_violations(fields: dict[str, Any]) -> list[tuple[str, str]]:
     found = [(name, rule) for name, value in fields.items()
              if (rule := _value_rule(value)) is not None]
     try:
-        _EXTENSIONS.validate_python(fields)
+        _JSON_FIELDS.validate_python(fields)
     except ValidationError as exc:
         named = {path for path, _ in found}
         found += [(path, rule) for path, rule in field_violations(exc)
