@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 
 from ojs_celery import enqueue
 from ojs_celery.runtime import get_runtime
@@ -341,6 +342,14 @@ def test_events_goes_on_after_the_broker_restarts(
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(tmp_path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def up() -> bool:
+            try:
+                return bool(redis_server.admin.ping())
+            except redis.ConnectionError:
+                return False
+
+        wait_for(up, 10, "the broker back")
         assert enqueued_event_comes(within=40)
         assert listener.poll() is None
     finally:
