@@ -109,6 +109,18 @@ class _Commands(click.Group):
             _fail([line for line in str(exc).splitlines() if line.strip()], EXIT_INVALID)
         except StoreError as exc:
             _fail([f"error: {exc}"], EXIT_STORE)  # it says what failed, whatever the backend
+        except Exception as exc:
+            if _django_improperly_configured(exc):  # CELERY_OJS, read when Django is ready
+                _fail([line for line in str(exc).splitlines() if line.strip()], EXIT_INVALID)
+            raise
+
+
+def _django_improperly_configured(exc: Exception) -> bool:
+    """Is ``exc`` Django's ImproperlyConfigured (the Django app's word for a bad CELERY_OJS)?
+    Django is imported only if it was already (the app used it)."""
+    django_exceptions = sys.modules.get("django.core.exceptions")
+    kind = getattr(django_exceptions, "ImproperlyConfigured", None)
+    return isinstance(kind, type) and isinstance(exc, kind)
 
 
 @click.group(name="ojs", cls=_Commands, epilog=_EPILOG,

@@ -99,6 +99,18 @@ def test_manage_py_ojs_inspect_reports_the_shop() -> None:
     assert (report["envelope"]["timeout"], report["envelope"]["grace_period"]) == (2, 2)
 
 
+def test_bad_celery_ojs_is_one_line_per_problem_from_the_cli() -> None:
+    """``ojs-celery -A shop``: Django's ImproperlyConfigured from the app's ``ready()`` is a
+    usage error (exit status 2), one line per problem, as the README promises; no traceback."""
+    cli = os.path.join(os.path.dirname(sys.executable), "ojs-celery")
+    result = subprocess.run(
+        [cli, "-A", "shop", "inspect"], cwd=HERE, text=True, capture_output=True, timeout=60,
+        env={**os.environ, "SHOP_OJS_EXTRA": json.dumps({"sweep_intervall": 1})})
+    assert result.returncode == 2, result.stderr
+    assert "CELERY_OJS: ojs.sweep_intervall: unknown setting" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_bad_celery_ojs_stops_the_worker_at_start() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "shop", "worker", "--pool", "solo"],
