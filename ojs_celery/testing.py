@@ -31,9 +31,11 @@ from typing import Any
 import pytest
 from celery import Celery
 
+from . import compat
 from .api import enqueue, get_job
 from .embedded import embedded_settings
 from .envelope import Job
+from .install import install
 from .runtime import get_runtime
 from .sweeper import run_loop
 
@@ -65,10 +67,12 @@ def load_app(path: str) -> Celery:
 
 def configure(app: Celery, settings: dict[str, Any]) -> Celery:
     """Point ``app`` at the embedded default in ``settings`` (its own ``ojs`` settings kept,
-    the store replaced)."""
+    the store replaced). It installs OJS on the app (idempotent): a Django project may leave
+    that to its Django app, whose ``ready()`` comes too late for the fixtures' worker."""
     ojs = {**(app.conf.get("ojs") or {}), **settings["ojs"],
            "sweep_interval": SWEEP_INTERVAL}
     app.conf.update({**settings, "ojs": ojs})
+    install(app)
     get_runtime(app).configure(app.conf)  # settings read before this update are replaced
     return app
 
@@ -203,6 +207,10 @@ def ojs_wait(ojs_app: Celery) -> Callable[..., Job]:
             job = get_job(job_id, app=ojs_app)
             if job is not None and job.state in states:
                 return job
+            if job is None and compat.celery_setting(ojs_app, "task_always_eager"):
+                pytest.fail(f"job {job_id} is unknown: the app has task_always_eager on, so "
+                            "a .delay() ran in this process and nothing reached the worker; "
+                            "give the ojs_* fixtures settings without it")
             if time.monotonic() > deadline:
                 pytest.fail(f"job {job_id} is {job.state if job else 'unknown'} after "
                             f"{timeout}s, wanted {states}")

@@ -56,7 +56,35 @@ def test_the_plugin_runs_a_users_tests_against_a_real_worker(pytester: pytest.Py
     result.assert_outcomes(passed=2)
 
 
+def test_the_plugin_installs_ojs_on_an_app_that_leaves_it_to_django(
+    pytester: pytest.Pytester,
+) -> None:
+    """A Django project's ``celery.py`` often leaves ``install(app)`` to the Django app's
+    ``ready()``, which the fixtures' worker reaches too late: the fixtures install it."""
+    app_without_install = USER_APP.replace("install(app)\n", "")
+    assert "install(app)" not in app_without_install.split("import", 2)[-1]
+    pytester.makepyfile(userapp=app_without_install, test_user=USER_TESTS)
+    result = pytester.runpytest_subprocess("-p", "ojs_celery.testing", "--ojs-app=userapp:app",
+                                           "-p", "no:cacheprovider", timeout=170)
+    result.assert_outcomes(passed=2)
+
+
 def test_the_plugin_asks_for_the_app(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_user="def test_x(ojs_app):\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "ojs_celery.testing", timeout=60)
     result.stdout.fnmatch_lines(["*--ojs-app=module:app*"])
+
+
+def test_an_eager_app_fails_ojs_wait_at_once_saying_why(pytester: pytest.Pytester) -> None:
+    """Test settings with ``task_always_eager`` make ``.delay()`` run in the test process:
+    ``ojs_wait`` says so at once instead of waiting its whole timeout for an unknown job."""
+    pytester.makepyfile(userapp=USER_APP + "\napp.conf.task_always_eager = True\n",
+                        test_user=(
+                            "def test_eager(ojs_app, ojs_wait):\n"
+                            "    result = ojs_app.tasks['user.double'].delay(1)\n"
+                            "    ojs_wait(result.id, timeout=120)\n"))
+    result = pytester.runpytest_subprocess("-p", "ojs_celery.testing", "--ojs-app=userapp:app",
+                                           "-p", "no:cacheprovider", "--durations=0",
+                                           timeout=100)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*the app has task_always_eager on*"])
