@@ -105,22 +105,22 @@ class _Commands(click.Group):
         except InvalidJob as exc:  # DuplicateJob included
             status = EXIT_DUPLICATE if isinstance(exc, DuplicateJob) else EXIT_INVALID
             _fail([f"{path}: {rule}" for path, rule in exc.violations], status)
-        except ImproperlyConfigured as exc:  # the app's ojs settings, read by install()
-            _fail([line for line in str(exc).splitlines() if line.strip()], EXIT_INVALID)
         except StoreError as exc:
             _fail([f"error: {exc}"], EXIT_STORE)  # it says what failed, whatever the backend
         except Exception as exc:
-            if _django_improperly_configured(exc):  # CELERY_OJS, read when Django is ready
+            if _improperly_configured(exc):
                 _fail([line for line in str(exc).splitlines() if line.strip()], EXIT_INVALID)
             raise
 
 
-def _django_improperly_configured(exc: Exception) -> bool:
-    """Is ``exc`` Django's ImproperlyConfigured (the Django app's word for a bad CELERY_OJS)?
-    Django is imported only if it was already (the app used it)."""
+def _improperly_configured(exc: Exception) -> bool:
+    """Is ``exc`` a bad setting: Celery's ImproperlyConfigured (the app's ojs settings, read by
+    ``install()``) or Django's (the Django app's word for a bad ``CELERY_OJS``, raised when
+    Django is ready; Django is looked at only if it was imported)?"""
     django_exceptions = sys.modules.get("django.core.exceptions")
-    kind = getattr(django_exceptions, "ImproperlyConfigured", None)
-    return isinstance(kind, type) and isinstance(exc, kind)
+    django_kind = getattr(django_exceptions, "ImproperlyConfigured", None)
+    return isinstance(exc, ImproperlyConfigured) or (
+        isinstance(django_kind, type) and isinstance(exc, django_kind))
 
 
 @click.group(name="ojs", cls=_Commands, epilog=_EPILOG,
