@@ -203,9 +203,10 @@ def test_a_new_pool_process_has_the_store_driver_before_its_first_job(
         assert lines(config["dir"], "prerun") == [
             f"{job.id} psycopg=True ojs_celery.store.pg_lane=True"]
     finally:
-        store = get_runtime(app).store
-        store.clear()
-        store.drop_tables()  # type: ignore[attr-defined]
+        runtime = get_runtime(app)
+        runtime.flush()  # the outbox acknowledgement, or it would make the tables again
+        runtime.store.clear()
+        runtime.store.drop_tables()  # type: ignore[attr-defined]
 
 
 def test_importing_the_package_connects_no_celery_signal() -> None:
