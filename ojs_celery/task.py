@@ -218,7 +218,8 @@ class OJSTask(Task):  # type: ignore[misc]
         dropped: nothing to start, or it is not the job's: another task, other ``args`` and
         ``kwargs``) or ``Reject`` with requeue (it goes back to the broker: whether it may
         start could not be decided, or its job's record may still come)."""
-        if start_gate.too_late(self.request.timelimit, runtime.settings.cancel_window):
+        if start_gate.draining() and start_gate.too_late(self.request.timelimit,
+                                                         runtime.settings.cancel_window):
             logger.info("ojs_celery: job %s not started, the worker is shutting down: its "
                         "message goes back to the broker", job_id)
             raise Reject(SHUTTING_DOWN, requeue=True)

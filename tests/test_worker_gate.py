@@ -13,8 +13,9 @@ def test_a_job_starts_unless_the_drain_would_cancel_it_at_once() -> None:
     gate = StartGate()
     assert not gate.too_late((30, 20), 5.0)  # never prepared (a producer): always open
     gate.prepare()
-    assert not gate.too_late((30, 20), 5.0)  # no drain yet
+    assert not gate.too_late((30, 20), 5.0) and not gate.draining()  # no drain yet
     gate.drain_until(time.monotonic() + 3.0)
+    assert gate.draining()
     assert gate.too_late((30, 20), 5.0)  # its point (5 s before the end) has passed
     assert not gate.too_late((11, 10), 5.0)  # a 1 s grace: cancelled only in the last second
     assert not gate.too_late(None, 5.0)  # no time limits: no grace, never cancelled early

@@ -52,6 +52,10 @@ class StartGate:
         if self._page is not None:
             _INSTANT.pack_into(self._page, 0, end)
 
+    def draining(self) -> bool:
+        """Has the drain begun? (What every start asks first: it costs no more than a read.)"""
+        return self._page is not None and _INSTANT.unpack_from(self._page, 0)[0] != _OPEN
+
     def too_late(self, time_limits: Any, window: float) -> bool:
         """Would a job with these ``time_limits`` starting now be cancelled at once?"""
         if self._page is None:
