@@ -455,11 +455,7 @@ def _field_violations_before_model(data: dict[Any, Any]) -> list[tuple[Any, str]
         if not _utf8_key(key):
             found.append((key, _UTF8_RULE))
             continue
-        rule: str | None = None
-        if isinstance(value, (list, dict, tuple)):
-            rule = _data_rule(value)
-        elif isinstance(value, float) and not math.isfinite(value):
-            rule = _FINITE_RULE
+        rule = _value_rule(value)
         if rule is None and key[:9].lower() == CELERY_NAMESPACE:
             rule = _celery_field_rule(key, value)
         if rule is not None:
@@ -488,8 +484,9 @@ def _is_utf8(value: Any) -> bool:
     return True
 
 
-#: Fields by name, each JSON data (what ``args`` holds): see :func:`json_data_violations`.
+#: Fields by name, each JSON data (what ``args`` holds): the Celery kwargs' strict check.
 _JSON_FIELDS: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(dict[str, JsonValue])
+_NOT_JSON = "must be JSON data"
 
 
 def _extension_violations(job: Job) -> list[tuple[str, str]]:
@@ -497,14 +494,19 @@ def _extension_violations(job: Job) -> list[tuple[str, str]]:
     data, as ``args`` is (tuples taken as lists, :func:`json_native`): a Python caller's
     ``datetime`` or ``bytes`` would be stored as text and no longer match the message of the
     call it came from, which the worker would drop. Any other extension is written back as
-    pydantic writes it (a ``datetime`` as text), unless it cannot be written at all."""
+    pydantic writes it (a ``datetime`` as text), unless it cannot be written at all. (Nesting
+    and finite numbers were checked with every top-level field before the model.)"""
     extra = job.model_extra
     if not extra:
         return []
-    found = storable_violations({k: v for k, v in extra.items() if k != CELERY_KWARGS_FIELD})
+    found = [(key, _NOT_JSON) for key, value in extra.items()
+             if key != CELERY_KWARGS_FIELD and not _is_json(value)]
     if CELERY_KWARGS_FIELD in extra:
         extra[CELERY_KWARGS_FIELD] = kwargs = json_native(extra[CELERY_KWARGS_FIELD])
-        found += json_data_violations({CELERY_KWARGS_FIELD: kwargs})
+        try:
+            _JSON_FIELDS.validate_python({CELERY_KWARGS_FIELD: kwargs})
+        except ValidationError as exc:
+            found += field_violations(exc)
     return found
 
 
@@ -516,13 +518,14 @@ def storable_violations(fields: dict[str, Any]) -> list[tuple[str, str]]:
     for name, value in fields.items():
         rule = _value_rule(value)
         if rule is None and not _is_json(value):
-            rule = "must be JSON data"
+            rule = _NOT_JSON
         if rule is not None:
             found.append((name, rule))
     return found
 
 
 def _value_rule(value: Any) -> str | None:
+    """What is wrong with a field's value as JSON data: nesting or a number (None: nothing)."""
     if isinstance(value, (list, dict, tuple)):
         return _data_rule(value)
     return _FINITE_RULE if isinstance(value, float) and not math.isfinite(value) else None
@@ -534,21 +537,6 @@ def _is_json(value: Any) -> bool:
     except PydanticSerializationError:
         return False
     return True
-
-
-def json_data_violations(fields: dict[str, Any]) -> list[tuple[str, str]]:
-    """``(field path, rule)`` for each value of ``fields`` (by name) that a job's JSON cannot
-    hold as it is: what JSON cannot carry (a ``datetime``, ``bytes``, any object), arrays and
-    objects nested too deep, a number that is not finite."""
-    found = [(name, rule) for name, value in fields.items()
-             if (rule := _value_rule(value)) is not None]
-    try:
-        _JSON_FIELDS.validate_python(fields)
-    except ValidationError as exc:
-        named = {path for path, _ in found}
-        found += [(path, rule) for path, rule in field_violations(exc)
-                  if _top_field(path) not in named]
-    return found
 
 
 def _surely_small(job: Job) -> bool:
@@ -666,7 +654,7 @@ def parse_envelope(
     try:
         size = len(job.to_json().encode())
     except PydanticSerializationError:  # every field is checked by now
-        raise InvalidJob([("(envelope)", "must be JSON data")]) from None
+        raise InvalidJob([("(envelope)", _NOT_JSON)]) from None
     except UnicodeEncodeError:
         bad = [str(key) for key, value in clean.items() if not _is_utf8(value)]
         raise InvalidJob([(key, _UTF8_RULE) for key in bad or ["(envelope)"]]) from None

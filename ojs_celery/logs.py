@@ -45,8 +45,8 @@ class QuietOJSRecords(logging.Filter):
         if name == self.sweep_task:
             return record.levelno > logging.INFO
         exc = record.exc_info[1] if record.exc_info else None
-        ojs_task = getattr(self.app.tasks.get(name), "__ojs_task__", False)
-        if isinstance(exc, SAID_ALREADY) and ojs_task:
+        if isinstance(exc, SAID_ALREADY) and getattr(self.app.tasks.get(name), "__ojs_task__",
+                                                     False):  # only then: every record passes
             record.exc_info = None
             record.exc_text = None
         return True
