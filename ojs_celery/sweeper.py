@@ -122,7 +122,9 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
                                type(exc).__name__, exc)
         else:
             due = store.due(clock.name, clock.cutoff(now, policy), limit)
-            _enforce(runtime, clock.name, due, clock.rule(now, policy, spell), now, report)
+            heard = store.workers.last_beats() if due and clock.awaits_owner else None
+            _enforce(runtime, clock.name, due, clock.rule(now, policy, spell, heard), now,
+                     report)
 
 
 def _enforce(

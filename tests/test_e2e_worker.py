@@ -315,6 +315,46 @@ def test_kill_9_worker_jobs_complete_once_on_another_worker(
         stop_all([victim] + ([survivor] if survivor else []))
 
 
+#: A worker declared dead only after its short jobs' execution deadlines have passed.
+SLOW_DEATH = {"heartbeat_interval": 1.0, "worker_heartbeat_timeout": 6.0, "sweep_interval": SWEEP}
+
+
+@pytest.fixture(scope="module")
+def slow_death(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    with start_env("redis", tmp_path_factory.mktemp("slow-death"), concurrency=1, beat=True,
+                   config={"ojs": SLOW_DEATH}) as started:
+        yield started
+
+
+def test_a_worker_killed_early_in_a_short_celery_job_retries_it_as_worker_death(
+    slow_death: Env, tmp_path: pathlib.Path
+) -> None:
+    """A Celery caller's job with soft limit 2 s and hard limit 3 s, its worker killed just
+    after the start: the execution deadline with the sweeper's tolerance (4.5 s) passes before
+    the worker can be declared dead (6 s after its last beat). The job must not end with
+    ``timeout``, final under Celery's semantics, but be retried as ``worker_death`` and
+    complete on another worker, as the README promises."""
+    env = slow_death
+    config = {**env.config, "worker_queues": [unique("own")]}
+    victim = Worker(config, tmp_path / "victim.log", concurrency=1)
+    survivor: Worker | None = None
+    try:
+        victim.wait_ready()
+        call = env.app.tasks["e2e.stuck_first"].apply_async(
+            (30,), queue=queue_of(victim), soft_time_limit=2, time_limit=3)
+        env.wait_state(call.id, "active", worker=victim)
+        os.killpg(victim.process.pid, signal.SIGKILL)
+        survivor = Worker(config, tmp_path / "survivor.log", concurrency=1)
+        survivor.wait_ready()
+        dead_after = SLOW_DEATH["worker_heartbeat_timeout"]
+        done = env.wait_state(call.id, "completed", "discarded",
+                              timeout=dead_after + 2 * SWEEP + 3 * SLACK, worker=survivor)
+        assert [e["type"] for e in done.errors] == ["worker_death"]
+        assert done.state == "completed" and done.attempt == 2 and done.result == "ok on 2"
+    finally:
+        stop_all([victim] + ([survivor] if survivor else []))
+
+
 def test_frozen_worker_cannot_complete_a_recovered_job(env: Env, tmp_path: pathlib.Path) -> None:
     """The worker's main process is frozen (SIGSTOP): no beats, so the sweeper recovers the
     job and another worker completes it; the frozen worker's pool process finishes the old

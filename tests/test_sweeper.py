@@ -110,6 +110,56 @@ def test_execution_timeout_is_enforced_after_grace_and_tolerance(
     assert not store.complete(job.id, 1, "worker_a", 3).applied
 
 
+def test_an_attempt_whose_worker_fell_silent_before_its_deadline_ends_as_worker_death(
+    app: Celery, seen: Counter[str]
+) -> None:
+    """A worker killed (or frozen) early in a short job: at the execution deadline nobody
+    knows yet whether the handler overran or the worker died. The execution clock waits for
+    the worker to be heard after the deadline; it never is, so the worker clock declares it
+    dead and the attempt fails with ``worker_death``, retried even under Celery's semantics,
+    where ``timeout`` would have ended the job."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    dead_after = runtime.settings.worker_heartbeat_timeout
+    job = store.get(app.tasks["e2e.add"].apply_async((1, 2), soft_time_limit=2,
+                                                     time_limit=4).id)
+    assert job is not None and (job.timeout, job.grace_period) == (2, 2)
+    start = time.time()
+    assert store.start(job.id, 1, "worker_killed", now=start).applied
+    store.workers.save(WorkerInfo(worker_id="worker_killed", hostname="h", pid=1,
+                                  last_beat=start + 0.1, active_job_ids=[job.id]))
+    for at in (start + 6, start + dead_after):  # past the deadline and its tolerance
+        report = sweep(runtime, now=at)
+        assert report.error is None and report.applied["execution"] == 0
+        assert store.get(job.id).state == "active"  # type: ignore[union-attr]
+    report = sweep(runtime, now=start + 0.1 + dead_after + 0.5)
+    assert report.applied["worker"] == 1 and report.applied["execution"] == 0
+    recovered = store.get(job.id)
+    assert recovered is not None and recovered.state == "retryable"
+    assert [e["type"] for e in recovered.errors] == ["worker_death"]
+    assert seen["job.timeout"] == 0
+
+
+def test_an_attempt_whose_worker_is_heard_after_its_deadline_times_out(app: Celery) -> None:
+    """A worker heard after the deadline was alive there: the attempt overran (a hung pool
+    process, or a pool without time limits), so it fails with ``timeout`` as before; so does
+    an attempt of a worker that is not registered, which nothing would ever declare dead."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    jobs = [enqueue({"type": "e2e.add", "args": [i, 2], "timeout": 2, "grace_period": 2},
+                    app=app) for i in range(2)]
+    start = time.time()
+    assert store.start(jobs[0].id, 1, "worker_alive", now=start).applied
+    assert store.start(jobs[1].id, 1, "worker_unknown", now=start).applied
+    store.workers.save(WorkerInfo(worker_id="worker_alive", hostname="h", pid=1,
+                                  last_beat=start + 4.2, active_job_ids=[jobs[0].id]))
+    report = sweep(runtime, now=start + 6)
+    assert report.applied["execution"] == 2
+    for job in jobs:
+        stored = store.get(job.id)
+        assert stored is not None and [e["type"] for e in stored.errors] == ["timeout"]
+
+
 def test_outbox_publishes_a_message_that_was_never_sent(app: Celery) -> None:
     runtime = runtime_of(app)
     transition = runtime.store.create(parse_envelope({"type": "e2e.add", "args": [1, 2]}))

@@ -12,7 +12,7 @@ clock's transition wins, and the compare-and-set on the attempt makes the others
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -93,7 +93,9 @@ class Clock:
     record's state); ``when_due`` is the transition the sweeper applies once ``now - lag``
     reaches it (None for retention: a job past it is deleted by ``JobStore.prune``, not
     changed). ``silent_since`` is set on the clocks that count a worker's silence: when the
-    worker was last heard, which a :class:`BlindSpell` moves on.
+    worker was last heard, which a :class:`BlindSpell` moves on. ``awaits_owner`` is set on
+    the clock that judges the attempt rather than the worker (execution): it waits until the
+    attempt's worker is heard after the deadline (see :meth:`rule`).
     """
 
     name: str
@@ -101,6 +103,7 @@ class Clock:
     when_due: Callable[[Record, float, Policy], Transition] | None
     lag: Callable[[Policy], float] = _no_lag
     silent_since: Callable[[Record], float | None] | None = None
+    awaits_owner: bool = False
 
     def deadline(self, record: Record, policy: Policy) -> float | None:
         return self.when(record, Times.of(record), policy)
@@ -109,21 +112,38 @@ class Clock:
         """What is indexed at or before this time is due."""
         return now - self.lag(policy)
 
-    def rule(self, now: float, policy: Policy, spell: BlindSpell | None = None) -> Rule:
+    def rule(self, now: float, policy: Policy, spell: BlindSpell | None = None,
+             heard: Mapping[str, float] | None = None) -> Rule:
         """The due transition at ``now``, as a rule for ``JobStore.apply``; a worker's silence
-        during ``spell`` does not count towards it."""
+        during ``spell`` does not count towards it.
+
+        ``heard`` (each registered worker's last beat) is for a clock that ``awaits_owner``:
+        an attempt whose worker has not been heard since the deadline is left alone. A worker
+        alive at the deadline had its own limit fire there, so a job still active is one its
+        worker could not end (``timeout``); a worker silent since before it may have died
+        before the attempt ran its time, which the worker clock tells and ends as
+        ``worker_death`` (retried even under Celery's semantics, where ``timeout`` is final),
+        at most ``worker_heartbeat_timeout`` after its last beat. A worker not registered is
+        not waited for."""
         when_due = self.when_due
         assert when_due is not None, f"clock {self.name} has no transition"
         silent_since = self.silent_since
-        if spell is None or silent_since is None:
+        counts_spell = spell is not None and silent_since is not None
+        awaits = heard if self.awaits_owner else None
+        if not counts_spell and awaits is None:
             return lambda record: when_due(record, now, policy)
 
         def rule(record: Record) -> Transition:
-            since = silent_since(record)
             deadline = self.deadline(record, policy)
-            if (since is not None and deadline is not None
-                    and deadline + spell.heard(since) - since > now):
-                return rejected("blind_spell")
+            if deadline is not None and counts_spell:
+                assert spell is not None and silent_since is not None
+                since = silent_since(record)
+                if since is not None and deadline + spell.heard(since) - since > now:
+                    return rejected("blind_spell")
+            if deadline is not None and awaits is not None and record.worker_id is not None:
+                last_beat = awaits.get(record.worker_id)
+                if last_beat is not None and last_beat < deadline:
+                    return rejected("owner_silent")
             return when_due(record, now, policy)
 
         return rule
@@ -252,7 +272,8 @@ TOTAL = Clock("total", _total, expire_total)
 ENQUEUE_TTL = Clock("enqueue_ttl", _enqueue_ttl, expire_ttl)
 #: ``started_at + timeout + grace_period``, active (the sweeper waits a tolerance more, so
 #: that the worker's hard limit normally wins): retry or discard, ``timeout``.
-EXECUTION = Clock("execution", _execution, overdue, _execution_lag)
+#: Its worker must have been heard since the deadline (``awaits_owner``, see ``Clock.rule``).
+EXECUTION = Clock("execution", _execution, overdue, _execution_lag, awaits_owner=True)
 #: ``heartbeat_at + heartbeat_timeout``, active: retry or discard, ``stalled``.
 STALL = Clock("stall", _stall, stalled, silent_since=lambda record: record.heartbeat_at)
 #: ``extended_at + visibility_timeout``, active: retry or discard, ``visibility_timeout``.

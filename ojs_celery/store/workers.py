@@ -62,5 +62,10 @@ class WorkerRegistry(ABC):
         """Every registered worker, by worker id."""
 
     @abstractmethod
+    def last_beats(self) -> dict[str, float]:
+        """Every registered worker's last beat, by worker id, read from the index alone (the
+        sweeper's question "was the attempt's worker heard since?")."""
+
+    @abstractmethod
     def stale(self, cutoff: float, limit: int) -> list[str]:
         """Ids of workers whose last beat is at or before ``cutoff``, oldest first."""
