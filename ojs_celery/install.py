@@ -25,24 +25,10 @@ from .store import StoreError, preload_store
 from .sweeper import SWEEP_TASK, last_sweep, sweep, sweep_faults
 from .worker import children
 from .worker.gate import start_gate
+from .worker.pools import WEAK_POOLS, pool_name
 from .worker.steps import STEPS
 
 logger = logging.getLogger(__name__)
-
-#: Pools whose time limits Celery does not enforce, and what is missing there.
-_WEAK_POOLS = {
-    "solo": "soft and hard time limits",
-    "threads": "soft and hard time limits",
-    "thread": "soft and hard time limits",
-    "gevent": "the soft time limit (and the hard one for blocking code)",
-    "eventlet": "soft and hard time limits",
-}
-
-
-def pool_name(pool_cls: Any) -> str:
-    text = pool_cls if isinstance(pool_cls, str) else getattr(pool_cls, "__module__", "")
-    return str(text).rsplit(".", 1)[-1].rsplit(":", 1)[0]
-
 
 def install(app: Celery) -> Runtime:
     """Make ``app`` an OJS job system (idempotent).
@@ -74,7 +60,7 @@ def install(app: Celery) -> Runtime:
         name = pool_name(getattr(sender, "pool_cls", ""))
         logger.info("ojs_celery: worker id %s (pool %s)", worker_id, name)
         _watch_sweeps(runtime)
-        missing = _WEAK_POOLS.get(name)
+        missing = WEAK_POOLS.get(name)
         if missing:
             logger.warning(
                 "ojs_celery: the %s pool does not enforce %s: OJS execution timeouts on this "

@@ -16,10 +16,11 @@ from typing import Any
 from celery import Celery
 
 from .envelope import QUEUE_PATTERN, TYPE_PATTERN, Job
-from .install import _WEAK_POOLS, check_sweep_queue, pool_name
+from .install import check_sweep_queue
 from .producer import broker_driver, celery_time_fields, ojs_queue_of, tasks_without_limit
 from .runtime import get_runtime
 from .sweeper import SWEEP_TASK
+from .worker.pools import WEAK_POOLS, pool_name
 
 #: Kombu's Redis transport redelivers an unacknowledged message after this (seconds).
 REDIS_VISIBILITY_DEFAULT = 3600.0
@@ -71,8 +72,8 @@ def build_report(app: Celery) -> Report:
     driver = broker_driver(app)
     warnings: list[str] = []
     pool = pool_name(conf.get("worker_pool") or "prefork")
-    if pool in _WEAK_POOLS:
-        warnings.append(f"worker_pool {pool!r} does not enforce {_WEAK_POOLS[pool]}: OJS "
+    if pool in WEAK_POOLS:
+        warnings.append(f"worker_pool {pool!r} does not enforce {WEAK_POOLS[pool]}: OJS "
                         "timeouts are enforced by the sweeper only (use prefork)")
     for name in ("task_serializer", "result_serializer"):
         if conf.get(name) == "pickle":

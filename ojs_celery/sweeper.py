@@ -24,7 +24,7 @@ from . import lifecycle
 from .effects import carry_out
 from .envelope import JsonValue
 from .faults import AtMostEvery, OncePerKind
-from .lifecycle import BlindSpell, Rule, WorkerClock
+from .lifecycle import BlindSpell, Clock, Heard, Rule, WorkerClock
 from .producer import BrokerUnavailable
 from .runtime import Runtime
 from .store import StoreError
@@ -46,6 +46,9 @@ class SweepReport:
     pruned: int = 0
     #: Jobs passed over because of an error of their own (see ``_skip``).
     skipped: int = 0
+    #: Attempts past their execution deadline whose worker fell silent before it: left for the
+    #: worker clock to end as ``worker_death`` once the worker is declared dead.
+    awaiting: int = 0
     error: str | None = None
 
     @property
@@ -56,7 +59,7 @@ class SweepReport:
         """The report as the Celery task returns it, the CLI prints it and the loop logs it."""
         applied: dict[str, JsonValue] = dict(self.applied)
         return {"applied": applied, "published": self.published, "pruned": self.pruned,
-                "skipped": self.skipped, "error": self.error}
+                "skipped": self.skipped, "awaiting": self.awaiting, "error": self.error}
 
 
 def sweep_faults() -> OncePerKind:
@@ -107,7 +110,6 @@ OUTAGES = (StoreError, BrokerUnavailable)
 
 def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
     store = runtime.store
-    policy = store.policy
     spell = _blind_spell(runtime)
     for clock in lifecycle.SWEEP:
         if isinstance(clock, WorkerClock):
@@ -121,10 +123,37 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
                 logger.warning("ojs_celery: sweep could not prune: %s: %s",
                                type(exc).__name__, exc)
         else:
-            due = store.due(clock.name, clock.cutoff(now, policy), limit)
-            heard = store.workers.last_beats() if due and clock.awaits_owner else None
-            _enforce(runtime, clock.name, due, clock.rule(now, policy, spell, heard), now,
-                     report)
+            _enforce_clock(runtime, clock, now, limit, report, spell)
+
+
+def _enforce_clock(
+    runtime: Runtime, clock: Clock, now: float, limit: int, report: SweepReport,
+    spell: BlindSpell | None,
+) -> None:
+    """The jobs due on ``clock``, at most ``limit`` of them acted on. An attempt the worker
+    clock claims (``Clock.defers_to``) stays due and is read past: a node that died with many
+    running attempts must not hold back every other job's timeout until it is declared dead."""
+    store = runtime.store
+    policy = store.policy
+    cutoff = clock.cutoff(now, policy)
+    workers: dict[str, Heard] | None = None
+    seen: set[str] = set()
+    left = limit
+    while left > 0:
+        due = [entry for entry in store.due(clock.name, cutoff, len(seen) + left)
+               if entry[0] not in seen][:left]
+        if not due:
+            return
+        if workers is None and clock.defers_to is not None:
+            workers = {info.worker_id: Heard(info.last_beat, info.time_limits)
+                       for info in store.workers.all()}
+        claimed = _enforce(runtime, clock.name, due, clock.rule(now, policy, spell, workers),
+                           now, report)
+        report.awaiting += len(claimed)
+        if not claimed:
+            return
+        seen.update(job_id for job_id, _ in due)
+        left -= len(due) - len(claimed)
 
 
 def _enforce(
@@ -134,9 +163,10 @@ def _enforce(
     rule: Rule,
     now: float,
     report: SweepReport,
-) -> None:
+) -> set[str]:
     """Apply ``rule`` to the jobs due on ``clock`` and act on every transition that applied:
-    emit its events, stop the attempt it took the job from, publish what it owes.
+    emit its events, stop the attempt it took the job from, publish what it owes. Returns the
+    jobs the rule left to the worker clock (:data:`~ojs_celery.lifecycle.AWAITING_WORKER`).
 
     A store or broker error does not stop the acting on transitions already written (their
     events are emitted; a message that could not be published stays in the outbox); it is
@@ -146,8 +176,9 @@ def _enforce(
     """
     store = runtime.store
     job_ids = [job_id for job_id, _ in due]
+    claimed: set[str] = set()
     if not job_ids:
-        return
+        return claimed
     try:
         results = store.apply_many(job_ids, rule)
     except OUTAGES:
@@ -175,6 +206,8 @@ def _enforce(
                 failure = _skip(runtime, clock, job_id, exc, now, report)
                 continue
         if done.record is None:
+            if done.reason == lifecycle.AWAITING_WORKER:
+                claimed.add(job_id)
             continue
         report.applied[clock] += 1
         try:
@@ -187,6 +220,7 @@ def _enforce(
             failure = _skip(runtime, clock, job_id, exc, now, report) or failure
     if failure is not None:
         raise failure
+    return claimed
 
 
 def _skip(

@@ -98,6 +98,7 @@ def test_registration_beats_and_listing(env: Env, tmp_path: pathlib.Path) -> Non
         info = registered(env, worker)
         assert info.worker_id.startswith("worker_") and info.state == "running"
         assert info.queues == [queue_of(worker)] and info.concurrency == 2
+        assert info.time_limits  # prefork ends an attempt at its hard limit by itself
         job = enqueue({"type": "e2e.sleep", "args": [5.0], "queue": queue_of(worker)},
                       app=env.app)
         env.wait_state(job.id, "active")
@@ -258,6 +259,8 @@ def test_worker_beats_keep_a_long_job_alive_even_on_solo(
 ) -> None:
     [worker] = own_workers(env, tmp_path, pool="solo")
     try:
+        # the sweeper does not wait for its beats to judge an execution timeout
+        assert not registered(env, worker).time_limits
         job = enqueue({"type": "e2e.sleep", "args": [3.0], "queue": queue_of(worker),
                        "heartbeat_timeout": 1}, app=env.app)
         done = env.wait_state(job.id, "completed", timeout=3 + SLACK + 5)

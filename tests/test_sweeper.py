@@ -51,9 +51,10 @@ def test_the_report_as_a_dict_is_what_the_task_returns_and_the_cli_prints(app: C
     created = job.created_at.timestamp()  # type: ignore[union-attr]
     report = sweep(runtime_of(app), now=created + 6)
     assert report.as_dict() == {"applied": {"enqueue_ttl": 1}, "published": 0, "pruned": 0,
-                                "skipped": 0, "error": None}
+                                "skipped": 0, "awaiting": 0, "error": None}
     task = app.tasks["ojs_celery.sweep"]
-    assert task() == {"applied": {}, "published": 0, "pruned": 0, "skipped": 0, "error": None}
+    assert task() == {"applied": {}, "published": 0, "pruned": 0, "skipped": 0, "awaiting": 0,
+                      "error": None}
 
 
 def test_scheduled_job_counts_its_ttl_from_created_at(app: Celery) -> None:
@@ -110,54 +111,95 @@ def test_execution_timeout_is_enforced_after_grace_and_tolerance(
     assert not store.complete(job.id, 1, "worker_a", 3).applied
 
 
+def _short_celery_job(app: Celery) -> str:
+    """A Celery caller's job, timeout 2 s and grace 2 s (final ``timeout`` under its semantics)."""
+    job = runtime_of(app).store.get(app.tasks["e2e.add"].apply_async(
+        (1, 2), soft_time_limit=2, time_limit=4).id)
+    assert job is not None and (job.timeout, job.grace_period) == (2, 2)
+    return job.id
+
+
+def _register(app: Celery, worker_id: str, last_beat: float, *job_ids: str,
+              time_limits: bool = True) -> None:
+    runtime_of(app).store.workers.save(WorkerInfo(
+        worker_id=worker_id, hostname="h", pid=1, last_beat=last_beat, time_limits=time_limits,
+        active_job_ids=list(job_ids)))
+
+
 def test_an_attempt_whose_worker_fell_silent_before_its_deadline_ends_as_worker_death(
     app: Celery, seen: Counter[str]
 ) -> None:
     """A worker killed (or frozen) early in a short job: at the execution deadline nobody
-    knows yet whether the handler overran or the worker died. The execution clock waits for
-    the worker to be heard after the deadline; it never is, so the worker clock declares it
-    dead and the attempt fails with ``worker_death``, retried even under Celery's semantics,
-    where ``timeout`` would have ended the job."""
+    knows yet whether the handler overran or the worker died. Its worker's own hard limit
+    would have ended an overrun, so the execution clock leaves the attempt to the worker clock,
+    which declares the silent worker dead: ``worker_death``, retried even under Celery's
+    semantics, where ``timeout`` would have ended the job."""
     runtime = runtime_of(app)
     store = runtime.store
     dead_after = runtime.settings.worker_heartbeat_timeout
-    job = store.get(app.tasks["e2e.add"].apply_async((1, 2), soft_time_limit=2,
-                                                     time_limit=4).id)
-    assert job is not None and (job.timeout, job.grace_period) == (2, 2)
+    job_id = _short_celery_job(app)
     start = time.time()
-    assert store.start(job.id, 1, "worker_killed", now=start).applied
-    store.workers.save(WorkerInfo(worker_id="worker_killed", hostname="h", pid=1,
-                                  last_beat=start + 0.1, active_job_ids=[job.id]))
+    assert store.start(job_id, 1, "worker_killed", now=start).applied
+    _register(app, "worker_killed", start + 0.1, job_id)
     for at in (start + 6, start + dead_after):  # past the deadline and its tolerance
         report = sweep(runtime, now=at)
         assert report.error is None and report.applied["execution"] == 0
-        assert store.get(job.id).state == "active"  # type: ignore[union-attr]
+        assert report.awaiting == 1
+        assert store.get(job_id).state == "active"  # type: ignore[union-attr]
     report = sweep(runtime, now=start + 0.1 + dead_after + 0.5)
     assert report.applied["worker"] == 1 and report.applied["execution"] == 0
-    recovered = store.get(job.id)
+    recovered = store.get(job_id)
     assert recovered is not None and recovered.state == "retryable"
     assert [e["type"] for e in recovered.errors] == ["worker_death"]
     assert seen["job.timeout"] == 0
 
 
-def test_an_attempt_whose_worker_is_heard_after_its_deadline_times_out(app: Celery) -> None:
-    """A worker heard after the deadline was alive there: the attempt overran (a hung pool
-    process, or a pool without time limits), so it fails with ``timeout`` as before; so does
-    an attempt of a worker that is not registered, which nothing would ever declare dead."""
+def test_an_attempt_times_out_when_its_worker_could_not_have_ended_it(app: Celery) -> None:
+    """``timeout`` as before when the worker clock has no claim: the worker was heard after
+    the deadline (alive there: a hung pool process), it runs a pool without time limits (a
+    handler there can hold its beats back while it overruns: the sweeper is the only limit),
+    it is not registered, or it should have been declared dead long ago (silent for twice the
+    worker heartbeat timeout: nothing waits on it for ever)."""
     runtime = runtime_of(app)
     store = runtime.store
-    jobs = [enqueue({"type": "e2e.add", "args": [i, 2], "timeout": 2, "grace_period": 2},
-                    app=app) for i in range(2)]
+    dead_after = runtime.settings.worker_heartbeat_timeout
     start = time.time()
-    assert store.start(jobs[0].id, 1, "worker_alive", now=start).applied
-    assert store.start(jobs[1].id, 1, "worker_unknown", now=start).applied
-    store.workers.save(WorkerInfo(worker_id="worker_alive", hostname="h", pid=1,
-                                  last_beat=start + 4.2, active_job_ids=[jobs[0].id]))
+    owners = {"worker_alive": (start + 4.2, True), "worker_solo": (start + 0.1, False),
+              "worker_unknown": None, "worker_long_gone": (start - 2 * dead_after, True)}
+    jobs = {}
+    for worker_id, registered in owners.items():
+        jobs[worker_id] = _short_celery_job(app)
+        assert store.start(jobs[worker_id], 1, worker_id, now=start).applied
+        if registered is not None:
+            beat, time_limits = registered
+            _register(app, worker_id, beat, jobs[worker_id], time_limits=time_limits)
     report = sweep(runtime, now=start + 6)
-    assert report.applied["execution"] == 2
-    for job in jobs:
-        stored = store.get(job.id)
-        assert stored is not None and [e["type"] for e in stored.errors] == ["timeout"]
+    assert report.applied["execution"] == 4 and report.awaiting == 0
+    for job_id in jobs.values():
+        stored = store.get(job_id)
+        assert stored is not None and stored.state == "discarded"
+        assert [e["type"] for e in stored.errors] == ["timeout"]
+
+
+def test_attempts_left_to_the_worker_clock_do_not_hold_back_other_timeouts(
+    app: Celery,
+) -> None:
+    """A node that died with more running attempts than a pass takes (``sweep_batch``): the
+    pass reads past them, so another worker's overrunning attempt still times out."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    start = time.time()
+    silent = [_short_celery_job(app) for _ in range(3)]
+    for job_id in silent:
+        assert store.start(job_id, 1, "worker_dead", now=start).applied
+    _register(app, "worker_dead", start + 0.1, *silent)
+    hung = _short_celery_job(app)
+    assert store.start(hung, 1, "worker_alive", now=start + 0.2).applied
+    _register(app, "worker_alive", start + 5, hung)
+    report = sweep(runtime, now=start + 6, batch=2)
+    assert report.applied["execution"] == 1 and report.awaiting == 3
+    assert [e["type"] for e in store.get(hung).errors] == ["timeout"]  # type: ignore[union-attr]
+    assert [store.get(job_id).state for job_id in silent] == ["active"] * 3  # type: ignore[union-attr]
 
 
 def test_outbox_publishes_a_message_that_was_never_sent(app: Celery) -> None:

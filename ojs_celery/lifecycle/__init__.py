@@ -9,6 +9,7 @@ broker or Celery, so every rule can be tested on its own and every caller shares
 from __future__ import annotations
 
 from .clocks import (
+    AWAITING_WORKER,
     BY_NAME,
     CLOCKS,
     DISPATCH,
@@ -25,6 +26,7 @@ from .clocks import (
     WORKER,
     BlindSpell,
     Clock,
+    Heard,
     Rule,
     Times,
     WorkerClock,
@@ -81,14 +83,14 @@ from .rules import (
 )
 
 __all__ = [
-    "BY_NAME", "CLOCKS", "DAY", "DISPATCH", "DISPATCH_ERROR", "DISPATCH_FAILED", "ENQUEUE_TTL",
-    "ERRORS_KEPT", "EXECUTION", "INDEXED", "NEVER_STARTED", "PROMOTE", "REDISPATCH", "RETENTION",
-    "STALL", "STARTABLE", "STATES", "SWEEP", "TERMINAL", "TIMEOUT_EVENTS", "TIMEOUT_KINDS", "TOTAL",
-    "VISIBILITY", "WORKER", "BlindSpell", "Clock", "Decision", "Policy", "Publish", "Record",
-    "Rule", "Times", "Transition", "WorkerClock", "ack_dispatch", "backoff_delay", "cancel",
-    "cancel_by_owner", "complete", "create", "deadlines", "decide", "dispatch_deadline",
-    "dispatch_failed", "dispatch_failures", "expire_at", "expire_total", "expire_ttl", "extend",
-    "fail", "fail_token", "heartbeat", "invisible", "make_error", "matches_non_retryable",
-    "message_eta", "orphaned", "overdue", "promote", "redispatch", "rejected", "republish",
-    "resend", "stalled", "start", "timeout_error", "waiting_deadline",
+    "AWAITING_WORKER", "BY_NAME", "CLOCKS", "DAY", "DISPATCH", "DISPATCH_ERROR", "DISPATCH_FAILED",
+    "ENQUEUE_TTL", "ERRORS_KEPT", "EXECUTION", "INDEXED", "NEVER_STARTED", "PROMOTE", "REDISPATCH",
+    "RETENTION", "STALL", "STARTABLE", "STATES", "SWEEP", "TERMINAL", "TIMEOUT_EVENTS",
+    "TIMEOUT_KINDS", "TOTAL", "VISIBILITY", "WORKER", "BlindSpell", "Clock", "Decision", "Heard",
+    "Policy", "Publish", "Record", "Rule", "Times", "Transition", "WorkerClock", "ack_dispatch",
+    "backoff_delay", "cancel", "cancel_by_owner", "complete", "create", "deadlines", "decide",
+    "dispatch_deadline", "dispatch_failed", "dispatch_failures", "expire_at", "expire_total",
+    "expire_ttl", "extend", "fail", "fail_token", "heartbeat", "invisible", "make_error",
+    "matches_non_retryable", "message_eta", "orphaned", "overdue", "promote", "redispatch",
+    "rejected", "republish", "resend", "stalled", "start", "timeout_error", "waiting_deadline",
 ]

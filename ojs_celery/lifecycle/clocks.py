@@ -85,6 +85,19 @@ class Times(NamedTuple):
         )
 
 
+#: Why the execution clock passed over an attempt this pass: its worker is silent and may yet
+#: be declared dead (see :meth:`WorkerClock.claims`).
+AWAITING_WORKER = "awaiting_worker"
+
+
+class Heard(NamedTuple):
+    """A registered worker as the clocks see it: its last beat, and whether its pool ends an
+    attempt at the hard time limit by itself (``WorkerInfo.time_limits``)."""
+
+    last_beat: float
+    time_limits: bool
+
+
 @dataclass(frozen=True)
 class Clock:
     """One deadline kind of job records.
@@ -93,9 +106,9 @@ class Clock:
     record's state); ``when_due`` is the transition the sweeper applies once ``now - lag``
     reaches it (None for retention: a job past it is deleted by ``JobStore.prune``, not
     changed). ``silent_since`` is set on the clocks that count a worker's silence: when the
-    worker was last heard, which a :class:`BlindSpell` moves on. ``awaits_owner`` is set on
-    the clock that judges the attempt rather than the worker (execution): it waits until the
-    attempt's worker is heard after the deadline (see :meth:`rule`).
+    worker was last heard, which a :class:`BlindSpell` moves on. ``defers_to`` is set on the
+    clock that judges the attempt's time (execution): it leaves an attempt whose worker fell
+    silent before the deadline to that worker clock (see :meth:`WorkerClock.claims`).
     """
 
     name: str
@@ -103,7 +116,7 @@ class Clock:
     when_due: Callable[[Record, float, Policy], Transition] | None
     lag: Callable[[Policy], float] = _no_lag
     silent_since: Callable[[Record], float | None] | None = None
-    awaits_owner: bool = False
+    defers_to: WorkerClock | None = None
 
     def deadline(self, record: Record, policy: Policy) -> float | None:
         return self.when(record, Times.of(record), policy)
@@ -113,24 +126,17 @@ class Clock:
         return now - self.lag(policy)
 
     def rule(self, now: float, policy: Policy, spell: BlindSpell | None = None,
-             heard: Mapping[str, float] | None = None) -> Rule:
+             workers: Mapping[str, Heard] | None = None) -> Rule:
         """The due transition at ``now``, as a rule for ``JobStore.apply``; a worker's silence
-        during ``spell`` does not count towards it.
-
-        ``heard`` (each registered worker's last beat) is for a clock that ``awaits_owner``:
-        an attempt whose worker has not been heard since the deadline is left alone. A worker
-        alive at the deadline had its own limit fire there, so a job still active is one its
-        worker could not end (``timeout``); a worker silent since before it may have died
-        before the attempt ran its time, which the worker clock tells and ends as
-        ``worker_death`` (retried even under Celery's semantics, where ``timeout`` is final),
-        at most ``worker_heartbeat_timeout`` after its last beat. A worker not registered is
-        not waited for."""
+        during ``spell`` does not count towards it. ``workers`` (the registered workers, for a
+        clock that ``defers_to`` the worker clock): an attempt that clock claims is rejected
+        with :data:`AWAITING_WORKER`."""
         when_due = self.when_due
         assert when_due is not None, f"clock {self.name} has no transition"
         silent_since = self.silent_since
         counts_spell = spell is not None and silent_since is not None
-        awaits = heard if self.awaits_owner else None
-        if not counts_spell and awaits is None:
+        worker_clock = self.defers_to if workers is not None else None
+        if not counts_spell and worker_clock is None:
             return lambda record: when_due(record, now, policy)
 
         def rule(record: Record) -> Transition:
@@ -140,10 +146,11 @@ class Clock:
                 since = silent_since(record)
                 if since is not None and deadline + spell.heard(since) - since > now:
                     return rejected("blind_spell")
-            if deadline is not None and awaits is not None and record.worker_id is not None:
-                last_beat = awaits.get(record.worker_id)
-                if last_beat is not None and last_beat < deadline:
-                    return rejected("owner_silent")
+            if deadline is not None and worker_clock is not None and record.worker_id:
+                assert workers is not None
+                owner = workers.get(record.worker_id)
+                if worker_clock.claims(owner, deadline, now, policy, spell):
+                    return rejected(AWAITING_WORKER)
             return when_due(record, now, policy)
 
         return rule
@@ -169,6 +176,24 @@ class WorkerClock:
                 spell: BlindSpell | None = None) -> bool:
         heard = last_beat if spell is None else spell.heard(last_beat)
         return heard <= self.cutoff(now, policy)
+
+    def claims(self, owner: Heard | None, deadline: float, now: float, policy: Policy,
+               spell: BlindSpell | None = None) -> bool:
+        """Whether an attempt past its execution ``deadline`` is this clock's to end rather
+        than a ``timeout``: its worker (``owner``, None if not registered) ends attempts at the
+        hard time limit itself but has not beaten since the deadline, and may still be
+        declared dead (silent for under twice the worker heartbeat timeout).
+
+        Such a worker was not alive at the deadline, or its own limit would have ended the
+        attempt there: it may have died or frozen before the attempt ran its time, which only
+        this clock can tell, as ``worker_death`` (retried even under Celery's semantics, where
+        ``timeout`` is final). A pool without time limits (solo, threads) is not waited for: a
+        handler there can hold the beats back while it overruns. Nor is a worker this clock
+        should have declared dead long ago: nothing waits on it for ever."""
+        if owner is None or not owner.time_limits or owner.last_beat >= deadline:
+            return False
+        return not self.is_dead(owner.last_beat, now - policy.worker_heartbeat_timeout, policy,
+                                spell)
 
     def active_rule(self, worker_id: str, now: float, policy: Policy) -> Rule:
         return partial(orphaned, worker_id=worker_id, now=now, policy=policy)
@@ -266,21 +291,21 @@ def _execution_lag(policy: Policy) -> float:
 
 # --------------------------------------------------------------------------- the clocks
 
+#: The owning worker's ``last_beat + worker_heartbeat_timeout``: see :class:`WorkerClock`.
+WORKER = WorkerClock()
 #: ``created_at + total_timeout``, any non-terminal state: discarded, ``total_timeout``.
 TOTAL = Clock("total", _total, expire_total)
 #: ``created_at + enqueue_ttl``, never started: discarded, ``enqueue_ttl_expired``.
 ENQUEUE_TTL = Clock("enqueue_ttl", _enqueue_ttl, expire_ttl)
 #: ``started_at + timeout + grace_period``, active (the sweeper waits a tolerance more, so
 #: that the worker's hard limit normally wins): retry or discard, ``timeout``.
-#: Its worker must have been heard since the deadline (``awaits_owner``, see ``Clock.rule``).
-EXECUTION = Clock("execution", _execution, overdue, _execution_lag, awaits_owner=True)
+#: An attempt whose worker fell silent before the deadline is left to the worker clock.
+EXECUTION = Clock("execution", _execution, overdue, _execution_lag, defers_to=WORKER)
 #: ``heartbeat_at + heartbeat_timeout``, active: retry or discard, ``stalled``.
 STALL = Clock("stall", _stall, stalled, silent_since=lambda record: record.heartbeat_at)
 #: ``extended_at + visibility_timeout``, active: retry or discard, ``visibility_timeout``.
 VISIBILITY = Clock("visibility", _visibility, invisible,
                    silent_since=lambda record: record.extended_at)
-#: The owning worker's ``last_beat + worker_heartbeat_timeout``: see :class:`WorkerClock`.
-WORKER = WorkerClock()
 #: The outbox entry (``dispatch_due``, see ``dispatch_deadline``): the message again.
 DISPATCH = Clock("dispatch", _dispatch, republish)
 #: ``promote_at`` of a job held in the store (scheduled beyond the horizon, or a long

@@ -424,13 +424,6 @@ class RedisWorkerRegistry(WorkerRegistry):
         return sorted(workers, key=lambda w: w.worker_id)
 
     @_wrap_errors
-    def last_beats(self) -> dict[str, float]:
-        beats: list[tuple[str, float]] = self.client.zrange(  # type: ignore[assignment]
-            self._workers_key, 0, -1, withscores=True
-        )
-        return dict(beats)
-
-    @_wrap_errors
     def stale(self, cutoff: float, limit: int) -> list[str]:
         ids: list[str] = self.client.zrangebyscore(  # type: ignore[assignment]
             self._workers_key, "-inf", cutoff, start=0, num=limit

@@ -710,7 +710,6 @@ class SQLWorkerRegistry(WorkerRegistry):
         )
         self._get = sa.select(workers.c.data).where(workers.c.worker_id == sa.bindparam("k_id"))
         self._all = sa.select(workers.c.data).order_by(workers.c.worker_id)
-        self._last_beats = sa.select(workers.c.worker_id, workers.c.last_beat)
         self._delete = sa.delete(workers).where(workers.c.worker_id == sa.bindparam("k_id"))
         self._stale = (
             sa.select(workers.c.worker_id)
@@ -745,12 +744,6 @@ class SQLWorkerRegistry(WorkerRegistry):
         with self._store.engine.connect() as conn:
             rows = conn.execute(self._all).scalars().all()
         return [WorkerInfo.from_dict(json.loads(data)) for data in rows]
-
-    @_wrap_errors
-    def last_beats(self) -> dict[str, float]:
-        with self._store.engine.connect() as conn:
-            return {str(worker_id): float(beat)
-                    for worker_id, beat in conn.execute(self._last_beats)}
 
     @_wrap_errors
     def stale(self, cutoff: float, limit: int) -> list[str]:

@@ -26,6 +26,9 @@ class WorkerInfo:
     queues: list[str] = field(default_factory=list)
     concurrency: int = 1
     labels: list[str] = field(default_factory=list)
+    #: Its pool ends an attempt at Celery's hard time limit by itself (prefork): the sweeper
+    #: then leaves an attempt past its deadline to the worker clock while the worker is silent.
+    time_limits: bool = True
     started_at: float = 0.0
     state: str = "running"
     directive: str | None = None
@@ -60,11 +63,6 @@ class WorkerRegistry(ABC):
     @abstractmethod
     def all(self) -> list[WorkerInfo]:
         """Every registered worker, by worker id."""
-
-    @abstractmethod
-    def last_beats(self) -> dict[str, float]:
-        """Every registered worker's last beat, by worker id, read from the index alone (the
-        sweeper's question "was the attempt's worker heard since?")."""
 
     @abstractmethod
     def stale(self, cutoff: float, limit: int) -> list[str]:

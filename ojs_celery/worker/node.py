@@ -20,6 +20,7 @@ from ..header import token_of
 from ..identity import current_worker_id
 from ..runtime import Runtime
 from ..store import WorkerInfo
+from .pools import enforces_time_limits
 from .registry import Registry
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ class WorkerNode:
         self.registry = Registry(runtime, self.worker_id)
         self.started_at = time.time()
         self.queues: list[str] = [q.name for q in consumer.task_consumer.queues]
+        self.time_limits = enforces_time_limits(getattr(consumer.controller, "pool_cls", ""))
         self.state = "running"
         self.state_lock = threading.Lock()
         self.left = False  # deregistered: set once, under state_lock
@@ -115,6 +117,7 @@ class WorkerNode:
             queues=list(self.queues),
             concurrency=int(concurrency),
             labels=list(self.settings.labels),
+            time_limits=self.time_limits,
             started_at=self.started_at,
             state=self.state,
             last_beat=time.time(),
