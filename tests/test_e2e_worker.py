@@ -233,6 +233,41 @@ def test_second_sigint_is_immediate(env: Env, tmp_path: pathlib.Path) -> None:
         stop_all([worker])
 
 
+def pool_processes(worker: Worker) -> list[int]:
+    """The pids of the worker's pool processes (its main process's children)."""
+    pids = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == worker.process.pid:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def test_the_pool_shrinks_when_celery_asks(env: Env, tmp_path: pathlib.Path) -> None:
+    """Pool processes ignore SIGTERM (a deploy's SIGTERM to the process group drains), which is
+    the signal billiard shrinks a pool with: ``pool_shrink`` (and ``--autoscale``, which
+    shrinks the same way) must still stop idle processes, and the smaller pool runs jobs."""
+    [worker] = own_workers(env, tmp_path, concurrency=3)
+    try:
+        info = registered(env, worker)
+        wait_for(lambda: len(pool_processes(worker)) == 3, SLACK, "three pool processes")
+        replies = env.app.control.pool_shrink(2, destination=[info.nodename], reply=True,
+                                              timeout=10)
+        assert replies == [{info.nodename: {"ok": "pool will shrink"}}]
+        wait_for(lambda: len(pool_processes(worker)) == 1, 10 + SLACK,
+                 "the pool to shrink to one process")
+        jobs = [enqueue({"type": "e2e.add", "args": [i, 1], "queue": queue_of(worker)},
+                        app=env.app) for i in range(3)]
+        for i, job in enumerate(jobs):
+            assert env.wait_state(job.id, "completed", worker=worker).result == i + 1
+        assert len(pool_processes(worker)) == 1
+    finally:
+        stop_all([worker])
+
+
 def test_stalled_handler_is_detected_and_retried(env: Env, tmp_path: pathlib.Path) -> None:
     [worker] = own_workers(env, tmp_path, concurrency=2)
     try:

@@ -6,7 +6,9 @@ killing running jobs.
 ``worker_process_init`` (``install`` connects :func:`protect_child` to it). Billiard still stops
 a child at a hard time limit (it follows SIGTERM with SIGKILL after 0.1 s), and on a cold
 shutdown the main process kills its children itself (:meth:`PoolChildren.kill_all`), since they
-no longer obey the SIGTERM that Celery would send them.
+no longer obey the SIGTERM that Celery would send them. A pool that shrinks (``--autoscale``,
+``pool_shrink``) follows its SIGTERM to an idle child with SIGQUIT, which billiard's children
+obey with the same clean exit (:func:`_stop_shrunk`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import signal
 import time
 from typing import Any
 
+from billiard.common import TERM_SIGNAL
 from billiard.process import current_process
 from celery import bootsteps
 
@@ -43,6 +46,7 @@ class PoolChildren:
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
+        _stop_shrunk(pool)
 
     def kill(self, pid: int | None) -> bool:
         """Stop the child ``pid`` now (SIGKILL through the pool); False if it cannot be."""
@@ -98,6 +102,33 @@ def _gone(processes: list[Any], timeout: float) -> bool:
             logger.debug("ojs_celery: join child %s: %r", getattr(process, "pid", None), exc)
             return False
     return True
+
+
+def _stop_shrunk(pool: Any) -> None:
+    """Make a prefork pool's ``shrink`` (the autoscaler's, the ``pool_shrink`` command's) take
+    effect. Billiard shrinks by sending SIGTERM to idle processes, which ignore it here: each
+    process it chose is then sent SIGQUIT, to which billiard's children answer with the clean
+    exit that SIGTERM would have given them (its own handler, which releases the pool's locks).
+    Billiard with ``REMAP_SIGTERM`` sends such a signal itself."""
+    inner = getattr(pool, "_pool", None)
+    shrink = getattr(pool, "shrink", None)
+    if inner is None or not callable(shrink) or TERM_SIGNAL != signal.SIGTERM:
+        return
+
+    def chosen() -> set[Any]:
+        return {process for process in list(getattr(inner, "_pool", None) or [])
+                if getattr(process, "_controlled_termination", False)}
+
+    def shrink_and_stop(n: int = 1) -> None:
+        before = chosen()
+        shrink(n)
+        for process in chosen() - before:
+            try:
+                os.kill(process.pid, signal.SIGQUIT)
+            except OSError as exc:  # gone already
+                logger.debug("ojs_celery: stop shrunk child %s: %r", process.pid, exc)
+
+    pool.shrink = shrink_and_stop
 
 
 def _free_shared_locks(inner: Any) -> None:
