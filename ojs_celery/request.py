@@ -60,8 +60,13 @@ class OJSRequest(Request):  # type: ignore[misc]
         """``revoke(terminate=True)``: pool processes ignore SIGTERM, Celery's default, so that
         a deploy's SIGTERM to the process group drains instead of killing; a terminate that
         asks for SIGTERM is carried out with SIGKILL, which stops the attempt as Celery
-        would (its job is cancelled by :func:`cancel_revoked`)."""
+        would. The job is cancelled in the store before a running attempt gets the signal: one
+        that lets the handler go on (SIGUSR1 raises ``SoftTimeLimitExceeded`` in it, as the
+        soft limit does) then ends a cancelled attempt, whose outcome is rejected, instead of
+        reading as its timeout."""
         wanted = signals.signum(signal or TERM_SIGNAME)
+        if self.time_start and self._ojs_token() is not None:
+            cancel_in_store(self.task, self.id)
         super().terminate(pool, SIGKILL if wanted == SIGTERM else wanted)
 
     def ojs_settled(self, outcome: str) -> None:
@@ -214,12 +219,17 @@ def cancel_revoked(sender: Any = None, request: Any = None, expired: bool = Fals
         return
     if of_task_request(request) is ABSENT:
         return  # a plain message of a task that became an OJS task: Celery's revoke is all
-    runtime = get_runtime(sender.app)
+    cancel_in_store(sender, str(request.id))
+
+
+def cancel_in_store(task: Any, job_id: str) -> None:
+    """Cancel a revoked job in the store (once: a job cancelled already is left as it is)."""
+    runtime = get_runtime(task.app)
     try:
-        done = runtime.store.cancel(str(request.id))
+        done = runtime.store.cancel(job_id)
     except StoreError as exc:
         logger.warning("ojs_celery: revoked job %s could not be cancelled in the store: %s",
-                       request.id, exc)
+                       job_id, exc)
         return
     if done.record is not None:
         carry_out(runtime, done)

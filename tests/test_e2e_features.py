@@ -316,3 +316,22 @@ def test_celerys_revoke_cancels_the_job_and_terminate_stops_it(env: Env) -> None
     wait_for(lambda: not _alive(pid), 15, "the pool process running the attempt to be stopped")
     assert env.wait_state(running.id, "cancelled").state == "cancelled"
     assert not [f for f in env.lines("finished") if running.id in f]
+
+
+def test_a_terminate_with_the_soft_limit_signal_cancels_rather_than_times_out(
+    env: Env,
+) -> None:
+    """``revoke(id, terminate=True, signal="SIGUSR1")``, Celery's way to let a handler clean
+    up (it raises ``SoftTimeLimitExceeded`` in it): the job is cancelled and reads REVOKED,
+    not discarded with a ``timeout`` it never had; the pool process lives on."""
+    running = env.app.tasks["e2e.sleep"].apply_async(args=[60, "revoked"])
+    env.wait_state(running.id, "active")
+    wait_for(lambda: [r for r in env.lines("runs") if running.id in r], 15, "the handler to run")
+    pid = int(next(r for r in env.lines("runs") if running.id in r).rsplit("pid=", 1)[1])
+    env.app.control.revoke(running.id, terminate=True, signal="SIGUSR1")
+    wait_for(lambda: f"{running.id} IGNORED" in env.lines("postrun"), 15,
+             "the handler's late outcome to be rejected")
+    done = env.job(running.id)
+    assert done.state == "cancelled" and done.errors == []
+    assert AsyncResult(running.id, app=env.app).state == "REVOKED"
+    assert _alive(pid)
