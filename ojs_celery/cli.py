@@ -230,14 +230,16 @@ def inspect_command(ctx: click.Context, as_json: bool) -> None:
         _line(report.as_dict())
         return
     for task in report.tasks:
-        kind = f"OJS type {task.ojs_type}" if task.ojs else "not an OJS task"
+        kind = f"OJS type {task.ojs_type}" if task.ojs else "not an OJS task yet"
         click.echo(f"{task.name}  [{kind}]  queue {task.queue}"
                    + (f" (OJS queue {task.ojs_queue})" if task.ojs_queue else ""))
         fields = ", ".join(f"{key}={json.dumps(value, separators=(',', ':'))}"
                            for key, value in task.envelope.items())
-        click.echo(f"    a Celery call's job: {fields}")
+        # a task not migrated keeps Celery's behaviour: its lines say what base=OJSTask brings
+        once = "" if task.ojs else "once migrated, "
+        click.echo(f"    {once}a Celery call's job: {fields}")
         for warning in task.warnings:
-            click.echo(f"    warning: {warning}")
+            click.echo(f"    warning: {once}{warning}")
     for warning in report.warnings:
         click.echo(f"warning: {warning}")
 

@@ -31,8 +31,9 @@ RABBITMQ_CONSUMER_TIMEOUT_DEFAULT = 1800.0
 #: to something other than Celery's default).
 NO_EQUIVALENT = {
     "rate_limit": "no OJS equivalent: Celery's worker still applies it to OJS tasks",
-    "reject_on_worker_lost": "no effect: OJS recovers a lost worker's job itself "
-                             "(worker_death, retried per policy)",
+    "reject_on_worker_lost": "no effect: OJS recovers the job of a lost pool process "
+                             "(error WorkerLostError) or worker (worker_death) itself, "
+                             "retried per its OJS retry policy",
     "acks_on_failure_or_timeout": "no effect: OJS tasks always ack late and record failures",
     "track_started": "no effect on OJS state: the job store records `active` itself",
     "store_errors_even_if_ignored": "no effect on OJS state: errors are always in the job record",
