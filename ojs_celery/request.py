@@ -45,6 +45,11 @@ from .store import StoreError
 logger = logging.getLogger(__name__)
 
 
+#: What a lost pool process's job became, as its log line says it.
+_LOST_OUTCOMES = {"retried": "retried per its retry policy",
+                  "stale": "its attempt had ended already, nothing to do"}
+
+
 class OJSRequest(Request):  # type: ignore[misc]
     """Celery ``Request`` for OJS tasks (``OJSTask.Request``)."""
 
@@ -182,6 +187,10 @@ class OJSRequest(Request):  # type: ignore[misc]
                     self._ojs_requeue()
                     return
                 if outcome != "discarded":
+                    # Celery logs its own line only for a failure: name the job here
+                    logger.warning("ojs_celery: job %s (%s) lost its pool process (%s): %s",
+                                   self.id, self.task.name, exc, _LOST_OUTCOMES.get(
+                                       outcome, outcome))
                     self._ack_without_failure(outcome, exc)
                     return
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)

@@ -400,6 +400,9 @@ def test_a_recovery_retries_on_its_own_budget_and_is_no_celery_retry(env: Env) -
     assert _runs(env, tag) == ["attempt=1 retries=0", "attempt=2 retries=0",
                                "attempt=3 retries=1"]
     assert job.result == 1
+    # the worker's log names the job whose pool process was lost, as Celery's does a failure
+    assert (f"job {result.id} (e2e.celery_dies_once) lost its pool process"
+            in env.worker.log())
 
 
 def test_reject_with_requeue_is_a_redelivery_not_a_celery_retry(env: Env) -> None:
