@@ -74,6 +74,20 @@ class OJSRequest(Request):  # type: ignore[misc]
             cancel_in_store(self.task, self.id)
         super().terminate(pool, SIGKILL if wanted == SIGTERM else wanted)
 
+    def cancel(self, pool: Any, signal: Any = None, **options: Any) -> None:
+        """Celery cancels a running ``acks_late`` task when the broker connection is lost
+        (``worker_cancel_long_running_tasks_on_connection_loss``, Celery 6's default), so that
+        its redelivered message runs it again; it would also stop listing it as running. An
+        OJS attempt runs on instead, listed in the worker's beats: fencing drops the
+        redelivered message, and the attempt records its own outcome in the job store. (Its
+        SIGTERM would not stop the pool process anyway; a cold shutdown kills those itself.)"""
+        if self.time_start and self._ojs_token() is not None:
+            logger.warning("ojs_celery: job %s runs on although Celery cancels it (a lost "
+                           "broker connection): its attempt records its own outcome, and its "
+                           "redelivered message will not run it again", self.id)
+            return
+        super().cancel(pool, signal, **options)
+
     def ojs_settled(self, outcome: str) -> None:
         """Another party of this worker (the shutdown drain) wrote this attempt's failure,
         ``outcome`` ("retried" or "discarded"), and reported it, before stopping its pool
@@ -187,10 +201,11 @@ class OJSRequest(Request):  # type: ignore[misc]
                     self._ojs_requeue()
                     return
                 if outcome != "discarded":
-                    # Celery logs its own line only for a failure: name the job here
-                    logger.warning("ojs_celery: job %s (%s) lost its pool process (%s): %s",
-                                   self.id, self.task.name, exc, _LOST_OUTCOMES.get(
-                                       outcome, outcome))
+                    if not getattr(self, "_already_revoked", False):  # else Celery said why
+                        # Celery logs its own line only for a failure: name the job here
+                        logger.warning("ojs_celery: job %s (%s) lost its pool process (%s): %s",
+                                       self.id, self.task.name, exc,
+                                       _LOST_OUTCOMES.get(outcome, outcome))
                     self._ack_without_failure(outcome, exc)
                     return
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)

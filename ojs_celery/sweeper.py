@@ -126,20 +126,26 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
             _enforce_clock(runtime, clock, now, limit, report, spell)
 
 
+#: How many batches' worth of due entries a pass reads past attempts left to the worker clock.
+READ_PAST = 10
+
+
 def _enforce_clock(
     runtime: Runtime, clock: Clock, now: float, limit: int, report: SweepReport,
     spell: BlindSpell | None,
 ) -> None:
     """The jobs due on ``clock``, at most ``limit`` of them acted on. An attempt the worker
     clock claims (``Clock.defers_to``) stays due and is read past: a node that died with many
-    running attempts must not hold back every other job's timeout until it is declared dead."""
+    running attempts must not hold back every other job's timeout until it is declared dead.
+    A pass reads at most :data:`READ_PAST` × ``limit`` index entries so (each claimed attempt
+    is claimed for twice the worker heartbeat timeout at most)."""
     store = runtime.store
     policy = store.policy
     cutoff = clock.cutoff(now, policy)
     workers: dict[str, Heard] | None = None
     seen: set[str] = set()
     left = limit
-    while left > 0:
+    while left > 0 and len(seen) < READ_PAST * limit:
         due = [entry for entry in store.due(clock.name, cutoff, len(seen) + left)
                if entry[0] not in seen][:left]
         if not due:

@@ -249,16 +249,21 @@ def pool_processes(worker: Worker) -> list[int]:
 def test_the_pool_shrinks_when_celery_asks(env: Env, tmp_path: pathlib.Path) -> None:
     """Pool processes ignore SIGTERM (a deploy's SIGTERM to the process group drains), which is
     the signal billiard shrinks a pool with: ``pool_shrink`` (and ``--autoscale``, which
-    shrinks the same way) must still stop idle processes, and the smaller pool runs jobs."""
+    shrinks the same way) must still stop idle processes, also when it asks for more than are
+    idle (billiard stops those, then refuses the rest), and the smaller pool runs jobs."""
     [worker] = own_workers(env, tmp_path, concurrency=3)
     try:
         info = registered(env, worker)
         wait_for(lambda: len(pool_processes(worker)) == 3, SLACK, "three pool processes")
-        replies = env.app.control.pool_shrink(2, destination=[info.nodename], reply=True,
+        busy = enqueue({"type": "e2e.sleep", "args": [3.0], "queue": queue_of(worker)},
+                       app=env.app)
+        env.wait_state(busy.id, "active", worker=worker)
+        replies = env.app.control.pool_shrink(3, destination=[info.nodename], reply=True,
                                               timeout=10)
-        assert replies == [{info.nodename: {"ok": "pool will shrink"}}]
+        assert "All processes busy" in str(replies)
         wait_for(lambda: len(pool_processes(worker)) == 1, 10 + SLACK,
-                 "the pool to shrink to one process")
+                 "the pool to shrink to the busy process")
+        assert env.wait_state(busy.id, "completed", worker=worker).attempt == 1
         jobs = [enqueue({"type": "e2e.add", "args": [i, 1], "queue": queue_of(worker)},
                         app=env.app) for i in range(3)]
         for i, job in enumerate(jobs):

@@ -267,3 +267,18 @@ def test_sweeps_are_overdue_only_once_the_store_answered_for_a_while() -> None:
     store.answer_takes = 0.0
     store.now += 6  # answering for 6 s now, still no sweep
     assert watch.overdue() == 6.0
+
+
+def test_only_prefork_pools_are_known_to_end_attempts_at_the_hard_limit() -> None:
+    """What a worker registers as ``time_limits`` (the sweeper waits for a silent worker of
+    such a pool to be declared dead before it judges an execution timeout)."""
+    from celery.concurrency import prefork, solo, thread
+
+    from ojs_celery.worker.pools import enforces_time_limits
+
+    class OwnPrefork(prefork.TaskPool):  # type: ignore[misc]
+        pass
+
+    assert enforces_time_limits(prefork.TaskPool) and enforces_time_limits(OwnPrefork)
+    assert not enforces_time_limits(solo.TaskPool) and not enforces_time_limits(thread.TaskPool)
+    assert enforces_time_limits("prefork") and not enforces_time_limits("gevent")

@@ -202,6 +202,22 @@ def test_attempts_left_to_the_worker_clock_do_not_hold_back_other_timeouts(
     assert [store.get(job_id).state for job_id in silent] == ["active"] * 3  # type: ignore[union-attr]
 
 
+def test_a_pass_reads_past_at_most_ten_batches_of_attempts_left_to_the_worker_clock(
+    app: Celery,
+) -> None:
+    """Reading past claimed attempts is bounded: a fleet that fell silent at once does not
+    make every pass read the whole active set."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    start = time.time()
+    silent = [_short_celery_job(app) for _ in range(sweeper_module.READ_PAST * 2 + 5)]
+    for job_id in silent:
+        assert store.start(job_id, 1, "worker_dead", now=start).applied
+    _register(app, "worker_dead", start + 0.1, *silent)
+    report = sweep(runtime, now=start + 6, batch=2)
+    assert report.awaiting == sweeper_module.READ_PAST * 2 and report.error is None
+
+
 def test_outbox_publishes_a_message_that_was_never_sent(app: Celery) -> None:
     runtime = runtime_of(app)
     transition = runtime.store.create(parse_envelope({"type": "e2e.add", "args": [1, 2]}))

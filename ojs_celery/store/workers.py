@@ -28,7 +28,8 @@ class WorkerInfo:
     labels: list[str] = field(default_factory=list)
     #: Its pool ends an attempt at Celery's hard time limit by itself (prefork): the sweeper
     #: then leaves an attempt past its deadline to the worker clock while the worker is silent.
-    time_limits: bool = True
+    #: False when not known (the record of an older version).
+    time_limits: bool = False
     started_at: float = 0.0
     state: str = "running"
     directive: str | None = None

@@ -121,12 +121,14 @@ def _stop_shrunk(pool: Any) -> None:
 
     def shrink_and_stop(n: int = 1) -> None:
         before = chosen()
-        shrink(n)
-        for process in chosen() - before:
-            try:
-                os.kill(process.pid, signal.SIGQUIT)
-            except OSError as exc:  # gone already
-                logger.debug("ojs_celery: stop shrunk child %s: %r", process.pid, exc)
+        try:
+            shrink(n)  # raises when fewer than n are idle, after choosing those that are
+        finally:
+            for process in chosen() - before:
+                try:
+                    os.kill(process.pid, signal.SIGQUIT)
+                except OSError as exc:  # gone already
+                    logger.debug("ojs_celery: stop shrunk child %s: %r", process.pid, exc)
 
     pool.shrink = shrink_and_stop
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery.concurrency import prefork
+
 #: Pools whose time limits Celery does not enforce, and what is missing there.
 WEAK_POOLS = {
     "solo": "soft and hard time limits",
@@ -23,6 +25,9 @@ def pool_name(pool_cls: Any) -> str:
 
 
 def enforces_time_limits(pool_cls: Any) -> bool:
-    """Whether a worker on this pool ends an attempt at its hard time limit by itself (its
-    main process kills the pool process; the handler's own thread cannot delay that)."""
-    return pool_name(pool_cls) not in WEAK_POOLS
+    """Whether a worker on this pool ends an attempt at its hard time limit by itself: the
+    prefork pool and its subclasses (the main process kills the pool process; the handler's
+    own thread cannot delay that). Another pool, or one named but not loaded, is not known to."""
+    if isinstance(pool_cls, type):
+        return issubclass(pool_cls, prefork.TaskPool)
+    return pool_name(pool_cls) == "prefork"

@@ -165,7 +165,10 @@ class Drain:
 
     def _cancel(self, request: Any) -> None:
         """Deliver the cancellation signal: the soft time limit in the job's pool process,
-        marked first as the drain's (the handler then fails with ``shutdown``)."""
+        marked first as the drain's (the handler then fails with ``shutdown``). Only to an
+        attempt that started: see :meth:`_attempt_started`."""
+        if not self._attempt_started(request):
+            return  # looked at again at the next poll
         self._cancelled.add(request.id)
         pid = getattr(request, "worker_pid", None)
         if not pid or pid == os.getpid():
@@ -176,6 +179,18 @@ class Drain:
             logger.warning("ojs_celery: cancelling job %s for the shutdown", request.id)
         except (OSError, StoreError) as exc:
             logger.warning("ojs_celery: could not cancel job %s: %s", request.id, exc)
+
+    def _attempt_started(self, request: Any) -> bool:
+        """Has this message's attempt started (the store shows its job active with the
+        message's token)? One that reached its pool process after its cancellation point
+        never does: the start gate sends it back, and a signal meanwhile would land in Celery's
+        handling of that, as a traceback. True when the store cannot say."""
+        try:
+            record = self.runtime.store.get_record(request.id)
+        except StoreError:
+            return True
+        return (record is not None and record.token == token_of(request)
+                and record.job.state == "active")
 
     def _fail(self, request: Any) -> None:
         """FAIL a job still running at the end of the drain, then stop it: ``shutdown``, or
