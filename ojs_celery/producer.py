@@ -160,12 +160,15 @@ def publish(
     options: dict[str, Any] = {
         "task_id": job.id,
         "headers": {header.NAME: header.build(job, request.token, record)},
+        # Given even when None: Celery 5.7's send_task fills what is not given from the task's
+        # options, and the job's own limits and expires_at are the only ones (a Celery
+        # ``expires`` would have the worker drop the message without the job store knowing).
         "time_limit": hard,
+        "soft_time_limit": soft,
+        "expires": None,
         "retry": True,
         "retry_policy": PUBLISH_RETRY_POLICY,
     }
-    if soft is not None:
-        options["soft_time_limit"] = soft
     priority = broker_priority(app, job.priority, runtime.settings.amqp_max_priority)
     if priority is not None:
         options["priority"] = priority

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import pathlib
 from typing import Any
 
 import pytest
 from celery import Celery
 
-from ojs_celery import install
+from ojs_celery import OJSTask, enqueue, install
 from ojs_celery.envelope import Job, from_epoch, parse_envelope
 from ojs_celery.header import build as ojs_header
 from ojs_celery.header import snapshot as record_from_header
@@ -267,3 +269,43 @@ def test_client_chose_id_is_decided_from_the_parsed_envelope() -> None:
     assert client_chose_id(parse_envelope('{"\\u0069d": "%s", "type": "a", "args": []}'
                                           .replace("%s", id_)))
     assert client_chose_id(parse_envelope(job()))  # a Job given whole keeps its id
+
+
+# --------------------------------------------------------------------------- task defaults
+
+
+def test_the_tasks_own_expires_and_soft_limit_do_not_reach_the_message(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Celery 5.7's ``send_task`` fills options the call did not give from the task's own. An
+    OJS message carries the job's limits alone, and never a Celery ``expires``: the task's
+    ``expires`` is the job's ``expires_at`` (with it in the message, the worker would drop
+    the message and the job would wait on, ``scheduled``, for the sweeper's backstop)."""
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    app = Celery("t", broker="filesystem://", set_as_current=False)
+    app.conf.broker_transport_options = {"data_folder_in": str(folder),
+                                         "data_folder_out": str(folder)}
+    app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
+    runtime = install(app)
+
+    @app.task(shared=False, name="t.limited", base=OJSTask, expires=5, soft_time_limit=100,
+              time_limit=110)
+    def limited(n: int) -> int:
+        return n
+
+    try:
+        called = limited.apply_async((1,), countdown=10)
+        stored = runtime.store.get(called.id)
+        assert stored is not None and stored.expires_at is not None
+        envelope = enqueue({"type": "t.limited", "args": [2], "timeout": 5, "grace_period": 0},
+                           app=app)
+        sent = {message["headers"]["id"]: message["headers"]
+                for message in (json.loads(path.read_text()) for path in folder.glob("*.msg"))}
+        assert sent[called.id]["expires"] is None
+        assert sent[called.id]["timelimit"] == [110, 100]
+        assert sent[envelope.id]["expires"] is None
+        assert sent[envelope.id]["timelimit"] == [5, None]  # grace 0: no soft limit
+    finally:
+        runtime.close()
+        app.close()
