@@ -26,7 +26,7 @@ from .envelope import JsonValue
 from .faults import AtMostEvery, OncePerKind
 from .lifecycle import BlindSpell, Clock, Heard, Rule, WorkerClock
 from .producer import BrokerUnavailable
-from .runtime import Runtime
+from .runtime import Runtime, UnknownType
 from .store import StoreError
 
 logger = logging.getLogger(__name__)
@@ -238,6 +238,9 @@ def _skip(
     the count from being written, if any (an outage: the pass ends)."""
     reason = f"{type(exc).__name__}: {exc}"
     report.skipped += 1
+    if isinstance(exc, UnknownType):
+        _unpublishable(job_id, exc)
+        return None
     logger.warning("ojs_celery: sweep skipped job %s (%s clock): %s", job_id, clock, reason)
     store = runtime.store
     policy = store.policy
@@ -253,6 +256,22 @@ def _skip(
         report.applied[lifecycle.DISPATCH_FAILED] += 1
         carry_out(runtime, done, stop_attempt=True, report_result=True)
     return None
+
+
+#: Each type this process cannot publish is said every ten minutes at most (``_unpublishable``).
+_unknown_types: dict[str, AtMostEvery] = {}
+
+
+def _unpublishable(job_id: str, exc: UnknownType) -> None:
+    """A job whose type this process does not register (a sweeper still on the code before
+    the task was added, in a rolling deploy): not the job's fault, so it is not counted
+    towards ``dispatch_failed``; it stays owed, for a sweeper that registers the task."""
+    said = _unknown_types.setdefault(str(exc), AtMostEvery(600.0))
+    if said.due(time.monotonic()):
+        logger.warning("ojs_celery: sweep cannot publish job %s (and others of its type): %s. "
+                       "This process does not register the task: it stays owed, for a "
+                       "sweeper that does (deploy the sweep worker with the app's tasks)",
+                       job_id, exc)
 
 
 #: A blind spell ahead of this host's clock is said every ten minutes at most (``_blind_spell``).

@@ -486,6 +486,40 @@ def test_a_job_the_broker_refuses_is_skipped_then_discarded_and_the_pass_goes_on
     assert sweep(runtime, now=now + 66).total == 0
 
 
+def test_a_job_of_a_type_this_sweeper_does_not_register_stays_owed_for_one_that_does(
+    app: Celery, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweeper still on the code before a task was added (a rolling deploy) cannot publish
+    that task's jobs: not the job's fault, so it is never discarded for it (it was, with
+    ``dispatch_failed``, after five passes); it stays owed, said in the log, and a sweeper
+    that registers the task publishes it."""
+    from ojs_celery import OJSTask
+
+    monkeypatch.setattr(sweeper_module, "_unknown_types", {})  # said once per process
+    runtime = runtime_of(app)
+    store = runtime.store
+    now = time.time()
+    owed = store.create(parse_envelope({"type": "e2e.added_later", "args": [1]}), now=now)
+    assert owed.record is not None
+    job_id = owed.record.job.id
+    with caplog.at_level(logging.WARNING, logger="ojs_celery.sweeper"):
+        for i in range(1, 8):
+            report = sweep(runtime, now=now + 11 * i)
+            assert report.error is None and report.skipped == 1
+    stored = store.get(job_id)
+    assert stored is not None and stored.state == "available" and stored.errors == []
+    said = [r.getMessage() for r in caplog.records if "e2e.added_later" in r.getMessage()]
+    assert len(said) == 1 and "stays owed" in said[0]  # once, not every pass
+    assert messages(app) == []
+
+    @app.task(shared=False, name="e2e.added_later", base=OJSTask)
+    def added_later(n: int) -> int:
+        return n
+
+    report = sweep(runtime, now=now + 99)
+    assert report.skipped == 0 and report.published == 1 and len(messages(app)) == 1
+
+
 def test_a_record_that_cannot_be_decoded_does_not_stop_the_pass(app: Celery) -> None:
     runtime = runtime_of(app)
     store = runtime.store
