@@ -78,8 +78,15 @@ def eta_held(timer: Any) -> list[Any]:
 
 
 def anything_running() -> bool:
-    """Any request (OJS or not) still running in this worker."""
-    return bool(worker_state.active_requests)
+    """Any request (OJS or not) still running in this worker, or handed to its pool and
+    waiting there for a free process (Celery's ``execute_using_pool`` set its
+    ``_apply_result``): the drain waits for those too, which start, or which the start gate
+    sends back, while the worker still reads its pool's results. Left to Celery's warm
+    shutdown instead, a message sent back while the pool closes could hold the worker up."""
+    if worker_state.active_requests:
+        return True
+    return any(getattr(request, "_apply_result", None) is not None
+               for request in _snapshot(worker_state.reserved_requests))
 
 
 class WorkerNode:
