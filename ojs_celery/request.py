@@ -82,9 +82,10 @@ class OJSRequest(Request):  # type: ignore[misc]
         redelivered message, and the attempt records its own outcome in the job store. (Its
         SIGTERM would not stop the pool process anyway; a cold shutdown kills those itself.)"""
         if self.time_start and self._ojs_token() is not None:
-            logger.warning("ojs_celery: job %s runs on although Celery cancels it (a lost "
-                           "broker connection): its attempt records its own outcome, and its "
-                           "redelivered message will not run it again", self.id)
+            logger.warning("ojs_celery: job %s runs on although Celery cancels it (after a "
+                           "lost broker connection, or in a cold shutdown): its attempt records "
+                           "its own outcome, and its redelivered message will not run it again",
+                           self.id)
             return
         super().cancel(pool, signal, **options)
 

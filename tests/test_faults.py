@@ -3,6 +3,7 @@ message arrives."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -118,7 +119,23 @@ class Faulty:
 
 @pytest.fixture
 def faulty(redis_server: PrivateRedis, tmp_path: pathlib.Path) -> Iterator[Faulty]:
+    with faulty_setup(redis_server, tmp_path) as made:
+        yield made
+
+
+@pytest.fixture
+def faulty_cancelling(redis_server: PrivateRedis, tmp_path: pathlib.Path) -> Iterator[Faulty]:
+    """:func:`faulty` with Celery's ``worker_cancel_long_running_tasks_on_connection_loss``."""
+    celery = {"worker_cancel_long_running_tasks_on_connection_loss": True}
+    with faulty_setup(redis_server, tmp_path, celery) as made:
+        yield made
+
+
+@contextlib.contextmanager
+def faulty_setup(redis_server: PrivateRedis, tmp_path: pathlib.Path,
+                 celery: dict[str, Any] | None = None) -> Iterator[Faulty]:
     config = redis_config(tmp_path, redis_server.url)
+    config["celery"].update(celery or {})
     config["ojs"].update({"heartbeat_interval": 0.3, "worker_heartbeat_timeout": 2.0,
                           "sweep_interval": 0.3})
     app = make_app(config)
@@ -280,40 +297,20 @@ def test_a_job_message_redis_refuses_or_loses_stays_owed_then_goes_once(
 
 
 def test_a_broker_connection_loss_leaves_a_running_attempt_to_finish_once(
-    redis_server: PrivateRedis, tmp_path: pathlib.Path
+    faulty_cancelling: Faulty,
 ) -> None:
     """``worker_cancel_long_running_tasks_on_connection_loss`` (Celery 6's default) cancels a
     running ``acks_late`` task when the broker connection drops, so that its redelivered
     message runs it again, and stops listing it as running. An OJS attempt runs on, still
     listed in the worker's beats (no ``stalled`` meanwhile): it completes once, as attempt 1,
     and the redelivered message does not run it again."""
-    config = redis_config(tmp_path, redis_server.url)
-    config["celery"]["worker_cancel_long_running_tasks_on_connection_loss"] = True
-    config["ojs"].update({"heartbeat_interval": 0.3, "worker_heartbeat_timeout": 2.0,
-                          "sweep_interval": 0.3})
-    app = make_app(config)
-    runtime = get_runtime(app)
-    stop = threading.Event()
-    sweeper = threading.Thread(target=run_loop, args=(runtime,), kwargs={"stop": stop.is_set},
-                               daemon=True)
-    try:
-        with running_worker(config, tmp_path / "worker.log", concurrency=1) as worker:
-            sweeper.start()
-            job = enqueue({"type": "e2e.sleep", "args": [4.0], "heartbeat_timeout": 1},
-                          app=app)
-            wait_for(lambda: (found := get_job(job.id, app=app)) is not None
-                     and found.state == "active", 15, "the attempt to start")
-            for kind in ("normal", "pubsub"):  # the consumer sees its broadcast channel go
-                redis_server.admin.client_kill_filter(_type=kind, skipme=True)
-            done = wait_for(lambda: (found := get_job(job.id, app=app)) is not None
-                            and found.state not in ("active", "available") and found, 30,
-                            "the job to end")
-            assert done.state == "completed" and done.attempt == 1 and done.errors == []
-            assert "runs on although Celery cancels it" in worker.log()
-        assert len([line for line in lines(config["dir"], "runs") if job.id in line]) == 1
-    finally:
-        stop.set()
-        if sweeper.is_alive():
-            sweeper.join(10)
-        runtime.close()
-        app.close()
+    f = faulty_cancelling
+    f.sweeper.start()
+    job = enqueue({"type": "e2e.sleep", "args": [4.0], "heartbeat_timeout": 1}, app=f.app)
+    f.wait_active(job.id)
+    for kind in ("normal", "pubsub"):  # the consumer sees its broadcast channel go
+        f.server.admin.client_kill_filter(_type=kind, skipme=True)
+    done = f.wait_ended(job.id)
+    assert done.state == "completed" and done.attempt == 1 and done.errors == []
+    assert "runs on although Celery cancels it" in f.worker.log()
+    assert f.runs(job.id) == 1

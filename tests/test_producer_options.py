@@ -285,7 +285,8 @@ def test_the_tasks_own_expires_and_soft_limit_do_not_reach_the_message(
     folder.mkdir()
     app = Celery("t", broker="filesystem://", set_as_current=False)
     app.conf.broker_transport_options = {"data_folder_in": str(folder),
-                                         "data_folder_out": str(folder)}
+                                         "data_folder_out": str(folder),
+                                         "control_folder": str(tmp_path / "control")}
     app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
     runtime = install(app)
 
