@@ -119,6 +119,13 @@ def forget_redis_names(redis_url: str, names: list[str]) -> None:
             members = [m for m in client.zrange(index, 0, -1) if pattern.search(m)]
             if members:
                 client.zrem(index, *members)
+        # kombu's record of the messages a killed worker held (one for the whole database):
+        # left there, a later run's consumer would put them back on these queues
+        if client.type("unacked") == b"hash":
+            tags = [tag for tag, held in client.hscan_iter("unacked") if pattern.search(held)]
+            if tags:
+                client.hdel("unacked", *tags)
+                client.zrem("unacked_index", *tags)
     finally:
         client.close()
 
