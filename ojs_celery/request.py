@@ -61,6 +61,10 @@ class OJSRequest(Request):  # type: ignore[misc]
     def _ojs_token(self) -> int | None:
         return token_of(self)
 
+    def _ojs_attempt_running(self) -> bool:
+        """An OJS message (not a plain one of an OJS task) that a pool process has taken."""
+        return bool(self.time_start) and self._ojs_token() is not None
+
     def terminate(self, pool: Any, signal: Any = None) -> None:
         """``revoke(terminate=True)``: pool processes ignore SIGTERM, Celery's default, so that
         a deploy's SIGTERM to the process group drains instead of killing; a terminate that
@@ -70,7 +74,7 @@ class OJSRequest(Request):  # type: ignore[misc]
         soft limit does) then ends a cancelled attempt, whose outcome is rejected, instead of
         reading as its timeout."""
         wanted = signals.signum(signal or TERM_SIGNAME)
-        if self.time_start and self._ojs_token() is not None:
+        if self._ojs_attempt_running():
             cancel_in_store(self.task, self.id)
         super().terminate(pool, SIGKILL if wanted == SIGTERM else wanted)
 
@@ -81,7 +85,7 @@ class OJSRequest(Request):  # type: ignore[misc]
         OJS attempt runs on instead, listed in the worker's beats: fencing drops the
         redelivered message, and the attempt records its own outcome in the job store. (Its
         SIGTERM would not stop the pool process anyway; a cold shutdown kills those itself.)"""
-        if self.time_start and self._ojs_token() is not None:
+        if self._ojs_attempt_running():
             logger.warning("ojs_celery: job %s runs on although Celery cancels it (after a "
                            "lost broker connection, or in a cold shutdown): its attempt records "
                            "its own outcome, and its redelivered message will not run it again",

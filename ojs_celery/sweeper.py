@@ -142,7 +142,7 @@ def _enforce_clock(
     store = runtime.store
     policy = store.policy
     cutoff = clock.cutoff(now, policy)
-    workers: dict[str, Heard] | None = None
+    rule: Rule | None = None
     seen: set[str] = set()
     left = limit
     while left > 0 and len(seen) < READ_PAST * limit:
@@ -150,11 +150,12 @@ def _enforce_clock(
                if entry[0] not in seen][:left]
         if not due:
             return
-        if workers is None and clock.defers_to is not None:
-            workers = {info.worker_id: Heard(info.last_beat, info.time_limits)
-                       for info in store.workers.all()}
-        claimed = _enforce(runtime, clock.name, due, clock.rule(now, policy, spell, workers),
-                           now, report)
+        if rule is None:  # the registry is read only when something is due, once a pass
+            workers = None if clock.defers_to is None else {
+                info.worker_id: Heard(info.last_beat, info.time_limits)
+                for info in store.workers.all()}
+            rule = clock.rule(now, policy, spell, workers)
+        claimed = _enforce(runtime, clock.name, due, rule, now, report)
         report.awaiting += len(claimed)
         if not claimed:
             return
