@@ -14,7 +14,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
@@ -29,6 +29,7 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
     field_validator,
 )
 from pydantic import JsonValue as JsonValue  # explicit re-export: the package's JSON type
@@ -206,6 +207,10 @@ def _duration(text: str) -> str:
 
 #: How an RFC 3339 timestamp begins: a full date, then the time (``T``, or a space).
 _RFC3339_START = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]")
+_RFC3339_RULE = ("must be an RFC 3339 timestamp string with a time zone "
+                 "(YYYY-MM-DDThh:mm:ss[.fraction] then Z or ±hh:mm)")
+#: A leap second (``23:59:60Z``): the minute, then what follows the seconds.
+_LEAP_SECOND = re.compile(r"(?P<minute>\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}):60(?P<rest>(\.\d+)?\S*)")
 
 Duration = Annotated[str, Field(json_schema_extra={"format": "duration"})]
 
@@ -344,15 +349,27 @@ class Job(BaseModel):
                              "(a Celery task id, lower case)")
         raise ValueError("must be a UUIDv7 (8-4-4-4-12 hex digits, version 7)")
 
-    @field_validator("scheduled_at", "expires_at", mode="before")
+    @field_validator("scheduled_at", "expires_at", mode="wrap")
     @classmethod
-    def _rfc3339(cls, value: Any) -> Any:
-        """RFC 3339 text (pydantic alone would also read ``"5"`` as seconds since 1970)."""
+    def _rfc3339(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """RFC 3339 text (pydantic alone would also read ``"5"`` as seconds since 1970), with
+        a rule that says what is wrong in place of pydantic's parser message."""
         if value is None or isinstance(value, datetime):
-            return value
+            return handler(value)
         if not isinstance(value, str) or not _RFC3339_START.match(value):
-            raise ValueError("must be an RFC 3339 timestamp string with a time zone")
-        return value
+            raise ValueError(_RFC3339_RULE)
+        leap = _LEAP_SECOND.fullmatch(value)
+        try:
+            if leap is None:
+                return handler(value)
+            # RFC 3339 allows second 60 (a leap second); it is read as the next second's
+            # start, as POSIX clocks (and so every deadline here) count it
+            return handler(leap["minute"] + ":59" + leap["rest"]) + timedelta(seconds=1)
+        except ValidationError as exc:
+            if exc.errors()[0]["type"] == "timezone_aware":
+                raise ValueError(f"{_RFC3339_RULE}: the time zone is missing") from None
+            raise ValueError(f"{_RFC3339_RULE}: its date, time or offset is out of range "
+                             "(offsets are at most ±23:59)") from None
 
     @field_validator("total_timeout")
     @classmethod

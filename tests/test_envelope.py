@@ -307,6 +307,31 @@ def test_timestamp_needs_zone(field: str, value: Any) -> None:
     assert paths(env(**{field: value})) == [field]
 
 
+@pytest.mark.parametrize(("value", "says"), [
+    ("2030-01-02T03:04:05", "the time zone is missing"),
+    ("2030-01-02T03:04:05+25:00", "offsets are at most ±23:59"),
+    ("2030-01-02T24:00:00Z", "date, time or offset is out of range"),
+    ("2030-02-30T00:00:00Z", "date, time or offset is out of range"),
+])
+def test_a_timestamp_that_does_not_parse_says_which_part_is_wrong(value: str, says: str) -> None:
+    """Not pydantic's parser wording ("unexpected extra characters at the end")."""
+    with pytest.raises(InvalidJob) as info:
+        parse_envelope(env(scheduled_at=value))
+    [(field, rule)] = info.value.violations
+    assert field == "scheduled_at"
+    assert rule.startswith("must be an RFC 3339 timestamp string with a time zone")
+    assert says in rule
+
+
+@pytest.mark.parametrize(("sent", "read"), [
+    ("2030-12-31T23:59:60Z", "2031-01-01T00:00:00Z"),
+    ("2030-06-30T18:59:60.25-05:00", "2030-06-30T19:00:00.250000-05:00"),
+])
+def test_a_leap_second_is_read_as_the_next_seconds_start(sent: str, read: str) -> None:
+    """RFC 3339 allows second 60; POSIX time, which every deadline here counts in, has none."""
+    assert parse_envelope(env(expires_at=sent)).to_dict()["expires_at"] == read
+
+
 # --------------------------------------------------------------------------- timeout fields
 
 
