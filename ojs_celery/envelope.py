@@ -243,7 +243,9 @@ class RetryPolicy(BaseModel):
     max_attempts: StrictInt = Field(default=3, ge=0)
     initial_interval: Duration = "PT1S"
     backoff_coefficient: StrictFloat = Field(default=2.0, ge=1.0)
-    max_interval: Duration = "PT5M"
+    # validated when absent too: the merged policy must hold (a longer initial_interval alone
+    # would otherwise store a policy no later read accepts)
+    max_interval: Duration = Field(default="PT5M", validate_default=True)
     jitter: StrictBool = True
     non_retryable_errors: list[Annotated[str, StringConstraints(min_length=1)]] = []
     on_exhaustion: Literal["discard", "dead_letter"] = "discard"
@@ -266,7 +268,10 @@ class RetryPolicy(BaseModel):
     def _max_not_below_initial(cls, value: str, info: ValidationInfo) -> str:
         initial = info.data.get("initial_interval")
         if initial is not None and parse_duration(value) < parse_duration(initial):
-            raise ValueError(f"must be greater than or equal to initial_interval ({initial})")
+            default = cls.model_fields["max_interval"].default
+            unless = f"; when not given it is {default}" if value == default else ""
+            raise ValueError(f"must be greater than or equal to initial_interval ({initial})"
+                             + unless)
         return value
 
     @field_validator("non_retryable_errors")
@@ -472,7 +477,7 @@ def _field_violations_before_model(data: dict[Any, Any]) -> list[tuple[Any, str]
         if not _utf8_key(key):
             found.append((key, _UTF8_RULE))
             continue
-        rule = _value_rule(value)
+        rule = _value_rule(value, tags=key in _MESSAGE_BODY_FIELDS)
         if rule is None and key[:9].lower() == CELERY_NAMESPACE:
             rule = _celery_field_rule(key, value)
         if rule is not None:
@@ -541,10 +546,11 @@ def storable_violations(fields: dict[str, Any]) -> list[tuple[str, str]]:
     return found
 
 
-def _value_rule(value: Any) -> str | None:
-    """What is wrong with a field's value as JSON data: nesting or a number (None: nothing)."""
+def _value_rule(value: Any, tags: bool = False) -> str | None:
+    """What is wrong with a field's value as JSON data: nesting or a number, and with ``tags``
+    a kombu type tag (None: nothing)."""
     if isinstance(value, (list, dict, tuple)):
-        return _data_rule(value)
+        return _data_rule(value, tags)
     return _FINITE_RULE if isinstance(value, float) and not math.isfinite(value) else None
 
 
@@ -642,6 +648,8 @@ def parse_envelope(
     if not isinstance(data, dict):
         raise InvalidJob([("(envelope)", "must be a JSON object")])
     clean = {k: v for k, v in data.items() if k not in SYSTEM_FIELDS and v is not None}
+    if isinstance(clean.get("retry"), dict):  # explicit null = absent, in the policy too
+        clean["retry"] = {k: v for k, v in clean["retry"].items() if v is not None}
     violations: list[tuple[str, str]] = []
     for key, rule in _field_violations_before_model(clean):
         violations.append((str(key).encode("utf-8", "backslashreplace").decode(), rule))
@@ -675,9 +683,16 @@ def parse_envelope(
     except UnicodeEncodeError:
         bad = [str(key) for key, value in clean.items() if not _is_utf8(value)]
         raise InvalidJob([(key, _UTF8_RULE) for key in bad or ["(envelope)"]]) from None
-    if size > MAX_ENVELOPE_BYTES:
-        raise InvalidJob([("(envelope)", f"must not exceed 1 MiB (is {size} bytes)")])
+    if size > MAX_ENVELOPE_BYTES + _SYSTEM_BYTES:
+        raise InvalidJob([("(envelope)", f"must not exceed 1 MiB (is {size - _SYSTEM_BYTES} "
+                                         "bytes, less the fields the system adds)")])
     return job
+
+
+#: What the system adds to an envelope that has only ``type`` and ``args`` (the id, the
+#: defaults of every other field, the state): a job's JSON may be that much over 1 MiB, so
+#: that every envelope up to 1 MiB is accepted, as OJS requires.
+_SYSTEM_BYTES = len(Job(type="t", args=[]).to_json()) - len('{"type":"t","args":[]}')
 
 
 def _top_field(path: str) -> str:
@@ -698,10 +713,12 @@ _FINITE_RULE = ("must hold only finite numbers (JSON has no NaN or Infinity; a n
                 "as 1e400 is beyond a double's range)")
 
 
-def _data_rule(value: list[Any] | dict[Any, Any] | tuple[Any, ...]) -> str | None:
+def _data_rule(value: list[Any] | dict[Any, Any] | tuple[Any, ...],
+               tags: bool = False) -> str | None:
     """What is wrong with the JSON data ``value``: arrays and objects nested deeper than
-    :data:`MAX_NESTING`, an object key UTF-8 cannot encode, or a number that is not finite
-    (None: nothing). Walked without recursion, stopping at the first fault."""
+    :data:`MAX_NESTING`, an object key UTF-8 cannot encode, a number that is not finite, and
+    with ``tags`` an object kombu reads as a type tag (None: nothing). Walked without
+    recursion, stopping at the first fault."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
@@ -710,6 +727,8 @@ def _data_rule(value: list[Any] | dict[Any, Any] | tuple[Any, ...]) -> str | Non
         if isinstance(item, dict):
             if not all(_utf8_key(key) for key in item):
                 return _UTF8_RULE
+            if tags and item.keys() == _KOMBU_TAG_KEYS:
+                return _KOMBU_TAG_RULE
             item = item.values()
         for child in item:
             if isinstance(child, (list, dict, tuple)):
@@ -717,6 +736,16 @@ def _data_rule(value: list[Any] | dict[Any, Any] | tuple[Any, ...]) -> str | Non
             elif isinstance(child, float) and not math.isfinite(child):
                 return _FINITE_RULE
     return None
+
+
+#: The fields a task message's body carries, which kombu's JSON decoder reads on the worker.
+_MESSAGE_BODY_FIELDS = frozenset({"args", CELERY_KWARGS_FIELD})
+#: An object with exactly these keys is a type tag to kombu's JSON decoder (a ``datetime``, a
+#: ``Decimal``, ...; an unknown tag makes the message undecodable): the handler would not get
+#: the data that was stored, so the worker could never start the job.
+_KOMBU_TAG_KEYS = frozenset({"__type__", "__value__"})
+_KOMBU_TAG_RULE = ('must not hold an object with exactly the keys "__type__" and "__value__" '
+                   "(kombu's JSON reads it as a typed value, not as data)")
 
 
 def _utf8_key(key: Any) -> bool:

@@ -429,6 +429,23 @@ def test_retry_max_interval_not_below_initial() -> None:
     assert "initial_interval" in found[0][1]
 
 
+def test_a_partial_policy_is_checked_as_merged_with_the_defaults() -> None:
+    """A longer initial_interval alone would store a policy (the default max_interval below
+    it) that no later read accepts: the job could then never be read, run or cancelled."""
+    found = violations(env(retry={"initial_interval": "PT10M"}))
+    assert found == [("retry.max_interval", "must be greater than or equal to initial_interval "
+                                            "(PT10M); when not given it is PT5M")]
+    job = parse_envelope(env(retry={"initial_interval": "PT10M", "max_interval": "PT1H"}))
+    assert Job.model_validate_json(job.to_json()).retry.max_seconds == 3600
+
+
+def test_an_explicit_null_in_the_retry_policy_is_absent() -> None:
+    """OJS: explicit null = absent (a Go nil slice or pointer is written as null)."""
+    job = parse_envelope(env(retry={"max_attempts": 4, "non_retryable_errors": None,
+                                    "max_interval": None, "jitter": None}))
+    assert job.retry == RetryPolicy(max_attempts=4)
+
+
 def test_retry_initial_interval_positive() -> None:
     assert paths(env(retry={"initial_interval": "PT0S"})) == ["retry.initial_interval"]
 
@@ -506,6 +523,19 @@ def test_retry_several_violations() -> None:
 def test_envelope_up_to_1_mib_accepted() -> None:
     job = parse_envelope(env(args=["x" * (MAX_ENVELOPE_BYTES - 2000)]))
     assert len(job.to_json().encode()) <= MAX_ENVELOPE_BYTES
+
+
+@pytest.mark.parametrize("encode", [False, True])
+def test_an_envelope_of_just_under_1_mib_is_accepted_whatever_the_system_adds(
+    encode: bool,
+) -> None:
+    """The limit is on the envelope as sent: the id and defaults the system adds (some 400
+    bytes) do not count against it."""
+    text = json.dumps(env(args=["x"]), separators=(",", ":"))
+    text = text.replace('"x"', '"' + "x" * (MAX_ENVELOPE_BYTES - len(text)) + '"')
+    assert len(text) == MAX_ENVELOPE_BYTES - 1
+    job = parse_envelope(text.encode() if encode else json.loads(text))
+    assert len(job.to_json().encode()) > MAX_ENVELOPE_BYTES
 
 
 def test_envelope_over_1_mib_rejected_dict() -> None:
