@@ -46,7 +46,7 @@ class RetryRequested(Exception):
         args: list[Any] | None = None,
         kwargs: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(str(exc) if exc else "retry requested by the handler")
+        super().__init__(said(exc) if exc else "retry requested by the handler")
         self.exc = exc
         self.delay = delay
         self.args_ = args
@@ -61,12 +61,51 @@ class RetryRequested(Exception):
 pending_retry: ContextVar[RetryRequested | None] = ContextVar("ojs_pending_retry", default=None)
 
 
+#: OJS's bounds on an error's backtrace ("SHOULD be <= 50 frames and <= 10,000 chars"); the
+#: message gets the same length bound, so that one huge exception text cannot bloat the job,
+#: its history and its events.
+MAX_FRAMES = 50
+MAX_ERROR_CHARS = 10_000
+
+
 def error_from_exception(exc: BaseException) -> dict[str, JsonValue]:
-    """The OJS error object: ``type`` is the class name unless the handler chose one."""
+    """The OJS error object: ``type`` is the class name unless the handler chose one. Any
+    exception makes one: text JSON cannot hold (a lone surrogate) is escaped, an exception whose
+    ``str()`` fails is named by its class, and the text is cut to OJS's bounds."""
     type_ = exc.type if isinstance(exc, JobError) else type(exc).__name__
-    frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
-    backtrace: list[JsonValue] = [line.rstrip("\n") for line in frames[-50:]]
-    return lifecycle.make_error(type_, str(exc) or type(exc).__name__, backtrace=backtrace)
+    frames = traceback.format_exception(type(exc), exc, exc.__traceback__)[-MAX_FRAMES:]
+    backtrace: list[JsonValue] = []
+    room = MAX_ERROR_CHARS
+    for line in reversed(frames):  # the innermost frames and the exception line matter most
+        text = _shortened(_storable(line.rstrip("\n")), room)
+        if not text:
+            break
+        backtrace.insert(0, text)
+        room -= len(text)
+    return lifecycle.make_error(_shortened(_storable(type_), 200), said(exc),
+                                backtrace=backtrace)
+
+
+def said(exc: BaseException) -> str:
+    """What an exception says, as an error message can hold it (see error_from_exception)."""
+    try:
+        text = str(exc)
+    except Exception:  # a __str__ that raises: the class still names what happened
+        text = f"{type(exc).__name__} (its message could not be read)"
+    return _shortened(_storable(text), MAX_ERROR_CHARS) or type(exc).__name__
+
+
+def _storable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (lone surrogates) escaped as ``\\udXXX``."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _shortened(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return text[: max(limit - 1, 0)] + "…" if limit > 0 else ""
 
 
 @dataclass(frozen=True)

@@ -227,6 +227,21 @@ def make_app(config: dict[str, Any]) -> Celery:
         }
         raise errors[name]
 
+    @app.task(shared=False, name="e2e.raise_awkward", base=OJSTask)
+    def raise_awkward(kind: str) -> None:
+        """Raise an exception whose text is awkward to record: a lone surrogate, a ``str()``
+        that fails, a megabyte of it."""
+
+        class Unprintable(Exception):
+            def __str__(self) -> str:
+                raise RuntimeError("no str")
+
+        if kind == "surrogate":
+            raise ValueError("bad \udc80 text")
+        if kind == "unprintable":
+            raise Unprintable()
+        raise ValueError("x" * 1_000_000)
+
     @app.task(shared=False, name="e2e.retry_unmigrated", base=OJSTask, bind=True)
     def retry_unmigrated(self: OJSTask, tag: str) -> None:
         """Run from a message without the ``ojs`` header (published before the app was

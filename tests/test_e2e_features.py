@@ -211,6 +211,25 @@ def test_package_exceptions_raised_in_a_prefork_child_do_not_stop_the_worker(env
     assert env.wait_state(after.id, "completed").result == 7
 
 
+def test_an_exception_awkward_to_record_fails_the_attempt_with_its_own_error(env: Env) -> None:
+    """Its text escaped or cut to OJS's bounds: not a job left active until it stalls."""
+    kinds = ["surrogate", "unprintable", "huge"]
+    jobs = [enqueue({"type": "e2e.raise_awkward", "args": [kind], "retry": {"max_attempts": 1}},
+                    app=env.app) for kind in kinds]
+    errors = {kind: env.wait_state(job.id, "discarded").error
+              for kind, job in zip(kinds, jobs, strict=True)}
+    assert errors["surrogate"] is not None and errors["unprintable"] is not None
+    assert errors["surrogate"]["type"] == "ValueError"
+    assert errors["surrogate"]["message"] == "bad \\udc80 text"
+    assert errors["unprintable"]["type"] == "Unprintable"
+    assert "could not be read" in str(errors["unprintable"]["message"])
+    huge = errors["huge"]
+    assert huge is not None and huge["type"] == "ValueError"
+    assert 1000 < len(str(huge["message"])) <= 10_000
+    backtrace = huge["backtrace"]
+    assert isinstance(backtrace, list) and sum(len(str(line)) for line in backtrace) <= 10_000
+
+
 def test_invalid_job_from_a_retry_of_an_unmigrated_message_does_not_stop_the_worker(
     env: Env,
 ) -> None:
