@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from celery import Celery, Task
+from celery.backends.rpc import RPCBackend
 from celery.result import AsyncResult
 
 from . import header
@@ -74,6 +75,10 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
     semantics = celery_semantics_of(task, runtime.settings)
     if semantics is not None:
         job = job.model_copy(update={CELERY_SEMANTICS_FIELD: semantics})
+    if options.get("reply_to") is None and isinstance(task.backend, RPCBackend):
+        # Celery's send_task gives the calling thread's queue; every attempt's message must
+        # carry it (a retry is published by a worker, whose own queue it would get)
+        options = {**options, "reply_to": task.app.thread_oid}
     job = enqueue_job(runtime, job, id_chosen="id" in envelope,
                       celery_options=canvas_options(options))
     return job.id

@@ -45,6 +45,8 @@ def celery_context(job: Job, task_name: str, options: dict[str, Any]) -> Context
         chain=options.get("chain"),
         parent_id=options.get("parent_id"),
         root_id=options.get("root_id"),
+        reply_to=options.get("reply_to"),
+        correlation_id=job.id,
         delivery_info={},
         called_directly=False,
     )

@@ -46,9 +46,11 @@ PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 
 DEFAULT_QUEUE = "default"
 #: The Celery options Python callers may give an OJS job (``.apply_async(link=...)``, canvas):
 #: the callbacks, the rest of a chain, the chord body, group id and index, the job's parents
-#: (see :mod:`ojs_celery.canvas`), and the call's ``ignore_result``.
+#: (see :mod:`ojs_celery.canvas`), the call's ``ignore_result``, and ``reply_to``: where the
+#: ``rpc://`` result backend sends the result (the caller's queue, for every attempt's message
+#: as Celery's retry keeps it, not the queue of the worker that republishes it).
 TRUSTED_OPTIONS = ("link", "link_error", "chain", "chord", "group_id", "group_index",
-                   "parent_id", "root_id", "ignore_result")
+                   "parent_id", "root_id", "ignore_result", "reply_to")
 
 
 class BrokerUnavailable(RuntimeError):

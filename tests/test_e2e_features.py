@@ -354,3 +354,16 @@ def test_a_terminate_with_the_soft_limit_signal_cancels_rather_than_times_out(
     assert done.state == "cancelled" and done.errors == []
     assert AsyncResult(running.id, app=env.app).state == "REVOKED"
     assert _alive(pid)
+
+
+@pytest.mark.parametrize("kind", ["amqp", "redis"])
+def test_the_rpc_result_backend_gets_the_result_of_a_job_retried_by_its_worker(
+    kind: str, tmp_path: pathlib.Path,
+) -> None:
+    """``rpc://`` sends a result to the caller's queue named by the message's ``reply_to``.
+    A retry's message is published by the worker: it must name the caller's queue, as
+    Celery's own retry does, not the worker's (the caller then waited for ever)."""
+    with start_env(kind, tmp_path, config={"result_backend": "rpc://"}, concurrency=1) as env:
+        result = env.app.tasks["e2e.self_retry"].apply_async(args=[2])
+        assert result.get(timeout=30) == "ok on 2"
+        assert env.job(result.id).attempt == 2
