@@ -17,15 +17,18 @@ Celery runs through ``.apply()``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, cast
 
-from celery.result import EagerResult
+from celery.result import EagerResult, denied_join_result
+from kombu import serialization
 
+from . import lifecycle
 from .callers import check_call_arguments
 from .context import JobContext, _current
-from .envelope import CELERY_KWARGS_FIELD, Job, JsonValue, new_job_id, utcnow
+from .envelope import CELERY_KWARGS_FIELD, Job, JsonValue, new_job_id, parse_envelope, utcnow
 from .lifecycle import Record
 from .outcome import result_problem
 
@@ -41,9 +44,16 @@ EAGER_WORKER_ID = "eager"
 _in_place_of_a_call: ContextVar[bool] = ContextVar("ojs_eager_call", default=False)
 
 
+#: The last checkpoint of each eager job (by id) of the call eager mode runs in place of a
+#: published one: its retries' reruns start from it, as a worker's next attempt does.
+_checkpoints: ContextVar[dict[str, JsonValue] | None] = ContextVar("ojs_eager_checkpoints",
+                                                                   default=None)
+
+
 class EagerJobContext(JobContext):
     """A :class:`~ojs_celery.JobContext` whose record lives in memory: heartbeats, progress
-    and checkpoints update it and never reach a store."""
+    and checkpoints update it by the worker's own rule (``lifecycle.heartbeat``), so that
+    ``ctx.record`` reads as on a worker, and never reach a store."""
 
     def __init__(self, record: Record) -> None:
         super().__init__(cast("Runtime", None), record, EAGER_WORKER_ID)
@@ -57,19 +67,11 @@ class EagerJobContext(JobContext):
         data: JsonValue = None,
         checkpoint: JsonValue = None,
     ) -> bool:
-        update: dict[str, Any] = {}
-        if progress is not None:
-            before = (self.job.progress or {}).get("value")
-            value = min(max(float(progress), 0.0), 1.0)
-            if isinstance(before, (int, float)):
-                value = max(value, float(before))
-            update["progress"] = {"value": value, "data": data}
-        if checkpoint is not None:
-            update["last_checkpoint"] = checkpoint
-        if update:
-            self.job = self.job.model_copy(update=update)
-            self._record = Record(job=self.job, worker_id=EAGER_WORKER_ID)
-        return True
+        transition = lifecycle.heartbeat(self._record, self.attempt, EAGER_WORKER_ID,
+                                         time.time(), progress=progress, data=data,
+                                         checkpoint=checkpoint)
+        self._update(transition.record)
+        return transition.applied
 
 
 def apply_eagerly(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -> EagerResult:
@@ -77,14 +79,32 @@ def apply_eagerly(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -
     ``apply_async`` does (nothing is published, no job is stored)."""
     check_call_arguments(task, args, kwargs)  # InvalidJob, as a published call
     link, link_error = options.pop("link", None), options.pop("link_error", None)
-    task_id = options.pop("task_id", None) or new_job_id()
+    task_id = _job_id(options.pop("task_id", None))
+    # the arguments as the handler gets them from a message (tuples as lists, keys as text),
+    # as Celery's own eager apply_async does
+    serializer = options.get("serializer") or task.app.conf.task_serializer
+    content_type, encoding, data = serialization.dumps(  # type: ignore[no-untyped-call]
+        (args, kwargs), serializer)
+    args, kwargs = serialization.loads(  # type: ignore[no-untyped-call]
+        data, content_type, encoding, accept=[content_type])
     reset = _in_place_of_a_call.set(True)
+    remembered = _checkpoints.set({})
     try:
-        result: EagerResult = task.apply(args, kwargs, task_id=task_id, link=link,
-                                         link_error=link_error, **options)
+        with denied_join_result():  # result.get() in a handler raises, as on a worker
+            result: EagerResult = task.apply(args, kwargs, task_id=task_id, link=link,
+                                             link_error=link_error, **options)
     finally:
+        _checkpoints.reset(remembered)
         _in_place_of_a_call.reset(reset)
     return result
+
+
+def _job_id(task_id: str | None) -> str:
+    """The job id a published call with ``task_id`` gets: checked (``InvalidJob``) and
+    lower-cased as on a worker, or a new one."""
+    if not task_id:
+        return new_job_id()
+    return parse_envelope({"type": "eager", "args": [], "id": task_id}, celery_id=True).id
 
 
 def in_place_of_a_call() -> bool:
@@ -105,6 +125,9 @@ def run_eagerly(task: Task, run: Callable[[], Any]) -> Any:
     }
     if request.kwargs:
         fields[CELERY_KWARGS_FIELD] = dict(request.kwargs)
+    checkpoints = _checkpoints.get()
+    if checkpoints is not None and checkpoints.get(fields["id"]) is not None:
+        fields["last_checkpoint"] = checkpoints[fields["id"]]
     job = Job.model_construct(**fields)
     ctx = EagerJobContext(Record(job=job, worker_id=EAGER_WORKER_ID))
     reset = _current.set(ctx)
@@ -112,6 +135,8 @@ def run_eagerly(task: Task, run: Callable[[], Any]) -> Any:
         value = run()
     finally:
         _current.reset(reset)
+        if checkpoints is not None:
+            checkpoints[fields["id"]] = ctx.record.job.last_checkpoint
     problem = result_problem(value) if _in_place_of_a_call.get() else None
     if problem is not None:
         raise problem

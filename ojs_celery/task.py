@@ -64,6 +64,12 @@ OUTCOME_RETRY_AT_LEAST = 30.0
 START_WAIT_WORTH_SAYING = 1.0
 #: Pause before a message goes back to the broker because the store is unreachable.
 STORE_DOWN_PAUSE = 1.0
+#: Why ``self.replace()`` fails an OJS job (see :meth:`OJSTask.replace`).
+REPLACE_REFUSED = (
+    "self.replace() is not supported in an OJS task: the replacement would take over this "
+    "job's id, which an OJS job cannot hand over. Return the work's result instead, or start "
+    "it as its own job (sig.delay()) or as the next link of a chain"
+)
 #: The reason of the Reject that sends back a job the draining worker will not start.
 SHUTTING_DOWN = "the worker is shutting down"
 
@@ -110,6 +116,16 @@ class OJSTask(Task):  # type: ignore[misc]
         result: AsyncResult = self.AsyncResult(enqueue_call(self, args, kwargs, options))
         result.ignored = options.get("ignore_result", self.ignore_result)  # as Celery sets it
         return result
+
+    def replace(self, sig: Any) -> Any:
+        """Refused for an OJS job, with a final error that says so: Celery's ``replace`` gives
+        the replacement this task's id, and a job's id cannot be handed over (the replacement
+        would meet this job as a different one with its id, and this one would end cancelled
+        while its result waits for the replacement). Eager mode refuses it too, as a worker
+        would. A plain message (published before ``install``) is replaced as in Celery."""
+        if self.request.is_eager or arrival.has_header(self.request):
+            raise JobError(REPLACE_REFUSED, type="replace_unsupported", retryable=False)
+        return super().replace(sig)
 
     # ------------------------------------------------------------------ Celery retry paths
 

@@ -44,6 +44,9 @@ APP_VARIABLE = "OJS_TESTING_APP"
 CONF_VARIABLE = "OJS_TESTING_CONF"
 #: Seconds between sweeps in tests (deadlines are enforced within this much).
 SWEEP_INTERVAL = 0.5
+#: The test worker's ``shutdown_grace_period`` unless the app sets its own: a session's
+#: teardown stops it, and a job still running then need not hold the session for 25 s.
+SHUTDOWN_GRACE = 2.0
 TERMINAL_STATES = ("completed", "cancelled", "discarded")
 
 
@@ -69,12 +72,28 @@ def configure(app: Celery, settings: dict[str, Any]) -> Celery:
     """Point ``app`` at the embedded default in ``settings`` (its own ``ojs`` settings kept,
     the store replaced). It installs OJS on the app (idempotent): a Django project may leave
     that to its Django app, whose ``ready()`` comes too late for the fixtures' worker."""
-    ojs = {**(app.conf.get("ojs") or {}), **settings["ojs"],
-           "sweep_interval": SWEEP_INTERVAL}
+    ojs = {"shutdown_grace_period": SHUTDOWN_GRACE, **(app.conf.get("ojs") or {}),
+           **settings["ojs"], "sweep_interval": SWEEP_INTERVAL}
     app.conf.update({**settings, "ojs": ojs})
+    _forget_connections(app)
     install(app)
     get_runtime(app).configure(app.conf)  # settings read before this update are replaced
     return app
+
+
+def _forget_connections(app: Celery) -> None:
+    """Drop what Celery made from the app's settings before they were replaced: its result
+    backend (kept per app, or per thread) and its broker connection pool, which an earlier
+    test may have made for the production servers."""
+    if getattr(app, "_backend_cache", None) is not None:
+        app._backend_cache = None
+    local = getattr(app, "_local", None)
+    if local is not None and hasattr(local, "backend"):
+        del local.backend
+    pool = getattr(app, "_pool", None)
+    if pool is not None:
+        pool.force_close_all()
+        app._pool = None
 
 
 def __getattr__(name: str) -> Any:
@@ -156,21 +175,32 @@ class WorkerProcess(CeleryProcess):
     """A ``celery worker`` subprocess (prefork) of the app under test."""
 
     def __init__(self, app_path: str, settings: dict[str, Any], log: pathlib.Path,
-                 concurrency: int = 2) -> None:
+                 concurrency: int = 2, arguments: list[str] | None = None) -> None:
         env = {**os.environ, APP_VARIABLE: app_path, CONF_VARIABLE: json.dumps(settings),
                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         super().__init__(
             ["-A", f"{__name__}:worker_app", "worker", "--pool", "prefork", "--concurrency",
              str(concurrency), "--loglevel", "INFO", "--without-gossip", "--without-mingle",
-             "--hostname", f"ojs-test-{os.getpid()}@%h"], log, env)
+             "--hostname", f"ojs-test-{os.getpid()}@%h", *(arguments or [])], log, env)
+
+
+@pytest.fixture(scope="session")
+def ojs_worker_arguments() -> list[str]:
+    """More ``celery worker`` arguments for :func:`ojs_worker`; override this fixture to give
+    them, e.g. ``["-Q", "celery,emails"]`` for a queue that ``task_routes`` names but
+    ``task_queues`` does not declare (a worker consumes only declared queues without ``-Q``),
+    or ``["--concurrency", "4"]``."""
+    return []
 
 
 @pytest.fixture(scope="session")
 def ojs_worker(ojs_app: Celery, ojs_app_path: str, ojs_settings: dict[str, Any],
+               ojs_worker_arguments: list[str],
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
     """A real prefork worker for the app and a sweeper, for the whole session."""
     worker = WorkerProcess(ojs_app_path, ojs_settings,
-                           tmp_path_factory.mktemp("ojs-worker") / "worker.log")
+                           tmp_path_factory.mktemp("ojs-worker") / "worker.log",
+                           arguments=ojs_worker_arguments)
     stop = threading.Event()
     sweeper = threading.Thread(target=run_loop, args=(get_runtime(ojs_app), SWEEP_INTERVAL),
                                kwargs={"stop": stop.is_set}, name="ojs-sweeper", daemon=True)
@@ -212,8 +242,12 @@ def ojs_wait(ojs_app: Celery) -> Callable[..., Job]:
                             "a .delay() ran in this process and nothing reached the worker; "
                             "give the ojs_* fixtures settings without it")
             if time.monotonic() > deadline:
+                hint = (f" (nothing took it from its queue {job.queue!r}: a queue the app "
+                        "routes to but does not declare in task_queues is consumed only if "
+                        "the ojs_worker_arguments fixture gives it with -Q)"
+                        if job is not None and job.state == "available" else "")
                 pytest.fail(f"job {job_id} is {job.state if job else 'unknown'} after "
-                            f"{timeout}s, wanted {states}")
+                            f"{timeout}s, wanted {states}{hint}")
             time.sleep(0.1)
 
     return wait

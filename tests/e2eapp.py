@@ -227,6 +227,11 @@ def make_app(config: dict[str, Any]) -> Celery:
         }
         raise errors[name]
 
+    @app.task(shared=False, name="e2e.replacer", base=OJSTask, bind=True)
+    def replacer(self: OJSTask, x: int) -> None:
+        """Celery's ``self.replace``, which an OJS job refuses with a final error."""
+        raise self.replace(add.s(x, 100))
+
     @app.task(shared=False, name="e2e.raise_awkward", base=OJSTask)
     def raise_awkward(kind: str) -> None:
         """Raise an exception whose text is awkward to record: a lone surrogate, a ``str()``

@@ -230,6 +230,18 @@ def test_an_exception_awkward_to_record_fails_the_attempt_with_its_own_error(env
     assert isinstance(backtrace, list) and sum(len(str(line)) for line in backtrace) <= 10_000
 
 
+def test_self_replace_fails_the_job_at_once_saying_it_is_not_supported(env: Env) -> None:
+    """Not a DuplicateJob of the replacement, nor a job cancelled behind a result that waits
+    for ever."""
+    result = env.app.tasks["e2e.replacer"].apply_async(args=[5])
+    job = env.wait_state(result.id, "discarded")
+    assert job.attempt == 1 and job.error is not None
+    assert job.error["type"] == "replace_unsupported"
+    assert "self.replace() is not supported" in str(job.error["message"])
+    with pytest.raises(Exception, match="self.replace"):
+        result.get(timeout=15)
+
+
 def test_invalid_job_from_a_retry_of_an_unmigrated_message_does_not_stop_the_worker(
     env: Env,
 ) -> None:

@@ -45,7 +45,7 @@ def app() -> Iterator[Celery]:
         ctx = current_job()
         calls.append(("add", ctx.job_id, ctx.attempt))
         ctx.progress(0.5, checkpoint={"at": a})
-        assert ctx.job.last_checkpoint == {"at": a}
+        assert ctx.record.job.last_checkpoint == {"at": a}  # ctx.job: as the attempt began
         return a + b
 
     @app.task(shared=False, name="eager.flaky", base=OJSTask, bind=True, max_retries=3)
@@ -59,6 +59,28 @@ def app() -> Iterator[Celery]:
     @app.task(shared=False, name="eager.when", base=OJSTask)
     def when(year: int) -> dict[str, Any]:
         return {"when": datetime(year, 1, 1, tzinfo=timezone.utc)}  # not JSON data
+
+    @app.task(shared=False, name="eager.echo", base=OJSTask)
+    def echo(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        calls.append(("echo", args, kwargs))
+        return {"args": list(args), "kwargs": kwargs}
+
+    @app.task(shared=False, name="eager.joins", base=OJSTask)
+    def joins() -> int:
+        return int(add.delay(1, 1).get())
+
+    @app.task(shared=False, name="eager.resumes", base=OJSTask, bind=True, max_retries=3)
+    def resumes(self: OJSTask) -> Any:
+        ctx = current_job()
+        calls.append(("resumes", ctx.attempt, ctx.last_checkpoint))
+        if ctx.attempt < 3:
+            ctx.progress(0.3 * ctx.attempt, data={"a": 1}, checkpoint={"at": ctx.attempt})
+            raise self.retry(exc=ConnectionError("again"), countdown=1)
+        return ctx.record.job.progress
+
+    @app.task(shared=False, name="eager.replaces", base=OJSTask, bind=True)
+    def replaces(self: OJSTask) -> None:
+        raise self.replace(add.s(1, 2))
 
     yield app
 
@@ -127,3 +149,59 @@ def test_an_explicit_apply_keeps_any_result(app: Celery) -> None:
         "when": datetime(2026, 1, 1, tzinfo=timezone.utc)}
     assert app.tasks["eager.add"].apply((datetime.now(timezone.utc), 1), throw=False).state in {
         "SUCCESS", "FAILURE"}  # runs (datetime + int fails in the handler, not at the call)
+
+
+def test_arguments_reach_the_handler_as_from_a_message(app: Celery) -> None:
+    """Serialized and read back, as Celery's eager apply_async does and a worker gets them."""
+    app.tasks["eager.echo"].delay((1, 2), {1: "a"}, k=(3,))
+    assert app.runs == [("echo", ([1, 2], {"1": "a"}), {"k": [3]})]  # type: ignore[attr-defined]
+
+
+def test_result_get_inside_a_handler_raises_as_on_a_worker(app: Celery) -> None:
+    result = app.tasks["eager.joins"].delay()
+    assert result.state == "FAILURE"
+    assert "Never call result.get() within a task" in str(result.result)
+
+
+@pytest.mark.parametrize("task_id", ["Order-42", "order/42", "x" * 256])
+def test_a_task_id_a_worker_refuses_is_refused(app: Celery, task_id: str) -> None:
+    with pytest.raises(InvalidJob) as caught:
+        app.tasks["eager.add"].apply_async((1, 2), task_id=task_id)
+    assert [path for path, _ in caught.value.violations] == ["id"]
+    assert app.runs == []  # type: ignore[attr-defined]
+
+
+def test_a_task_id_is_lower_cased_as_on_a_worker(app: Celery) -> None:
+    upper = "0190A5B2-7C3D-7E4F-8A9B-0C1D2E3F4A5B"
+    result = app.tasks["eager.add"].apply_async((1, 2), task_id=upper)
+    assert result.id == upper.lower()
+    assert app.runs == [("add", upper.lower(), 1)]  # type: ignore[attr-defined]
+
+
+def test_checkpoints_and_progress_carry_over_retries_as_on_a_worker(app: Celery) -> None:
+    progress = app.tasks["eager.resumes"].delay().get()
+    assert app.runs == [("resumes", 1, None), ("resumes", 2, {"at": 1}),  # type: ignore[attr-defined]
+                        ("resumes", 3, {"at": 2})]
+    assert progress is None  # a new attempt's record starts without the last one's progress
+
+
+def test_progress_reads_as_on_a_worker(app: Celery) -> None:
+    app.conf.task_always_eager = False
+
+    @app.task(shared=False, name="eager.progress", base=OJSTask)
+    def report() -> Any:
+        ctx = current_job()
+        ctx.progress(0.5, data={"a": 1})
+        ctx.progress(0.25)
+        assert ctx.job.progress is None  # the job as the attempt began
+        return ctx.record.job.progress
+
+    progress = report.apply().get()
+    assert progress["progress"] == 0.5 and progress["data"] == {"a": 1}
+    assert "updated_at" in progress
+
+
+def test_self_replace_is_refused_as_on_a_worker(app: Celery) -> None:
+    result = app.tasks["eager.replaces"].delay()
+    assert result.state == "FAILURE"
+    assert "self.replace() is not supported" in str(result.result)

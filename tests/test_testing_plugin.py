@@ -88,3 +88,66 @@ def test_an_eager_app_fails_ojs_wait_at_once_saying_why(pytester: pytest.Pyteste
                                            timeout=100)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*the app has task_always_eager on*"])
+
+
+PRODUCTION_APP = '''
+from celery import Celery
+from ojs_celery import OJSTask, install
+
+app = Celery("prodapp", set_as_current=False, broker="redis://127.0.0.1:1/0",
+             backend="redis://127.0.0.1:1/1")
+app.conf.task_routes = {"prod.email": {"queue": "emails"}}
+install(app)
+
+
+@app.task(name="prod.double", base=OJSTask)
+def double(x):
+    return 2 * x
+
+
+@app.task(name="prod.email", base=OJSTask)
+def email(to):
+    return "sent to " + to
+'''
+
+PRODUCTION_TESTS = '''
+import pytest
+
+from ojs_celery.runtime import get_runtime
+from prodapp import app
+
+
+@pytest.fixture(scope="session")
+def ojs_worker_arguments():
+    return ["-Q", "celery,emails"]
+
+
+def test_an_ordinary_test_reads_the_backend_first():
+    assert app.backend is not None  # made for the production settings, before the fixtures
+
+
+def test_results_come_from_the_test_backend(ojs_app, ojs_worker):
+    assert ojs_app.tasks["prod.double"].delay(4).get(timeout=60) == 8
+
+
+def test_a_routed_queue_given_to_the_worker_is_consumed(ojs_app, ojs_worker, ojs_wait):
+    result = ojs_app.tasks["prod.email"].delay("a@example.com")
+    assert ojs_wait(result.id, timeout=60).result == "sent to a@example.com"
+
+
+def test_the_worker_drains_briefly_at_teardown(ojs_app):
+    assert get_runtime(ojs_app).settings.shutdown_grace_period == 2.0
+'''
+
+
+def test_the_fixtures_replace_what_the_production_settings_made_and_take_worker_arguments(
+    pytester: pytest.Pytester,
+) -> None:
+    """An app whose settings point at production servers (nothing listens there): an earlier
+    test made its result backend, and a task is routed to a queue task_queues does not
+    declare. The fixtures' worker consumes it when ojs_worker_arguments gives it."""
+    pytester.makepyfile(prodapp=PRODUCTION_APP, test_prod=PRODUCTION_TESTS)
+    result = pytester.runpytest_subprocess("-p", "ojs_celery.testing", "--ojs-app=prodapp:app",
+                                           "-p", "no:cacheprovider", "-p", "no:randomly",
+                                           timeout=170)
+    result.assert_outcomes(passed=4)
