@@ -9,7 +9,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from .envelope import Job, JsonValue, json_native, storable_violations
-from .lifecycle import Record
+from .lifecycle import Record, with_trace
 from .store import StoreError
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ class JobContext:
         }
         if current.get("data") is not None:
             event["data"] = current["data"]
-        self._runtime.bus.emit("job.progress", event, subject=job.id)
+        self._runtime.bus.emit("job.progress", with_trace(event, job), subject=job.id)
 
     def _beat(
         self,

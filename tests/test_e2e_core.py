@@ -29,6 +29,22 @@ def test_json_job_completes_with_result_and_events(env: Env) -> None:
     assert started["data"]["worker_id"].startswith("worker_")
 
 
+def test_every_event_of_a_job_with_trace_context_carries_its_trace_id(env: Env) -> None:
+    """OJS: "if the job has trace context, every event for it MUST carry data.trace_id"; from
+    meta.trace_id, or from a W3C meta.traceparent."""
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    given = enqueue({"type": "e2e.fail_until", "args": [2], "meta": {"trace_id": trace},
+                     "retry": {"initial_interval": "PT0.1S", "jitter": False}}, app=env.app)
+    parented = enqueue({"type": "e2e.add", "args": [1, 1], "meta": {
+        "traceparent": f"00-{trace}-00f067aa0ba902b7-01"}}, app=env.app)
+    for job, last in ((given, "job.completed"), (parented, "job.completed")):
+        env.wait_state(job.id, "completed")
+        types = env.wait_events(job.id, lambda t, last=last: "job.enqueued" in t and last in t)
+        assert len(types) >= 3
+        assert [e["data"].get("trace_id") for e in env.events.of(job.id)] == [trace] * len(types)
+    assert "job.failed" in env.events.types(given.id)
+
+
 def test_failing_job_retries_with_backoff_then_completes(env: Env) -> None:
     job = enqueue(
         {"type": "e2e.fail_until", "args": [3],

@@ -238,7 +238,7 @@ def test_self_replace_fails_the_job_at_once_saying_it_is_not_supported(env: Env)
     assert job.attempt == 1 and job.error is not None
     assert job.error["type"] == "replace_unsupported"
     assert "self.replace() is not supported" in str(job.error["message"])
-    with pytest.raises(Exception, match="self.replace"):
+    with pytest.raises(Exception, match=r"self\.replace"):
         result.get(timeout=15)
 
 

@@ -80,6 +80,7 @@ from .rules import (
     start,
     timeout_error,
     waiting_deadline,
+    with_trace,
 )
 
 __all__ = [
@@ -93,4 +94,5 @@ __all__ = [
     "expire_ttl", "extend", "fail", "fail_token", "heartbeat", "invisible", "make_error",
     "matches_non_retryable", "message_eta", "orphaned", "overdue", "promote", "redispatch",
     "rejected", "republish", "resend", "stalled", "start", "timeout_error", "waiting_deadline",
+    "with_trace",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, get_args
@@ -340,7 +341,30 @@ def decide(
 
 
 def _base(job: Job, **data: Any) -> dict[str, Any]:
-    return {"job_id": job.id, "job_type": job.type, "queue": job.queue, "state": job.state, **data}
+    base = {"job_id": job.id, "job_type": job.type, "queue": job.queue, "state": job.state,
+            **data}
+    return with_trace(base, job)
+
+
+#: A W3C ``traceparent``: version, trace id, parent span id, flags.
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-(?P<trace>[0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def with_trace(data: dict[str, Any], job: Job) -> dict[str, Any]:
+    """An event's ``data`` with the job's ``trace_id`` when it has trace context (OJS: every
+    event of such a job carries it): ``meta.trace_id``, else the trace of
+    ``meta.traceparent``."""
+    meta = job.meta
+    if not meta:
+        return data
+    trace = meta.get("trace_id")
+    if not isinstance(trace, str) or not trace:
+        parent = meta.get("traceparent")
+        found = _TRACEPARENT.fullmatch(parent) if isinstance(parent, str) else None
+        trace = found["trace"] if found is not None else None
+    if trace:
+        data["trace_id"] = trace
+    return data
 
 
 def _timeout_event(job: Job, error: dict[str, JsonValue]) -> tuple[str, dict[str, Any]]:
