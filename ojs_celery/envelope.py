@@ -296,7 +296,8 @@ class Job(BaseModel):
     Unknown top-level fields (``x_*`` extensions and anything else) are kept and written back.
     """
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True, validate_assignment=False)
+    # schema is read by its spec name only: an extension named "schema_uri" stays one
+    model_config = ConfigDict(extra="allow", validate_assignment=False)
 
     specversion: Literal["1.0"] = SPEC_VERSION
     id: str = Field(default_factory=new_job_id)
@@ -477,12 +478,20 @@ def _field_violations_before_model(data: dict[Any, Any]) -> list[tuple[Any, str]
         if not _utf8_key(key):
             found.append((key, _UTF8_RULE))
             continue
-        rule = _value_rule(value, tags=key in _MESSAGE_BODY_FIELDS)
+        rule = _UNIQUE_RULE if key == "unique" else _value_rule(
+            value, tags=key in _MESSAGE_BODY_FIELDS)
         if rule is None and key[:9].lower() == CELERY_NAMESPACE:
             rule = _celery_field_rule(key, value)
         if rule is not None:
             found.append((key, rule))
     return found
+
+
+#: Unique jobs (OJS level 4) are not implemented: a job asking for them is refused rather than
+#: run twice behind its producer's back. Checked on input only, so a record stored with one
+#: by an earlier version still reads.
+_UNIQUE_RULE = ("is not supported: ojs_celery does not implement unique jobs (OJS level 4); "
+                "a client-chosen id makes an enqueue idempotent")
 
 
 def _celery_field_rule(key: str, value: Any) -> str | None:

@@ -604,7 +604,6 @@ def test_round_trip_of_full_envelope() -> None:
         scheduled_at="2030-01-01T00:00:00Z",
         expires_at="2030-01-02T00:00:00+01:00",
         retry={"max_attempts": 5, "non_retryable_errors": ["auth.*"]},
-        unique={"key": "k"},
         schema="urn:ojs:schema:email.send:v1",
         visibility_timeout=120,
         total_timeout=600,
@@ -622,7 +621,6 @@ def test_round_trip_of_full_envelope() -> None:
         "meta",
         "priority",
         "timeout",
-        "unique",
         "total_timeout",
         "enqueue_ttl",
         "grace_period",
@@ -631,6 +629,22 @@ def test_round_trip_of_full_envelope() -> None:
         "x_custom_field",
     ):
         assert data[key] == original[key], key
+
+
+def test_unique_jobs_are_refused_as_not_supported() -> None:
+    """Accepted and ignored, two identical "on_conflict": "reject" jobs both ran."""
+    found = violations(env(unique={"key": "k", "on_conflict": "reject"}))
+    assert found == [("unique", "is not supported: ojs_celery does not implement unique jobs "
+                                "(OJS level 4); a client-chosen id makes an enqueue idempotent")]
+    stored = parse_envelope(env()).to_dict()
+    stored["unique"] = {"key": "k"}  # a record an earlier version stored still reads
+    assert Job.model_validate(stored).unique == {"key": "k"}
+
+
+def test_an_extension_named_schema_uri_stays_one() -> None:
+    job = parse_envelope(env(schema_uri="urn:b", schema="urn:a"))
+    assert job.to_dict()["schema"] == "urn:a" and job.to_dict()["schema_uri"] == "urn:b"
+    assert "schema" not in parse_envelope(env(schema_uri="urn:b")).to_dict()
 
 
 def test_to_json_is_compact_one_line_and_omits_absent_fields() -> None:
