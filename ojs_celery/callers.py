@@ -30,7 +30,7 @@ from celery.result import AsyncResult
 from . import header
 from .api import enqueue_job
 from .canvas import canvas_options
-from .envelope import CELERY_SEMANTICS_FIELD, json_native, parse_envelope
+from .envelope import CELERY_SEMANTICS_FIELD, InvalidJob, json_native, parse_envelope
 from .producer import (
     celery_expires_at,
     celery_route,
@@ -72,6 +72,7 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
     if expires_at is not None:
         envelope["expires_at"] = expires_at
     job = parse_envelope(envelope, celery_id=True)
+    check_later_calls(task.app, options)
     semantics = celery_semantics_of(task, runtime.settings)
     if semantics is not None:
         job = job.model_copy(update={CELERY_SEMANTICS_FIELD: semantics})
@@ -99,6 +100,35 @@ def check_call_arguments(task: Task, args: Any, kwargs: Any) -> None:
     """Raise :class:`~ojs_celery.InvalidJob` naming what JSON cannot carry in a call's (or a
     retry's) arguments: the job's record and its messages hold them as JSON."""
     parse_envelope(call_arguments(task, args, kwargs), celery_id=True)
+
+
+#: The options of a call that hold the calls made after it: its callbacks and the rest of its
+#: chain (each a signature, or a list of them).
+LATER_CALLS = ("link", "link_error", "chain")
+
+
+def check_later_calls(app: Celery, options: dict[str, Any]) -> None:
+    """Raise :class:`~ojs_celery.InvalidJob` at the call when a callback or a later link of
+    the chain is an OJS task whose own arguments JSON cannot carry (``link[0].args[1]``): it
+    is published by the worker once this job completes, where the failure would leave the job
+    completed in the store and FAILURE in the result backend, its callback never run."""
+    violations: list[tuple[str, str]] = []
+    for option in LATER_CALLS:
+        calls = options.get(option)
+        if calls is None:
+            continue
+        for index, call in enumerate(calls if isinstance(calls, (list, tuple)) else [calls]):
+            name = call.get("task") if isinstance(call, dict) else None
+            later = _ojs_task_named(app, name) if isinstance(name, str) else None
+            if later is None:
+                continue
+            try:
+                check_call_arguments(later, call.get("args"), call.get("kwargs"))
+            except InvalidJob as exc:
+                violations += [(f"{option}[{index}].{path}", rule)
+                               for path, rule in exc.violations]
+    if violations:
+        raise InvalidJob(violations)
 
 
 def wrap_send_task(app: Celery) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, chain
 from celery.result import AsyncResult
 
 from ojs_celery import InvalidJob, OJSTask, enqueue, install
@@ -152,6 +152,35 @@ def test_a_call_with_python_objects_json_cannot_carry_is_refused_in_args_and_kwa
         assert refused.value.violations == [(field, rule)]
     assert not list((tmp_path / "broker").glob("*.msg"))  # nothing published
     assert get_runtime(app).store.due("dispatch", 1e12, 10) == []  # nothing stored
+
+
+def test_a_callback_or_later_link_json_cannot_carry_is_refused_at_the_call(
+        tmp_path: Path) -> None:
+    """Published by the worker once the job completes, it would fail there: the job completed
+    in the store, FAILURE in the result backend, the callback never run."""
+    app = Celery("laterlinks", set_as_current=False)
+    app.conf.update(embedded_settings(tmp_path))
+    install(app)
+
+    @app.task(shared=False, name="m.add", base=OJSTask)
+    def add(a: object, b: object = 0) -> None: ...
+
+    @app.task(shared=False, name="m.plain")
+    def plain(a: object, b: object = 0) -> None: ...
+
+    rule = "input was not a valid JSON value"
+    now = datetime.now(timezone.utc)
+    for call, field in [
+        (lambda: add.apply_async((1,), link=add.s(now)), "link[0].args[0]"),
+        (lambda: add.apply_async((1,), link_error=[add.si(1), add.s(b=b"raw")]),
+         "link_error[1].x_celery_kwargs.b"),
+        (lambda: chain(add.s(1), add.s(2), add.s(now)).apply_async(), "chain[0].args[0]"),
+    ]:
+        with pytest.raises(InvalidJob) as refused:
+            call()
+        assert refused.value.violations == [(field, rule)]
+    assert get_runtime(app).store.due("dispatch", 1e12, 10) == []  # nothing stored
+    add.apply_async((1,), link=plain.s(now))  # a plain task's callback: Celery's freedom
 
 
 def test_arguments_that_do_not_fit_raise_at_the_call_as_in_celery(tmp_path: Path) -> None:
