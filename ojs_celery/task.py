@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from celery import Task
+from celery import Task, states
 from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
@@ -313,7 +313,8 @@ class OJSTask(Task):  # type: ignore[misc]
                 r, ctx.attempt, ctx.worker_id, now)), ctx)
             if done is not None and done.applied:
                 carry_out(runtime, done)
-                self.backend.mark_as_revoked(job.id, reason="ignored", request=self.request)
+                if not _state_set_by_handler(self, job.id):
+                    self.backend.mark_as_revoked(job.id, reason="ignored", request=self.request)
             raise Ignore()
         delay: float | None = None
         retryable = True
@@ -405,6 +406,23 @@ def _plain_republish(task: OJSTask, options: dict[str, Any]) -> bool:
     if not request.id or options.get("task_id") != request.id:
         return False
     return not arrival.has_header(request)
+
+
+#: Result states a handler's attempt leaves behind without choosing one itself.
+_UNCHOSEN_STATES = frozenset({states.PENDING, states.RECEIVED, states.STARTED, states.RETRY})
+
+
+def _state_set_by_handler(task: OJSTask, job_id: str) -> bool:
+    """Whether the handler that raised ``Ignore`` wrote its own result state (Celery's way to
+    end a task with a custom or FAILURE state: ``update_state`` then ``Ignore``), which the
+    job's cancellation must not overwrite with REVOKED. A task that ignores its result has
+    none to read."""
+    if task.ignore_result or getattr(task.request, "ignore_result", False):
+        return False
+    try:
+        return task.backend.get_state(job_id) not in _UNCHOSEN_STATES
+    except Exception:  # a backend that cannot answer: REVOKED, as without a handler's state
+        return False
 
 
 def _worker_is_draining(runtime: Runtime, worker_id: str, job_id: str) -> bool:

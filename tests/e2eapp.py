@@ -201,6 +201,13 @@ def make_app(config: dict[str, Any]) -> Celery:
     def ignore() -> None:
         raise Ignore()
 
+    @app.task(shared=False, name="e2e.ignore_with_state", base=OJSTask, bind=True)
+    def ignore_with_state(self: OJSTask) -> None:
+        """Celery's way to end a task with its own FAILURE: update_state, then Ignore."""
+        self.update_state(state="FAILURE", meta={"exc_type": "ValueError",
+                                                 "exc_message": ["custom failure"]})
+        raise Ignore()
+
     @app.task(shared=False, name="e2e.callback")
     def callback(result: Any, tag: str = "") -> None:
         record(directory, "callbacks", f"{tag} {json.dumps(result)}")

@@ -65,6 +65,19 @@ def test_self_retry_and_autoretry_follow_the_ojs_policy(env: Env) -> None:
     assert AsyncResult(manual.id, app=env.app).get(timeout=10) == "ok on 3"
 
 
+def test_ignore_keeps_the_result_state_the_handler_set_else_reads_revoked(env: Env) -> None:
+    """``update_state(FAILURE, ...)`` then ``Ignore`` (Celery's custom failure) keeps the
+    handler's state; a bare ``Ignore`` reads REVOKED, so nothing waits on a PENDING result."""
+    custom = env.app.tasks["e2e.ignore_with_state"].apply_async()
+    bare = env.app.tasks["e2e.ignore"].apply_async()
+    for result in (custom, bare):
+        env.wait_state(result.id, "cancelled")
+    wait_for(lambda: AsyncResult(bare.id, app=env.app).state == "REVOKED", 15, "REVOKED")
+    kept = AsyncResult(custom.id, app=env.app)
+    assert kept.state == "FAILURE"
+    assert "custom failure" in str(kept.result)
+
+
 def test_reject_ignore_and_job_errors(env: Env) -> None:
     policy = {"max_attempts": 3, "initial_interval": "PT0.1S",
               "non_retryable_errors": ["billing.*"]}
