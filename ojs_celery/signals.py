@@ -21,6 +21,7 @@ ojs_event = Signal(name="ojs_event", providing_args={"event"})
 
 EVENT_TYPES = (
     "job.enqueued",
+    "job.scheduled",
     "job.started",
     "job.completed",
     "job.failed",
@@ -32,6 +33,7 @@ EVENT_TYPES = (
     "job.ttl_expired",
     "job.total_timeout",
     "job.expired",
+    "job.heartbeat",
     "job.progress",
     "worker.started",
     "worker.quiet",
@@ -40,6 +42,7 @@ EVENT_TYPES = (
 )
 
 job_enqueued = Signal(name="job.enqueued", providing_args={"event"})
+job_scheduled = Signal(name="job.scheduled", providing_args={"event"})
 job_started = Signal(name="job.started", providing_args={"event"})
 job_completed = Signal(name="job.completed", providing_args={"event"})
 job_failed = Signal(name="job.failed", providing_args={"event"})
@@ -51,6 +54,7 @@ job_stalled = Signal(name="job.stalled", providing_args={"event"})
 job_ttl_expired = Signal(name="job.ttl_expired", providing_args={"event"})
 job_total_timeout = Signal(name="job.total_timeout", providing_args={"event"})
 job_expired = Signal(name="job.expired", providing_args={"event"})
+job_heartbeat = Signal(name="job.heartbeat", providing_args={"event"})
 job_progress = Signal(name="job.progress", providing_args={"event"})
 worker_started = Signal(name="worker.started", providing_args={"event"})
 worker_quiet = Signal(name="worker.quiet", providing_args={"event"})
@@ -60,8 +64,9 @@ worker_heartbeat = Signal(name="worker.heartbeat", providing_args={"event"})
 BY_TYPE: dict[str, Signal] = {
     signal.name: signal
     for signal in (
-        job_enqueued, job_started, job_completed, job_failed, job_retrying, job_discarded,
-        job_cancelled, job_timeout, job_stalled, job_ttl_expired, job_total_timeout, job_expired,
-        job_progress, worker_started, worker_quiet, worker_stopped, worker_heartbeat,
+        job_enqueued, job_scheduled, job_started, job_completed, job_failed, job_retrying,
+        job_discarded, job_cancelled, job_timeout, job_stalled, job_ttl_expired,
+        job_total_timeout, job_expired, job_heartbeat, job_progress, worker_started,
+        worker_quiet, worker_stopped, worker_heartbeat,
     )
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta, timezone
 
 from celery.result import AsyncResult
 
@@ -43,6 +44,21 @@ def test_every_event_of_a_job_with_trace_context_carries_its_trace_id(env: Env) 
         assert len(types) >= 3
         assert [e["data"].get("trace_id") for e in env.events.of(job.id)] == [trace] * len(types)
     assert "job.failed" in env.events.types(given.id)
+
+
+def test_scheduled_and_heartbeat_events_reach_the_bus(env: Env) -> None:
+    """OJS's catalog: job.scheduled for a job that waits for its scheduled_at, job.heartbeat
+    for each worker beat that extends a running attempt (one every heartbeat_interval, 5 s)."""
+    soon = (datetime.now(timezone.utc) + timedelta(seconds=1)).isoformat()
+    scheduled = enqueue({"type": "e2e.add", "args": [1, 2], "scheduled_at": soon}, app=env.app)
+    long = enqueue({"type": "e2e.sleep", "args": [6]}, app=env.app)
+    env.wait_events(scheduled.id, lambda t: "job.completed" in t)
+    assert env.events.types(scheduled.id)[:2] == ["job.enqueued", "job.scheduled"]
+    env.wait_state(long.id, "completed", timeout=60)
+    types = env.wait_events(long.id, lambda t: "job.completed" in t and "job.heartbeat" in t)
+    beat = env.events.of(long.id, "job.heartbeat")[0]["data"]
+    assert beat["attempt"] == 1 and beat["worker_id"].startswith("worker_")
+    assert "visible_until" in beat and types.index("job.started") < types.index("job.heartbeat")
 
 
 def test_failing_job_retries_with_backoff_then_completes(env: Env) -> None:

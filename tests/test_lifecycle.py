@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from ojs_celery import lifecycle
 from ojs_celery.envelope import Job, RetryPolicy, format_timestamp, from_epoch, parse_envelope
 from ojs_celery.lifecycle import (
     CLOCKS,
@@ -353,6 +354,7 @@ def test_create_scheduled_within_horizon_publishes_with_eta() -> None:
     data = event(transition, "job.enqueued")
     assert data["state"] == "scheduled"
     assert data["scheduled_at"] == ts(T0 + 30)
+    assert names(transition) == ["job.enqueued", "job.scheduled"]  # OJS: job.scheduled too
 
 
 def test_create_scheduled_beyond_horizon_is_held() -> None:
@@ -362,7 +364,8 @@ def test_create_scheduled_beyond_horizon_is_held() -> None:
     assert transition.publish is None
     assert record.promote_at == T0 + 3600
     assert record.dispatch_due is None
-    assert names(transition) == ["job.enqueued"]
+    assert names(transition) == ["job.enqueued", "job.scheduled"]
+    assert event(transition, "job.scheduled")["scheduled_at"] == ts(T0 + 3600)
 
 
 def test_create_horizon_comes_from_policy() -> None:
@@ -538,6 +541,8 @@ def test_start_after_expires_at_does_not_run() -> None:
     record = created(expires_at=ts(T0 + 10))
     transition = start(record, 1, W1, T0 + 20, POLICY)
     assert not (transition.record is not None and transition.record.job.state == "active")
+    assert names(transition) == ["job.expired", "job.discarded"]
+    assert event(transition, "job.expired")["ttl_ms"] == 10_000  # created at T0, expires T0 + 10
 
 
 # --------------------------------------------------------------------------- heartbeat
@@ -556,6 +561,16 @@ def test_heartbeat_without_stall_extends_only_visibility() -> None:
     new = applied(heartbeat(started(at=T0 + 1), 1, W1, T0 + 20, stall=False))
     assert new.heartbeat_at == T0 + 1
     assert new.extended_at == T0 + 20
+
+
+def test_a_worker_beat_extending_an_attempt_is_a_job_heartbeat_event() -> None:
+    record = started(at=T0 + 1, visibility_timeout=120)
+    transition = lifecycle.extend(record, record.token, W1, T0 + 20, stall=True)
+    assert names(transition) == ["job.heartbeat"]
+    data = event(transition, "job.heartbeat")
+    assert data["worker_id"] == W1 and data["attempt"] == 1
+    assert data["visible_until"] == ts(T0 + 140)
+    assert lifecycle.extend(record, record.token + 1, W1, T0 + 20, stall=True).events == []
 
 
 def test_heartbeat_fencing() -> None:

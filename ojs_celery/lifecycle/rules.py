@@ -399,14 +399,14 @@ def create(job: Job, now: float, policy: Policy) -> Transition:
     eta = j.scheduled_at.timestamp() if j.scheduled_at else None
     if eta is not None and eta > now:
         j.state = "scheduled"
+        events = [_enqueued(j), _scheduled(j)]
         if eta - now > policy.schedule_horizon:
             new.promote_at = eta
-            return Transition(new, events=[_enqueued(j)])
-    else:
-        j.state = "available"
-        j.enqueued_at = j.created_at
-        eta = None
-    return Transition(new, events=[_enqueued(j)], publish=_owe(new, eta, now, policy))
+            return Transition(new, events=events)
+        return Transition(new, events=events, publish=_owe(new, eta, now, policy))
+    j.state = "available"
+    j.enqueued_at = j.created_at
+    return Transition(new, events=[_enqueued(j)], publish=_owe(new, None, now, policy))
 
 
 def dispatch_deadline(eta: float | None, now: float, policy: Policy) -> float:
@@ -440,6 +440,12 @@ def _enqueued(job: Job) -> tuple[str, dict[str, Any]]:
     if job.scheduled_at is not None:
         data["scheduled_at"] = format_timestamp(job.scheduled_at)
     return "job.enqueued", data
+
+
+def _scheduled(job: Job) -> tuple[str, dict[str, Any]]:
+    """``job.scheduled``: the job waits for its ``scheduled_at`` (after ``job.enqueued``)."""
+    assert job.scheduled_at is not None
+    return "job.scheduled", _base(job, scheduled_at=format_timestamp(job.scheduled_at))
 
 
 def ack_dispatch(record: Record, token: int) -> Transition:
@@ -741,6 +747,9 @@ def expire_at(record: Record, now: float) -> Transition:
         j,
         created_at=format_timestamp(j.created_at) if j.created_at else None,
         expired_at=format_timestamp(job.expires_at),
+        # the time it was given to start: from its creation to its expires_at
+        ttl_ms=(round((job.expires_at - j.created_at).total_seconds() * 1000)
+                if j.created_at else None),
     )
     return Transition(new, events=[("job.expired", expired), _discarded_event(j)])
 
@@ -786,7 +795,13 @@ def extend(record: Record, token: int, worker_id: str, now: float, *, stall: boo
     if record.token != token:
         return rejected("stale")
     handler_only = record.job.extensions.get("x_heartbeat") == "handler"
-    return heartbeat(record, record.job.attempt, worker_id, now, stall=stall and not handler_only)
+    done = heartbeat(record, record.job.attempt, worker_id, now, stall=stall and not handler_only)
+    if done.applied and done.record is not None:
+        j = done.record.job
+        done.events.append(("job.heartbeat", _base(
+            j, worker_id=worker_id, attempt=j.attempt,
+            visible_until=format_timestamp(from_epoch(now + j.visibility_timeout)))))
+    return done
 
 
 def fail_token(

@@ -96,7 +96,9 @@ class Beater:
         node = self.node
         stall = getattr(request.task, "heartbeat", "worker") != "handler"
         done = node.runtime.store.extend(request.id, token, node.worker_id, stall=stall, now=now)
-        if not done.applied and done.reason not in ("stale", "not_active", "unknown_job"):
+        if done.applied:
+            node.runtime.emit(done)  # job.heartbeat
+        elif done.reason not in ("stale", "not_active", "unknown_job"):
             logger.info("ojs_celery: beat did not extend job %s (%s)", request.id, done.reason)
 
 
