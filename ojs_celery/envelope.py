@@ -658,7 +658,9 @@ def parse_envelope(
         raise InvalidJob([("(envelope)", "must be a JSON object")])
     clean = {k: v for k, v in data.items() if k not in SYSTEM_FIELDS and v is not None}
     if isinstance(clean.get("retry"), dict):  # explicit null = absent, in the policy too
-        clean["retry"] = {k: v for k, v in clean["retry"].items() if v is not None}
+        clean["retry"] = _whole_numbers(
+            {k: v for k, v in clean["retry"].items() if v is not None}, ("max_attempts",))
+    clean = _whole_numbers(clean, _INTEGER_FIELDS)
     violations: list[tuple[str, str]] = []
     for key, rule in _field_violations_before_model(clean):
         violations.append((str(key).encode("utf-8", "backslashreplace").decode(), rule))
@@ -702,6 +704,20 @@ def parse_envelope(
 #: defaults of every other field, the state): a job's JSON may be that much over 1 MiB, so
 #: that every envelope up to 1 MiB is accepted, as OJS requires.
 _SYSTEM_BYTES = len(Job(type="t", args=[]).to_json()) - len('{"type":"t","args":[]}')
+
+
+#: The envelope's integer fields (``retry.max_attempts`` too).
+_INTEGER_FIELDS = ("priority", "timeout", "visibility_timeout", "total_timeout", "enqueue_ttl",
+                   "grace_period", "heartbeat_timeout")
+
+
+def _whole_numbers(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """``data`` with the floats of ``names`` that are whole numbers (``30.0``, ``1e3``) as
+    integers: JSON Schema's ``integer`` takes them, and a producer whose numbers are doubles
+    (Java, Python) writes them so. Input only: a stored record has integers."""
+    found = {name: int(value) for name in names
+             if isinstance(value := data.get(name), float) and value.is_integer()}
+    return {**data, **found} if found else data
 
 
 def _top_field(path: str) -> str:

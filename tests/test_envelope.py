@@ -268,7 +268,7 @@ def test_priority_out_of_range(value: int) -> None:
     assert paths(env(priority=value)) == ["priority"]
 
 
-@pytest.mark.parametrize("value", [1.0, "5", True])
+@pytest.mark.parametrize("value", [1.5, "5", True])
 def test_priority_strict_int(value: Any) -> None:
     assert paths(env(priority=value)) == ["priority"]
 
@@ -408,7 +408,7 @@ def test_retry_partial_policy_merged_with_defaults() -> None:
 def test_retry_max_attempts_zero_ok_negative_rejected() -> None:
     assert parse_envelope(env(retry={"max_attempts": 0})).retry.max_attempts == 0
     assert paths(env(retry={"max_attempts": -1})) == ["retry.max_attempts"]
-    assert paths(env(retry={"max_attempts": 2.0})) == ["retry.max_attempts"]
+    assert paths(env(retry={"max_attempts": 2.5})) == ["retry.max_attempts"]
 
 
 def test_retry_backoff_coefficient_at_least_one() -> None:
@@ -629,6 +629,17 @@ def test_round_trip_of_full_envelope() -> None:
         "x_custom_field",
     ):
         assert data[key] == original[key], key
+
+
+def test_whole_numbers_written_as_floats_are_integers() -> None:
+    """JSON Schema's integer takes 30.0 and 1e3: a producer whose numbers are doubles writes
+    them so. 1.5 and true are still refused."""
+    job = parse_envelope(env(timeout=30.0, priority=1e1, enqueue_ttl=2e3,
+                             retry={"max_attempts": 5.0}))
+    assert (job.timeout, job.priority, job.enqueue_ttl, job.retry.max_attempts) == (30, 10, 2000, 5)
+    assert isinstance(job.timeout, int) and '"timeout":30,' in job.to_json()
+    assert paths(env(timeout=1.5)) == ["timeout"]
+    assert paths(env(retry={"max_attempts": True})) == ["retry.max_attempts"]
 
 
 def test_unique_jobs_are_refused_as_not_supported() -> None:
