@@ -50,6 +50,11 @@ _LOST_OUTCOMES = {"retried": "retried per its retry policy",
                   "stale": "its attempt had ended already, nothing to do"}
 
 
+#: How early before the job's total deadline a hard kill still counts as the total's: the
+#: pool's timer and this process's clock differ by a little.
+TOTAL_DEADLINE_SLACK = 0.5
+
+
 class OJSRequest(Request):  # type: ignore[misc]
     """Celery ``Request`` for OJS tasks (``OJSTask.Request``)."""
 
@@ -156,12 +161,14 @@ class OJSRequest(Request):  # type: ignore[misc]
         self.acknowledge()
 
     def _hard_timeout(self, timeout: float) -> None:
-        timeout_limit = self._ojs_limit()
-        error = lifecycle.timeout_error(
-            "timeout", timeout_limit, self._elapsed(),
-            f"execution timeout of {timeout_limit}s exceeded; the attempt was killed at the "
-            "end of its grace period",
-        )
+        error = self._total_timeout_error()
+        if error is None:
+            timeout_limit = self._ojs_limit()
+            error = lifecycle.timeout_error(
+                "timeout", timeout_limit, self._elapsed(),
+                f"execution timeout of {timeout_limit}s exceeded; the attempt was killed at "
+                "the end of its grace period",
+            )
         first = self._ojs_failure_recorded is None
         outcome = self._ojs_fail(error)
         if outcome == "unstarted" and first:
@@ -170,6 +177,23 @@ class OJSRequest(Request):  # type: ignore[misc]
             super().on_timeout(False, timeout)
         else:
             self._ack_without_failure(outcome, TimeLimitExceeded(timeout))
+
+    def _total_timeout_error(self) -> dict[str, Any] | None:
+        """The ``total_timeout`` error when the job's total deadline (in its header) has come:
+        the hard limit was clamped to it (``producer.time_limits``), so the attempt was cut
+        short by the job's total time, not its execution timeout. None otherwise."""
+        found = of_request(self) or {}
+        deadline, created = found.get("total_deadline"), found.get("created_at")
+        if not isinstance(deadline, (int, float)) or not isinstance(created, (int, float)):
+            return None
+        now = time.time()
+        if now < deadline - TOTAL_DEADLINE_SLACK:
+            return None
+        limit = round(deadline - created)
+        return lifecycle.timeout_error(
+            "total_timeout", limit, now - created,
+            f"job did not finish within its total_timeout of {limit}s; the attempt was "
+            "killed at the job's total deadline")
 
     def _ojs_limit(self) -> int:
         hard, soft = self.time_limits

@@ -61,6 +61,21 @@ def test_scheduled_and_heartbeat_events_reach_the_bus(env: Env) -> None:
     assert "visible_until" in beat and types.index("job.started") < types.index("job.heartbeat")
 
 
+def test_an_attempt_cut_short_by_total_timeout_reads_total_timeout_not_execution(
+    env: Env,
+) -> None:
+    """The hard limit is clamped to the job's total deadline: the kill there, inside the
+    execution timeout's grace period (the handler saved a checkpoint and ran on), is the total
+    timeout's (OJS: an execution timeout is past timeout + grace_period)."""
+    job = enqueue({"type": "e2e.checkpointing", "args": ["overrun"], "timeout": 1,
+                   "grace_period": 10, "total_timeout": 3}, app=env.app)
+    done = env.wait_state(job.id, "discarded", timeout=30)
+    assert done.error is not None and done.error["type"] == "total_timeout"
+    assert [e["type"] for e in done.errors] == ["total_timeout"]
+    types = env.wait_events(job.id, lambda t: "job.discarded" in t)
+    assert "job.total_timeout" in types and "job.timeout" not in types
+
+
 def test_failing_job_retries_with_backoff_then_completes(env: Env) -> None:
     job = enqueue(
         {"type": "e2e.fail_until", "args": [3],
