@@ -106,6 +106,9 @@ class OJSTask(Task):  # type: ignore[misc]
         (README, "Celery callers") unless the task or the settings choose OJS semantics."""
         if options.get("headers", {}) and "ojs" in options["headers"]:
             return super().apply_async(args, kwargs, **options)
+        dump = getattr(self, "_dump_pydantic_arguments", None)  # pydantic=True, Celery 5.7+
+        if dump is not None and options.get("serializer") != "pickle":
+            args, kwargs = dump(args, kwargs)  # models as the JSON data the task reads back
         mismatch = call_mismatch(self, args, kwargs)  # raised at the call, as Celery does
         if mismatch is not None:
             raise mismatch

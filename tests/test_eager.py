@@ -11,10 +11,18 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from celery import Celery, chain, group
+from celery import Celery, Task, chain, group
 from celery.exceptions import MaxRetriesExceededError
+from pydantic import BaseModel
 
 from ojs_celery import InvalidJob, OJSTask, current_job, install
+
+
+class Item(BaseModel):
+    """A ``pydantic=True`` task's argument (at module level: the annotations are strings)."""
+
+    name: str
+    qty: int
 
 
 def dead_port() -> int:
@@ -205,3 +213,16 @@ def test_self_replace_is_refused_as_on_a_worker(app: Celery) -> None:
     result = app.tasks["eager.replaces"].delay()
     assert result.state == "FAILURE"
     assert "self.replace() is not supported" in str(result.result)
+
+
+@pytest.mark.skipif(not hasattr(Task, "_dump_pydantic_arguments"),
+                    reason="Celery dumps a pydantic=True task's models at the call from 5.7")
+def test_a_pydantic_task_gets_its_models_as_with_celery(app: Celery) -> None:
+    """``pydantic=True``: the caller's models travel as JSON data and come back as models."""
+
+    @app.task(shared=False, name="eager.typed", base=OJSTask, pydantic=True)
+    def typed(item: Item) -> Item:
+        assert isinstance(item, Item)
+        return Item(name=item.name.upper(), qty=item.qty * 2)
+
+    assert typed.delay(Item(name="a", qty=2)).get() == {"name": "A", "qty": 4}
