@@ -31,6 +31,7 @@ from .context import JobContext, _current
 from .envelope import CELERY_KWARGS_FIELD, Job, JsonValue, new_job_id, parse_envelope, utcnow
 from .lifecycle import Record
 from .outcome import result_problem
+from .runtime import get_runtime
 
 if TYPE_CHECKING:
     from celery import Task
@@ -77,6 +78,7 @@ class EagerJobContext(JobContext):
 def apply_eagerly(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -> EagerResult:
     """``apply_async`` under ``task_always_eager``: Celery's ``Task.apply``, as Celery's own
     ``apply_async`` does (nothing is published, no job is stored)."""
+    get_runtime(task.app)  # NotInstalled without install(app), as a published call raises
     check_call_arguments(task, args, kwargs)  # InvalidJob, as a published call
     link, link_error = options.pop("link", None), options.pop("link_error", None)
     task_id = _job_id(options.pop("task_id", None))

@@ -16,6 +16,7 @@ from celery.exceptions import MaxRetriesExceededError
 from pydantic import BaseModel
 
 from ojs_celery import InvalidJob, OJSTask, current_job, install
+from ojs_celery.runtime import NotInstalled
 
 
 class Item(BaseModel):
@@ -226,3 +227,15 @@ def test_a_pydantic_task_gets_its_models_as_with_celery(app: Celery) -> None:
         return Item(name=item.name.upper(), qty=item.qty * 2)
 
     assert typed.delay(Item(name="a", qty=2)).get() == {"name": "A", "qty": 4}
+
+
+def test_an_app_without_install_raises_not_installed_as_a_worker_call_would() -> None:
+    bare = Celery("not_installed", set_as_current=False)
+    bare.conf.task_always_eager = True
+
+    @bare.task(shared=False, name="bare.add", base=OJSTask)
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    with pytest.raises(NotInstalled, match="install"):
+        add.delay(1, 2)
