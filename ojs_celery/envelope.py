@@ -235,6 +235,10 @@ JobType = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern
 QueueName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=QUEUE_PATTERN)]
 
 
+def _max_below_initial(initial: str) -> str:
+    return f"must be greater than or equal to initial_interval ({initial})"
+
+
 class RetryPolicy(BaseModel):
     """OJS retry policy; partial policies are merged with these defaults."""
 
@@ -243,9 +247,7 @@ class RetryPolicy(BaseModel):
     max_attempts: StrictInt = Field(default=3, ge=0)
     initial_interval: Duration = "PT1S"
     backoff_coefficient: StrictFloat = Field(default=2.0, ge=1.0)
-    # validated when absent too: the merged policy must hold (a longer initial_interval alone
-    # would otherwise store a policy no later read accepts)
-    max_interval: Duration = Field(default="PT5M", validate_default=True)
+    max_interval: Duration = "PT5M"
     jitter: StrictBool = True
     non_retryable_errors: list[Annotated[str, StringConstraints(min_length=1)]] = []
     on_exhaustion: Literal["discard", "dead_letter"] = "discard"
@@ -268,10 +270,7 @@ class RetryPolicy(BaseModel):
     def _max_not_below_initial(cls, value: str, info: ValidationInfo) -> str:
         initial = info.data.get("initial_interval")
         if initial is not None and parse_duration(value) < parse_duration(initial):
-            default = cls.model_fields["max_interval"].default
-            unless = f"; when not given it is {default}" if value == default else ""
-            raise ValueError(f"must be greater than or equal to initial_interval ({initial})"
-                             + unless)
+            raise ValueError(_max_below_initial(initial))
         return value
 
     @field_validator("non_retryable_errors")
@@ -280,6 +279,15 @@ class RetryPolicy(BaseModel):
         if len(set(value)) != len(value):
             raise ValueError("must not repeat an entry")
         return value
+
+    def merged_violations(self) -> list[tuple[str, str]]:
+        """What is wrong with the policy once merged with the defaults: a field validator does
+        not see a default (an ``initial_interval`` over the default ``max_interval`` alone
+        would be stored, and no later read would accept the record). Input only."""
+        if self.max_seconds >= self.initial_seconds:
+            return []
+        unless = f"; when not given it is {self.max_interval}"
+        return [("retry.max_interval", _max_below_initial(self.initial_interval) + unless)]
 
     @property
     def initial_seconds(self) -> float:
@@ -658,9 +666,7 @@ def parse_envelope(
         raise InvalidJob([("(envelope)", "must be a JSON object")])
     clean = {k: v for k, v in data.items() if k not in SYSTEM_FIELDS and v is not None}
     if isinstance(clean.get("retry"), dict):  # explicit null = absent, in the policy too
-        clean["retry"] = _whole_numbers(
-            {k: v for k, v in clean["retry"].items() if v is not None}, ("max_attempts",))
-    clean = _whole_numbers(clean, _INTEGER_FIELDS)
+        clean["retry"] = {k: v for k, v in clean["retry"].items() if v is not None}
     violations: list[tuple[str, str]] = []
     for key, rule in _field_violations_before_model(clean):
         violations.append((str(key).encode("utf-8", "backslashreplace").decode(), rule))
@@ -672,7 +678,7 @@ def parse_envelope(
     if "args" in named:
         clean["args"] = []  # placeholder: check the other fields without a bogus "is required"
     try:
-        job: Job | None = Job.model_validate(clean, context={"celery_id": celery_id})
+        job: Job | None = _validated(clean, celery_id)
     except ValidationError as exc:
         job = None
         violations += [(path, rule) for path, rule in field_violations(exc)
@@ -683,6 +689,8 @@ def parse_envelope(
     if violations or job is None:
         raise InvalidJob(violations)
     violations = _too_long(job) + _extension_violations(job)
+    if "retry" in clean:  # the defaults alone hold
+        violations += job.retry.merged_violations()
     if violations:
         raise InvalidJob(violations)
     if _surely_small(job):
@@ -711,13 +719,30 @@ _INTEGER_FIELDS = ("priority", "timeout", "visibility_timeout", "total_timeout",
                    "grace_period", "heartbeat_timeout")
 
 
+def _validated(clean: dict[str, Any], celery_id: bool) -> Job:
+    """The job of the envelope fields ``clean``. A whole number written as a float (``30.0``,
+    ``1e3``) in an integer field is taken as that integer, as JSON Schema's ``integer`` takes
+    it (a producer whose numbers are doubles, Java or Python, writes them so): only when the
+    strict validation refused one, so that the common envelope pays nothing for it."""
+    context = {"celery_id": celery_id}
+    try:
+        return Job.model_validate(clean, context=context)
+    except ValidationError:
+        wholes = _whole_numbers(clean, _INTEGER_FIELDS)
+        retry = clean.get("retry")
+        retry = retry if isinstance(retry, dict) else {}
+        retry_wholes = _whole_numbers(retry, ("max_attempts",))
+        if not wholes and not retry_wholes:
+            raise
+        if retry_wholes:
+            wholes["retry"] = {**retry, **retry_wholes}
+        return Job.model_validate({**clean, **wholes}, context=context)
+
+
 def _whole_numbers(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
-    """``data`` with the floats of ``names`` that are whole numbers (``30.0``, ``1e3``) as
-    integers: JSON Schema's ``integer`` takes them, and a producer whose numbers are doubles
-    (Java, Python) writes them so. Input only: a stored record has integers."""
-    found = {name: int(value) for name in names
-             if isinstance(value := data.get(name), float) and value.is_integer()}
-    return {**data, **found} if found else data
+    """The floats of ``names`` in ``data`` that are whole numbers, as integers."""
+    return {name: int(value) for name in names
+            if isinstance(value := data.get(name), float) and value.is_integer()}
 
 
 def _top_field(path: str) -> str:
