@@ -109,13 +109,15 @@ LATER_CALLS = ("link", "link_error", "chain")
 
 def check_later_calls(app: Celery, options: dict[str, Any]) -> None:
     """Raise :class:`~ojs_celery.InvalidJob` at the call when a callback or a later link of
-    the chain is an OJS task whose own arguments JSON cannot carry (``link[0].args[1]``): it
-    is published by the worker once this job completes, where the failure would leave the job
-    completed in the store and FAILURE in the result backend, its callback never run."""
+    the chain is an OJS task whose own arguments JSON cannot carry (``link[0].args[0]``;
+    ``chain`` lists the links last first, as Celery keeps them): it is published by the worker
+    once this job completes, where the failure would leave the job completed in the store and
+    FAILURE in the result backend, its callback never run. The rest of a chain that a worker
+    publishes (its ``parent_id`` set) was checked at the chain's first call."""
     violations: list[tuple[str, str]] = []
     for option in LATER_CALLS:
         calls = options.get(option)
-        if calls is None:
+        if calls is None or (option == "chain" and options.get("parent_id")):
             continue
         for index, call in enumerate(calls if isinstance(calls, (list, tuple)) else [calls]):
             name = call.get("task") if isinstance(call, dict) else None

@@ -49,6 +49,8 @@ class JobContext:
         #: pool process, where Celery's time limits start counting.
         self.start_waited = 0.0
         self._last_progress_event = -PROGRESS_EVENT_INTERVAL
+        #: The result state the handler gave its job in this attempt (``update_state``).
+        self.result_state: str | None = None
 
     @property
     def job_id(self) -> str:

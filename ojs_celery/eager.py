@@ -26,7 +26,7 @@ from celery.result import EagerResult, denied_join_result
 from kombu import serialization
 
 from . import lifecycle
-from .callers import check_call_arguments
+from .callers import check_call_arguments, check_later_calls
 from .context import JobContext, _current
 from .envelope import CELERY_KWARGS_FIELD, Job, JsonValue, new_job_id, parse_envelope, utcnow
 from .lifecycle import Record
@@ -80,6 +80,7 @@ def apply_eagerly(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -
     ``apply_async`` does (nothing is published, no job is stored)."""
     get_runtime(task.app)  # NotInstalled without install(app), as a published call raises
     check_call_arguments(task, args, kwargs)  # InvalidJob, as a published call
+    check_later_calls(task.app, options)
     link, link_error = options.pop("link", None), options.pop("link_error", None)
     task_id = _job_id(options.pop("task_id", None))
     # the arguments as the handler gets them from a message (tuples as lists, keys as text),

@@ -379,6 +379,9 @@ class Job(BaseModel):
             # RFC 3339 allows second 60 (a leap second); it is read as the next second's
             # start, as POSIX clocks (and so every deadline here) count it
             return handler(leap["minute"] + ":59" + leap["rest"]) + timedelta(seconds=1)
+        except OverflowError:  # the leap second after 9999-12-31T23:59:59
+            raise ValueError(f"{_RFC3339_RULE}: its date, time or offset is out of range "
+                             "(offsets are at most ±23:59)") from None
         except ValidationError as exc:
             if exc.errors()[0]["type"] == "timezone_aware":
                 raise ValueError(f"{_RFC3339_RULE}: the time zone is missing") from None
@@ -405,8 +408,7 @@ class Job(BaseModel):
     def same_request(self, other: Job) -> bool:
         """Whether both were enqueued with the same envelope (and the same trusted Celery
         options): every field but the system-managed ones is equal."""
-        return bool(self.model_dump(mode="json", exclude=_NOT_REQUESTED)
-                    == other.model_dump(mode="json", exclude=_NOT_REQUESTED))
+        return _requested(self) == _requested(other)
 
     def to_dict(self) -> dict[str, Any]:
         """The job as OJS JSON data: absent optional fields are omitted."""
@@ -418,6 +420,17 @@ class Job(BaseModel):
     def to_json(self) -> str:
         """Compact one-line JSON."""
         return json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False)
+
+
+def _requested(job: Job) -> dict[str, Any]:
+    """What :meth:`Job.same_request` compares: the job as its producer asked for it, without
+    the queue the ``rpc://`` backend replies to (the calling thread's: the same call from
+    another thread or process is the same request)."""
+    data = job.model_dump(mode="json", by_alias=True, exclude=_NOT_REQUESTED)
+    options = data.get(CELERY_OPTIONS_FIELD)
+    if isinstance(options, dict) and "reply_to" in options:
+        data[CELERY_OPTIONS_FIELD] = {k: v for k, v in options.items() if k != "reply_to"}
+    return data
 
 
 def _path(loc: tuple[int | str, ...], root: str = "") -> str:

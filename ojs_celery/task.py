@@ -130,6 +130,16 @@ class OJSTask(Task):  # type: ignore[misc]
             raise JobError(REPLACE_REFUSED, type="replace_unsupported", retryable=False)
         return super().replace(sig)
 
+    def update_state(self, task_id: str | None = None, state: str | None = None,
+                     meta: Any = None, **kwargs: Any) -> None:
+        """Celery's; the running attempt remembers the state its handler gave its own job, so
+        that an ``Ignore`` after a final one (Celery's way to end with its own FAILURE:
+        ``update_state(state=FAILURE, meta=...)`` then ``Ignore``) keeps it."""
+        super().update_state(task_id, state, meta, **kwargs)
+        ctx = maybe_current_job()
+        if ctx is not None and (task_id is None or task_id == ctx.job_id):
+            ctx.result_state = state
+
     # ------------------------------------------------------------------ Celery retry paths
 
     def retry(
@@ -316,7 +326,7 @@ class OJSTask(Task):  # type: ignore[misc]
                 r, ctx.attempt, ctx.worker_id, now)), ctx)
             if done is not None and done.applied:
                 carry_out(runtime, done)
-                if not _state_set_by_handler(self, job.id):
+                if ctx.result_state not in states.READY_STATES:  # else the handler's own end
                     self.backend.mark_as_revoked(job.id, reason="ignored", request=self.request)
             raise Ignore()
         delay: float | None = None
@@ -409,23 +419,6 @@ def _plain_republish(task: OJSTask, options: dict[str, Any]) -> bool:
     if not request.id or options.get("task_id") != request.id:
         return False
     return not arrival.has_header(request)
-
-
-#: Result states a handler's attempt leaves behind without choosing one itself.
-_UNCHOSEN_STATES = frozenset({states.PENDING, states.RECEIVED, states.STARTED, states.RETRY})
-
-
-def _state_set_by_handler(task: OJSTask, job_id: str) -> bool:
-    """Whether the handler that raised ``Ignore`` wrote its own result state (Celery's way to
-    end a task with a custom or FAILURE state: ``update_state`` then ``Ignore``), which the
-    job's cancellation must not overwrite with REVOKED. A task that ignores its result has
-    none to read."""
-    if task.ignore_result or getattr(task.request, "ignore_result", False):
-        return False
-    try:
-        return task.backend.get_state(job_id) not in _UNCHOSEN_STATES
-    except Exception:  # a backend that cannot answer: REVOKED, as without a handler's state
-        return False
 
 
 def _worker_is_draining(runtime: Runtime, worker_id: str, job_id: str) -> bool:

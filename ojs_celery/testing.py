@@ -90,10 +90,12 @@ def _forget_connections(app: Celery) -> None:
     local = getattr(app, "_local", None)
     if local is not None and hasattr(local, "backend"):
         del local.backend
-    pool = getattr(app, "_pool", None)
-    if pool is not None:
-        pool.force_close_all()
+    # forgotten, not closed: kombu shares a connection pool among the apps of one URL
+    if getattr(app, "_pool", None) is not None:
         app._pool = None
+    amqp = app.__dict__.get("amqp")  # a cached_property: made only if used
+    if amqp is not None and getattr(amqp, "_producer_pool", None) is not None:
+        amqp._producer_pool = None
 
 
 def __getattr__(name: str) -> Any:

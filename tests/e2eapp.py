@@ -202,10 +202,11 @@ def make_app(config: dict[str, Any]) -> Celery:
         raise Ignore()
 
     @app.task(shared=False, name="e2e.ignore_with_state", base=OJSTask, bind=True)
-    def ignore_with_state(self: OJSTask) -> None:
-        """Celery's way to end a task with its own FAILURE: update_state, then Ignore."""
-        self.update_state(state="FAILURE", meta={"exc_type": "ValueError",
-                                                 "exc_message": ["custom failure"]})
+    def ignore_with_state(self: OJSTask, state: str) -> None:
+        """Celery's way to end a task with its own FAILURE: update_state, then Ignore (or a
+        PROGRESS report, then Ignore)."""
+        self.update_state(state=state, meta={"exc_type": "ValueError",
+                                             "exc_message": ["custom failure"]})
         raise Ignore()
 
     @app.task(shared=False, name="e2e.callback")

@@ -51,7 +51,7 @@ def test_scheduled_and_heartbeat_events_reach_the_bus(env: Env) -> None:
     for each worker beat that extends a running attempt (one every heartbeat_interval, 5 s)."""
     soon = (datetime.now(timezone.utc) + timedelta(seconds=1)).isoformat()
     scheduled = enqueue({"type": "e2e.add", "args": [1, 2], "scheduled_at": soon}, app=env.app)
-    long = enqueue({"type": "e2e.sleep", "args": [6]}, app=env.app)
+    long = enqueue({"type": "e2e.sleep", "args": [8]}, app=env.app)
     env.wait_events(scheduled.id, lambda t: "job.completed" in t)
     assert env.events.types(scheduled.id)[:2] == ["job.enqueued", "job.scheduled"]
     env.wait_state(long.id, "completed", timeout=60)

@@ -68,11 +68,14 @@ def test_self_retry_and_autoretry_follow_the_ojs_policy(env: Env) -> None:
 def test_ignore_keeps_the_result_state_the_handler_set_else_reads_revoked(env: Env) -> None:
     """``update_state(FAILURE, ...)`` then ``Ignore`` (Celery's custom failure) keeps the
     handler's state; a bare ``Ignore`` reads REVOKED, so nothing waits on a PENDING result."""
-    custom = env.app.tasks["e2e.ignore_with_state"].apply_async()
+    custom = env.app.tasks["e2e.ignore_with_state"].apply_async(args=["FAILURE"])
+    progress = env.app.tasks["e2e.ignore_with_state"].apply_async(args=["PROGRESS"])
     bare = env.app.tasks["e2e.ignore"].apply_async()
-    for result in (custom, bare):
+    for result in (custom, progress, bare):
         env.wait_state(result.id, "cancelled")
-    wait_for(lambda: AsyncResult(bare.id, app=env.app).state == "REVOKED", 15, "REVOKED")
+    for result in (progress, bare):  # a report on the way is not an end: REVOKED
+        wait_for(lambda r=result: AsyncResult(r.id, app=env.app).state == "REVOKED", 15,
+                 "REVOKED")
     kept = AsyncResult(custom.id, app=env.app)
     assert kept.state == "FAILURE"
     assert "custom failure" in str(kept.result)

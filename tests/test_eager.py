@@ -239,3 +239,11 @@ def test_an_app_without_install_raises_not_installed_as_a_worker_call_would() ->
 
     with pytest.raises(NotInstalled, match="install"):
         add.delay(1, 2)
+
+
+def test_a_callback_json_cannot_carry_is_refused_at_the_call_as_on_a_worker(app: Celery) -> None:
+    add = app.tasks["eager.add"]
+    with pytest.raises(InvalidJob) as caught:
+        add.apply_async((1, 2), link=add.s(datetime.now(timezone.utc)))
+    assert [path for path, _ in caught.value.violations] == ["link[0].args[0]"]
+    assert app.runs == []  # type: ignore[attr-defined]

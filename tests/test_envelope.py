@@ -308,6 +308,7 @@ def test_timestamp_needs_zone(field: str, value: Any) -> None:
 
 
 @pytest.mark.parametrize(("value", "says"), [
+    ("9999-12-31T23:59:60Z", "date, time or offset is out of range"),
     ("2030-01-02T03:04:05", "the time zone is missing"),
     ("2030-01-02T03:04:05+25:00", "offsets are at most ±23:59"),
     ("2030-01-02T24:00:00Z", "date, time or offset is out of range"),
@@ -656,6 +657,18 @@ def test_an_extension_named_schema_uri_stays_one() -> None:
     job = parse_envelope(env(schema_uri="urn:b", schema="urn:a"))
     assert job.to_dict()["schema"] == "urn:a" and job.to_dict()["schema_uri"] == "urn:b"
     assert "schema" not in parse_envelope(env(schema_uri="urn:b")).to_dict()
+    other = parse_envelope(env(schema_uri="urn:b", schema="urn:z", id=job.id))
+    assert not job.same_request(other)  # the schema differs
+
+
+def test_the_queue_rpc_replies_to_is_not_part_of_the_request() -> None:
+    """The same call from another thread or process (another reply queue) is the same job."""
+    job = parse_envelope(env(id=UUID7))
+    one = job.model_copy(update={"x_celery_options": {"reply_to": "a", "link": None}})
+    two = job.model_copy(update={"x_celery_options": {"reply_to": "b", "link": None}})
+    assert one.same_request(two)
+    linked = job.model_copy(update={"x_celery_options": {"reply_to": "a", "link": "x"}})
+    assert not one.same_request(linked)
 
 
 def test_to_json_is_compact_one_line_and_omits_absent_fields() -> None:

@@ -571,6 +571,10 @@ def test_a_worker_beat_extending_an_attempt_is_a_job_heartbeat_event() -> None:
     assert data["worker_id"] == W1 and data["attempt"] == 1
     assert data["visible_until"] == ts(T0 + 140)
     assert lifecycle.extend(record, record.token + 1, W1, T0 + 20, stall=True).events == []
+    # the handler's heartbeats are the job's (x_heartbeat, or the task's heartbeat="handler")
+    assert lifecycle.extend(record, record.token, W1, T0 + 20, stall=False).events == []
+    handler = started(at=T0 + 1, x_heartbeat="handler")
+    assert lifecycle.extend(handler, handler.token, W1, T0 + 20, stall=True).events == []
 
 
 def test_heartbeat_fencing() -> None:

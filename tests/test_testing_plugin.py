@@ -123,7 +123,9 @@ def ojs_worker_arguments():
 
 
 def test_an_ordinary_test_reads_the_backend_first():
-    assert app.backend is not None  # made for the production settings, before the fixtures
+    # made for the production settings, before the fixtures
+    assert app.backend is not None
+    assert app.pool is not None and app.amqp.producer_pool is not None
 
 
 def test_results_come_from_the_test_backend(ojs_app, ojs_worker):

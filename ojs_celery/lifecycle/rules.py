@@ -794,9 +794,9 @@ def extend(record: Record, token: int, worker_id: str, now: float, *, stall: boo
     (extension ``x_heartbeat: "handler"``)."""
     if record.token != token:
         return rejected("stale")
-    handler_only = record.job.extensions.get("x_heartbeat") == "handler"
-    done = heartbeat(record, record.job.attempt, worker_id, now, stall=stall and not handler_only)
-    if done.applied and done.record is not None:
+    worker_beats = stall and record.job.extensions.get("x_heartbeat") != "handler"
+    done = heartbeat(record, record.job.attempt, worker_id, now, stall=worker_beats)
+    if worker_beats and done.record is not None:  # the beat is the job's heartbeat
         j = done.record.job
         done.events.append(("job.heartbeat", _base(
             j, worker_id=worker_id, attempt=j.attempt,

@@ -97,7 +97,12 @@ class Beater:
         stall = getattr(request.task, "heartbeat", "worker") != "handler"
         done = node.runtime.store.extend(request.id, token, node.worker_id, stall=stall, now=now)
         if done.applied:
-            node.runtime.emit(done)  # job.heartbeat
+            # job.heartbeat: at an attempt's first beat, then every HEARTBEAT_EVENT_EVERY
+            # beats, as worker.heartbeat (the bus is no place for every beat of every job)
+            beats = getattr(request, "_ojs_beats", 0)
+            request._ojs_beats = beats + 1
+            if beats % HEARTBEAT_EVENT_EVERY == 0:
+                node.runtime.emit(done)
         elif done.reason not in ("stale", "not_active", "unknown_job"):
             logger.info("ojs_celery: beat did not extend job %s (%s)", request.id, done.reason)
 
