@@ -85,7 +85,7 @@ def apply_eagerly(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -
     task_id = _job_id(options.pop("task_id", None))
     # the arguments as the handler gets them from a message (tuples as lists, keys as text),
     # as Celery's own eager apply_async does
-    serializer = options.get("serializer") or task.app.conf.task_serializer
+    serializer = options.get("serializer") or task.serializer or task.app.conf.task_serializer
     content_type, encoding, data = serialization.dumps(  # type: ignore[no-untyped-call]
         (args, kwargs), serializer)
     args, kwargs = serialization.loads(  # type: ignore[no-untyped-call]

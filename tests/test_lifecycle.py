@@ -1211,3 +1211,16 @@ def test_the_sweep_breaks_ties_in_the_documented_order() -> None:
         "total", "enqueue_ttl", "execution", "stall", "visibility", "worker", "dispatch",
         "promote", "redispatch", "retention",
     ]
+
+
+@pytest.mark.parametrize(("meta", "trace"), [
+    ({"trace_id": "abc"}, "abc"),
+    ({"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"},
+     "4bf92f3577b34da6a3ce929d0e0e4736"),
+    ({"traceparent": f"00-{'0' * 32}-00f067aa0ba902b7-01"}, None),  # W3C: invalid
+    ({"traceparent": "garbage"}, None),
+    ({}, None),
+])
+def test_the_trace_id_of_a_jobs_events(meta: dict[str, Any], trace: str | None) -> None:
+    data = lifecycle.with_trace({}, make_job(meta=meta))
+    assert data.get("trace_id") == trace

@@ -348,6 +348,8 @@ def _base(job: Job, **data: Any) -> dict[str, Any]:
 
 #: A W3C ``traceparent``: version, trace id, parent span id, flags.
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-(?P<trace>[0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
+#: The all-zero trace id W3C calls invalid.
+_NO_TRACE = "0" * 32
 
 
 def with_trace(data: dict[str, Any], job: Job) -> dict[str, Any]:
@@ -361,7 +363,7 @@ def with_trace(data: dict[str, Any], job: Job) -> dict[str, Any]:
     if not isinstance(trace, str) or not trace:
         parent = meta.get("traceparent")
         found = _TRACEPARENT.fullmatch(parent) if isinstance(parent, str) else None
-        trace = found["trace"] if found is not None else None
+        trace = found["trace"] if found is not None and found["trace"] != _NO_TRACE else None
     if trace:
         data["trace_id"] = trace
     return data
