@@ -372,7 +372,7 @@ class Job(BaseModel):
             return handler(value)
         if not isinstance(value, str) or not _RFC3339_START.match(value):
             raise ValueError(_RFC3339_RULE)
-        leap = _LEAP_SECOND.fullmatch(value)
+        leap = _LEAP_SECOND.fullmatch(value) if ":60" in value else None
         try:
             if leap is None:
                 return handler(value)
