@@ -161,7 +161,11 @@ class OJSTask(Task):  # type: ignore[misc]
         ``args``/``kwargs`` replacing the job's for the next attempts. For a job with OJS
         semantics the retry policy decides, and an explicit delay replaces the backoff.
         ``throw=False`` returns the ``Retry`` and fails the attempt when the handler returns.
+        A :class:`JobError` that is not retryable is final, whatever retries it (``autoretry_for``
+        catching ``Exception`` included): it is raised, not retried.
         """
+        if isinstance(exc, JobError) and not exc.retryable:
+            raise exc
         ctx = maybe_current_job()
         if ctx is not None and (args is not None or kwargs is not None) and (
                 not self.request.is_eager or in_place_of_a_call()):

@@ -235,6 +235,12 @@ def make_app(config: dict[str, Any]) -> Celery:
         }
         raise errors[name]
 
+    @app.task(shared=False, name="e2e.final_under_autoretry", base=OJSTask,
+              autoretry_for=(Exception,), max_retries=3)
+    def final_under_autoretry() -> None:
+        record(directory, "runs", f"final_under_autoretry {current_job().job_id}")
+        raise JobError("declined", type="declined", retryable=False)
+
     @app.task(shared=False, name="e2e.replacer", base=OJSTask, bind=True)
     def replacer(self: OJSTask, x: int) -> None:
         """Celery's ``self.replace``, which an OJS job refuses with a final error."""

@@ -246,6 +246,14 @@ def test_an_exception_awkward_to_record_fails_the_attempt_with_its_own_error(env
     assert isinstance(backtrace, list) and sum(len(str(line)) for line in backtrace) <= 10_000
 
 
+def test_a_final_job_error_is_final_under_autoretry_for_exception(env: Env) -> None:
+    result = env.app.tasks["e2e.final_under_autoretry"].apply_async()
+    job = env.wait_state(result.id, "discarded")
+    assert job.attempt == 1 and job.error is not None and job.error["type"] == "declined"
+    assert [line for line in env.lines("runs") if result.id in line] == [
+        f"final_under_autoretry {result.id}"]
+
+
 def test_self_replace_fails_the_job_at_once_saying_it_is_not_supported(env: Env) -> None:
     """Not a DuplicateJob of the replacement, nor a job cancelled behind a result that waits
     for ever."""

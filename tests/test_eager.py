@@ -15,7 +15,7 @@ from celery import Celery, Task, chain, group
 from celery.exceptions import MaxRetriesExceededError
 from pydantic import BaseModel
 
-from ojs_celery import InvalidJob, OJSTask, current_job, install
+from ojs_celery import InvalidJob, JobError, OJSTask, current_job, install
 from ojs_celery.runtime import NotInstalled
 
 
@@ -247,3 +247,18 @@ def test_a_callback_json_cannot_carry_is_refused_at_the_call_as_on_a_worker(app:
         add.apply_async((1, 2), link=add.s(datetime.now(timezone.utc)))
     assert [path for path, _ in caught.value.violations] == ["link[0].args[0]"]
     assert app.runs == []  # type: ignore[attr-defined]
+
+
+def test_a_final_job_error_is_not_retried_by_autoretry_for_exception(app: Celery) -> None:
+    """``JobError(retryable=False)`` (self.replace()'s refusal among them) ends the job
+    whatever retries it: Celery's autoretry_for=(Exception,) would otherwise run it again."""
+
+    @app.task(shared=False, name="eager.final", base=OJSTask, bind=True,
+              autoretry_for=(Exception,), max_retries=3)
+    def final(self: OJSTask) -> None:
+        app.runs.append(("final", self.request.retries))  # type: ignore[attr-defined]
+        raise JobError("declined", type="declined", retryable=False)
+
+    result = final.delay()
+    assert result.state == "FAILURE" and isinstance(result.result, JobError)
+    assert app.runs == [("final", 0)]  # type: ignore[attr-defined]
