@@ -48,7 +48,8 @@ def test_every_event_of_a_job_with_trace_context_carries_its_trace_id(env: Env) 
 
 def test_scheduled_and_heartbeat_events_reach_the_bus(env: Env) -> None:
     """OJS's catalog: job.scheduled for a job that waits for its scheduled_at, job.heartbeat
-    for each worker beat that extends a running attempt (one every heartbeat_interval, 5 s)."""
+    for the worker beats that keep a running attempt alive (the first one within a
+    heartbeat_interval, 5 s, of the start)."""
     soon = (datetime.now(timezone.utc) + timedelta(seconds=1)).isoformat()
     scheduled = enqueue({"type": "e2e.add", "args": [1, 2], "scheduled_at": soon}, app=env.app)
     long = enqueue({"type": "e2e.sleep", "args": [8]}, app=env.app)
