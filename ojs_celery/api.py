@@ -197,9 +197,46 @@ def publish_rules(runtime: Runtime) -> Rules:
     def rules(data: dict[str, Any]) -> list[tuple[str, str]]:
         queue = data.get("queue")
         return publish_violations(runtime, data.get("type"), DEFAULT_QUEUE if queue is None
-                                  else queue)
+                                  else queue) + beat_violations(runtime, data)
 
     return rules
+
+
+def beat_violations(runtime: Runtime, data: dict[str, Any]) -> list[tuple[str, str]]:
+    """A ``visibility_timeout`` (and, unless the handler heartbeats, a ``heartbeat_timeout``)
+    shorter than twice the workers' ``heartbeat_interval`` (this app's setting): the beats that
+    keep a running job alive come that far apart, so such a job would be declared stalled or
+    invisible between two beats of a healthy worker, every attempt."""
+    interval = runtime.settings.heartbeat_interval
+    floor = 2 * interval
+    found: list[tuple[str, str]] = []
+    for name in ("heartbeat_timeout", "visibility_timeout"):
+        value = data.get(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value >= floor:
+            continue
+        if name == "heartbeat_timeout" and _handler_heartbeats(runtime, data):
+            continue
+        rule = (f"must be at least {floor:g}s, twice the workers' heartbeat_interval "
+                f"({interval:g}s): their beats keep a running job alive, and a shorter one "
+                "ends healthy jobs between two beats")
+        if name == "heartbeat_timeout":
+            rule += ' (or set "x_heartbeat": "handler" and heartbeat from the handler)'
+        found.append((name, rule))
+    return found
+
+
+def _handler_heartbeats(runtime: Runtime, data: dict[str, Any]) -> bool:
+    """Whether only the handler's heartbeats count for this job (its ``x_heartbeat``, or its
+    task's ``heartbeat = "handler"``)."""
+    if data.get("x_heartbeat") == "handler":
+        return True
+    job_type = data.get("type")
+    try:
+        task = runtime.app.tasks[runtime.task_name_for(job_type)] if isinstance(
+            job_type, str) else None
+    except (UnknownType, KeyError):
+        return False
+    return getattr(task, "heartbeat", "worker") == "handler"
 
 
 def argument_rule(runtime: Runtime, job: Job) -> str | None:

@@ -180,3 +180,23 @@ def test_text_that_cannot_be_a_job_id_names_no_job(app: Celery, job_id: str) -> 
     assert get_job(job_id, app=app) is None
     with pytest.raises(JobNotFound):
         cancel(job_id, app=app)
+
+
+def test_timeouts_shorter_than_two_worker_beats_are_refused(app: Celery) -> None:
+    """The workers' beats (every heartbeat_interval, 5 s here) keep a running job alive: a
+    heartbeat_timeout or visibility_timeout under two of them would end healthy jobs between
+    two beats, every attempt."""
+    found = rejected(app, {"type": "e2e.add", "args": [1, 2], "heartbeat_timeout": 2,
+                           "visibility_timeout": 9})
+    assert [path for path, _ in found] == ["heartbeat_timeout", "visibility_timeout"]
+    assert all("at least 10s, twice the workers' heartbeat_interval (5s)" in rule
+               for _, rule in found)
+    assert '"x_heartbeat": "handler"' in found[0][1]
+    # the handler's own heartbeats: its timeout is its own business (the extension, the task)
+    handler = enqueue({"type": "e2e.add", "args": [1, 2], "heartbeat_timeout": 2,
+                       "x_heartbeat": "handler"}, app=app)
+    assert handler.heartbeat_timeout == 2
+    assert enqueue({"type": "e2e.silent", "args": [1], "heartbeat_timeout": 1},
+                   app=app).heartbeat_timeout == 1
+    assert enqueue({"type": "e2e.add", "args": [1, 2], "heartbeat_timeout": 10,
+                    "visibility_timeout": 10}, app=app).visibility_timeout == 10
