@@ -23,7 +23,13 @@ from celery.app.utils import find_app
 from celery.exceptions import ImproperlyConfigured
 
 from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job
-from .envelope import MAX_BATCH_BYTES, MAX_ENVELOPE_BYTES, DuplicateJob, InvalidJob
+from .envelope import (
+    MAX_BATCH_BYTES,
+    MAX_ENVELOPE_BYTES,
+    DuplicateJob,
+    InvalidJob,
+    utf8_safe,
+)
 from .events import listen
 from .install import install
 from .migration import build_report
@@ -86,7 +92,7 @@ def _line(data: Any) -> None:
 def _one_line(text: object) -> str:
     """``text`` on one line, printable whatever it quotes (a lone surrogate from an argument
     that was not UTF-8 is written as ``\\udcxx``, not raised)."""
-    return " ".join(str(text).encode("utf-8", "backslashreplace").decode().split())
+    return " ".join(utf8_safe(str(text)).split())
 
 
 def _fail(lines: list[str], status: int) -> NoReturn:

@@ -682,7 +682,7 @@ def parse_envelope(
         clean["retry"] = {k: v for k, v in clean["retry"].items() if v is not None}
     violations: list[tuple[str, str]] = []
     for key, rule in _field_violations_before_model(clean):
-        violations.append((str(key).encode("utf-8", "backslashreplace").decode(), rule))
+        violations.append((utf8_safe(str(key)), rule))
         del clean[key]  # checked already: pydantic would only add noise (or recurse)
     named = {path for path, _ in violations}
     if "args" in clean and not isinstance(clean["args"], list):
@@ -809,6 +809,14 @@ _MESSAGE_BODY_FIELDS = frozenset({"args", CELERY_KWARGS_FIELD})
 _KOMBU_TAG_KEYS = frozenset({"__type__", "__value__"})
 _KOMBU_TAG_RULE = ('must not hold an object with exactly the keys "__type__" and "__value__" '
                    "(kombu's JSON reads it as a typed value, not as data)")
+
+
+def utf8_safe(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a lone surrogate) escaped as ``\\udcxx``: a
+    field name, an error message or a CLI line that can always be written."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _utf8_key(key: Any) -> bool:

@@ -20,7 +20,7 @@ from billiard.exceptions import SoftTimeLimitExceeded
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import lifecycle
-from .envelope import JsonValue
+from .envelope import JsonValue, utf8_safe
 
 
 class JobError(Exception):
@@ -77,12 +77,12 @@ def error_from_exception(exc: BaseException) -> dict[str, JsonValue]:
     backtrace: list[JsonValue] = []
     room = MAX_ERROR_CHARS
     for line in reversed(frames):  # the innermost frames and the exception line matter most
-        text = _shortened(_storable(line.rstrip("\n")), room)
+        text = _shortened(utf8_safe(line.rstrip("\n")), room)
         if not text:
             break
         backtrace.insert(0, text)
         room -= len(text)
-    return lifecycle.make_error(_shortened(_storable(type_), 200), said(exc),
+    return lifecycle.make_error(_shortened(utf8_safe(type_), 200), said(exc),
                                 backtrace=backtrace)
 
 
@@ -92,14 +92,7 @@ def said(exc: BaseException) -> str:
         text = str(exc)
     except Exception:  # a __str__ that raises: the class still names what happened
         text = f"{type(exc).__name__} (its message could not be read)"
-    return _shortened(_storable(text), MAX_ERROR_CHARS) or type(exc).__name__
-
-
-def _storable(text: str) -> str:
-    """``text`` with what UTF-8 cannot encode (lone surrogates) escaped as ``\\udXXX``."""
-    if text.isascii():
-        return text
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return _shortened(utf8_safe(text), MAX_ERROR_CHARS) or type(exc).__name__
 
 
 def _shortened(text: str, limit: int) -> str:
