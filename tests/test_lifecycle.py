@@ -1168,8 +1168,10 @@ def test_a_job_waiting_too_long_for_its_message_gets_it_once_more() -> None:
     assert transition.publish == Publish(record.job.id, 1, None)  # same token: fencing dedups
     assert again.token == record.token and again.job.attempt == 0 and not again.job.errors
     assert again.dispatch_due == T0 + 100 + policy.dispatch_grace
-    assert REDISPATCH.deadline(again, policy) == T0 + 200  # once per redispatch_after
+    assert REDISPATCH.deadline(again, policy) == T0 + 200  # as long as it has waited
     assert resend(again, T0 + 150, policy).reason == "not_due"
+    third = applied(resend(again, T0 + 200, policy))
+    assert REDISPATCH.deadline(third, policy) == T0 + 400  # the wait doubles with each copy
     active = applied(start(again, 1, W1, T0 + 150, policy))
     assert REDISPATCH.deadline(active, policy) is None
     assert resend(active, T0 + 500, policy).reason == "not_waiting"

@@ -3,6 +3,7 @@ explicit clocks: what is due is enforced once, whoever sweeps."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing
 import pathlib
@@ -557,6 +558,23 @@ def test_a_job_whose_message_is_gone_is_published_again_after_redispatch_after(
     record = runtime.store.get_record(job.id)
     assert record is not None and record.token == 1 and record.job.state == "available"
     assert sweep(runtime, now=sent + 3601 + 3599).total == 0
+
+
+def test_a_backlog_gets_copies_of_its_messages_at_doubling_intervals(app: Celery) -> None:
+    """Jobs that wait behind a backlog (no worker for hours) still have their messages: a copy
+    every ``redispatch_after`` (one hour) would grow the queue by the whole backlog each time.
+    Swept every six minutes for ten hours, a waiting job gets four copies, each after at least
+    twice the wait of the one before (1, 2, 4, 8 hours, give or take a sweep), not ten."""
+    runtime = runtime_of(app)
+    job = enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+    sent = job.created_at.timestamp()  # type: ignore[union-attr]
+    copies: list[float] = []
+    for sweeps in range(1, 101):
+        waited = sweeps * 360 + 1
+        copies += [waited] * sweep(runtime, now=sent + waited).published
+    assert len(copies) == 4 and copies[0] == 3601
+    assert all(later >= 2 * earlier for earlier, later in itertools.pairwise(copies))
+    assert len(messages(app)) == 5  # the first and four copies: fencing drops all but one
 
 
 def test_a_dead_workers_attempt_its_last_beat_did_not_list_fails_at_once(app: Celery) -> None:

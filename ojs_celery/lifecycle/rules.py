@@ -921,15 +921,26 @@ def _claim(record: Record, now: float, policy: Policy) -> Transition:
 
 def waiting_deadline(record: Record, policy: Policy) -> float | None:
     """When a job waiting for a message it was sent (no outbox entry needed, nothing held in
-    the store) is owed that message once more: ``redispatch_after`` past the later of its last
-    publish and the time the message is meant for. None: not waiting for a sent message."""
-    if record.job.state not in STARTABLE or record.promote_at is not None:
+    the store) is owed that message once more: past the later of its last publish and the time
+    the message is meant for, by ``redispatch_after`` or by as long as the job has waited
+    since its message was first meant to run, whichever is longer. None: not waiting for a
+    sent message.
+
+    The wait doubles with each copy (``redispatch_after``, then 2, 4, 8 times it after the
+    first): a job behind a backlog (no worker for hours) would otherwise get one more message
+    every ``redispatch_after`` and the queue grow by its whole backlog each time, while the
+    copies that wait in it are its messages, not lost ones."""
+    job = record.job
+    if job.state not in STARTABLE or record.promote_at is not None:
         return None
     published = record.extended_at
     if published is None:  # written before the backstop existed
         return None
-    eta = message_eta(record.job)
-    return max(published, eta or published) + policy.redispatch_after
+    eta = message_eta(job)
+    sent_for = max(published, eta or published)
+    first = eta if eta is not None else job.created_at.timestamp() if job.created_at else None
+    waited = sent_for - first if first is not None else 0.0
+    return sent_for + max(policy.redispatch_after, waited)
 
 
 def resend(record: Record, now: float, policy: Policy) -> Transition:
