@@ -311,7 +311,9 @@ def _bury_dead_workers(
         info = store.workers.get(worker_id)
         if info is None or not clock.is_dead(info.last_beat, now, policy, spell):
             continue  # it beat meanwhile, or its silence fell in a blind spell
-        if not store.workers.remove(worker_id):
+        if not store.remove_worker(
+            worker_id, [*info.active_job_ids, *info.reserved_job_ids]
+        ):
             continue  # another sweeper took it
         buried.add(worker_id)
         report.applied[clock.name] += 1

@@ -909,6 +909,17 @@ def test_directive_is_one_shot(store: JobStore) -> None:
     assert store.meta.pending_directive("w-1") is None
 
 
+def test_a_removed_worker_takes_its_directive_and_drain_marks_along(store: JobStore) -> None:
+    store.workers.save(WorkerInfo(worker_id="w-3", hostname="h", pid=1, last_beat=10.0))
+    store.meta.send_directive("w-3", "terminate")
+    store.meta.mark_draining("w-3", "job-a")
+    assert store.remove_worker("w-3", ["job-a"])
+    assert store.workers.get("w-3") is None
+    assert store.meta.pending_directive("w-3") is None
+    assert not store.meta.is_draining("w-3", "job-a")
+    assert not store.remove_worker("w-3")  # another sweeper removed it first
+
+
 def test_directive_races_give_the_value_once(store: JobStore) -> None:
     store.meta.send_directive("w-2", "terminate")
     taken: list[str | None] = []

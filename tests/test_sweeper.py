@@ -599,6 +599,27 @@ def test_a_dead_workers_attempt_its_last_beat_did_not_list_fails_at_once(app: Ce
     assert store.get(other.id).state == "active"  # type: ignore[union-attr]
 
 
+def test_a_dead_worker_leaves_nothing_behind_in_the_store(app: Celery) -> None:
+    """What was left for a worker (a directive sent before it died, the drain's mark of a job
+    it was cancelling) goes with it when it is declared dead: nothing else would remove it,
+    and every worker comes back under a new id."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    wall = time.time()
+    job = enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+    assert store.start(job.id, 1, "worker_gone", now=wall - 100).applied
+    store.workers.save(WorkerInfo(worker_id="worker_gone", hostname="h", pid=1,
+                                  last_beat=wall - 100, active_job_ids=[job.id]))
+    store.meta.send_directive("worker_gone", "quiet")
+    store.meta.mark_draining("worker_gone", job.id)
+    store.meta.send_directive("worker_alive", "quiet")
+    store.workers.save(WorkerInfo(worker_id="worker_alive", hostname="h", pid=2, last_beat=wall))
+    assert sweep(runtime, now=wall + 0.5).applied["worker"] == 1
+    assert store.meta.pending_directive("worker_gone") is None
+    assert not store.meta.is_draining("worker_gone", job.id)
+    assert store.meta.pending_directive("worker_alive") == "quiet"
+
+
 def test_silence_in_a_blind_spell_is_not_a_death(app: Celery) -> None:
     """A Redis pause longer than the worker heartbeat timeout stops every beat and every sweep
     alike: the first sweep after it must not declare live workers dead (their running jobs

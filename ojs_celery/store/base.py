@@ -25,7 +25,7 @@ import re
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from pydantic_core import PydanticSerializationError
@@ -456,6 +456,15 @@ class JobStore(ABC):
         """:meth:`_insert`, possibly sent now and answered later (default: right away)."""
         inserted = self._insert(record, deadlines)
         return lambda: inserted
+
+    def remove_worker(self, worker_id: str, job_ids: Iterable[str] = ()) -> bool:
+        """Remove a worker's record and what was left for it in the meta area (a directive,
+        the drain's marks of ``job_ids``): at its shutdown, or when a sweeper declares it
+        dead. False if there was no record (another sweeper removed it first)."""
+        removed = self.workers.remove(worker_id)
+        if removed:
+            self.meta.forget_worker(worker_id, job_ids)
+        return removed
 
     def get(self, job_id: str) -> Job | None:
         record = self._load(job_id)

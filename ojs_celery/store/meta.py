@@ -11,6 +11,7 @@ methods. The area lives on the same backend as the jobs (see :mod:`.base`), reac
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 
 from ..lifecycle import BlindSpell
 
@@ -61,6 +62,14 @@ class MetaArea(ABC):
     def pending_directive(self, worker_id: str) -> str | None:
         """The directive waiting for ``worker_id``, left in place (for display)."""
         return self._get(directive_key(worker_id))
+
+    def forget_worker(self, worker_id: str, job_ids: Iterable[str] = ()) -> None:
+        """Delete what was left for a worker that is gone: a directive it never took, and the
+        drain's marks of ``job_ids`` (its jobs, if it died draining). Nothing else removes
+        them, and every worker id is new."""
+        self._take(directive_key(worker_id))
+        for job_id in job_ids:
+            self._take(draining_key(worker_id, job_id))
 
     # ------------------------------------------------------------------ shutdown drain
 

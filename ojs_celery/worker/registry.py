@@ -35,7 +35,7 @@ class Registry:
         return directive, known
 
     def deregister(self) -> None:
-        self.runtime.store.workers.remove(self.worker_id)
+        self.runtime.store.remove_worker(self.worker_id)
 
     def mark_draining(self, job_id: str) -> None:
         self.runtime.store.meta.mark_draining(self.worker_id, job_id)
