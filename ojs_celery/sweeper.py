@@ -152,7 +152,8 @@ def _enforce_clock(
             return
         if rule is None:  # the registry is read only when something is due, once a pass
             workers = None if clock.defers_to is None else {
-                info.worker_id: Heard(info.last_beat, info.time_limits)
+                info.worker_id: Heard(info.last_beat, info.time_limits,
+                                         info.heartbeat_timeout)
                 for info in store.workers.all()}
             rule = clock.rule(now, policy, spell, workers)
         claimed = _enforce(runtime, clock.name, due, rule, now, report)
@@ -309,8 +310,9 @@ def _bury_dead_workers(
     buried: set[str] = set()
     for worker_id in store.workers.stale(cutoff, limit):
         info = store.workers.get(worker_id)
-        if info is None or not clock.is_dead(info.last_beat, now, policy, spell):
-            continue  # it beat meanwhile, or its silence fell in a blind spell
+        if info is None or not clock.is_dead(info.last_beat, now, policy, spell,
+                                             info.heartbeat_timeout):
+            continue  # it beat meanwhile, its own timeout is longer, or a blind spell
         if not store.remove_worker(
             worker_id, [*info.active_job_ids, *info.reserved_job_ids]
         ):

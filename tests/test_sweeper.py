@@ -620,6 +620,35 @@ def test_a_dead_worker_leaves_nothing_behind_in_the_store(app: Celery) -> None:
     assert store.meta.pending_directive("worker_alive") == "quiet"
 
 
+def test_a_worker_is_judged_by_its_own_heartbeat_timeout_where_it_is_longer(
+    app: Celery,
+) -> None:
+    """Workers whose beats come further apart than this sweeper's settings expect (another
+    app on the same store; a deploy that lengthened ``heartbeat_interval`` and
+    ``worker_heartbeat_timeout``, its workers first) say so in their record: the sweeper waits
+    for their own timeout before declaring them dead, or a healthy worker's running job failed
+    with ``worker_death`` between two of its beats and ran again. A shorter one of their own
+    does not hasten it."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    timeout = runtime.settings.worker_heartbeat_timeout
+    wall = time.time()
+    job = enqueue({"type": "e2e.add", "args": [1, 2], "heartbeat_timeout": 3600,
+                   "visibility_timeout": 3600}, app=app)  # its own clocks stay quiet
+    assert store.start(job.id, 1, "worker_slow_beats", now=wall).applied
+    for worker_id, own in (("worker_slow_beats", 4 * timeout), ("worker_quick", timeout / 2)):
+        store.workers.save(WorkerInfo(worker_id=worker_id, hostname="h", pid=1, last_beat=wall,
+                                      heartbeat_timeout=own,
+                                      active_job_ids=[job.id] if own > timeout else []))
+    assert sweep(runtime, now=wall + timeout - 1).applied["worker"] == 0  # past quick's own
+    assert sweep(runtime, now=wall + timeout + 1).applied["worker"] == 1
+    assert {w.worker_id for w in store.workers.all()} == {"worker_slow_beats"}
+    assert store.get(job.id).state == "active"  # type: ignore[union-attr]
+    report = sweep(runtime, now=wall + 4 * timeout + 1)
+    assert report.applied["worker"] == 1
+    assert [e["type"] for e in store.get(job.id).errors] == ["worker_death"]  # type: ignore[union-attr]
+
+
 def test_silence_in_a_blind_spell_is_not_a_death(app: Celery) -> None:
     """A Redis pause longer than the worker heartbeat timeout stops every beat and every sweep
     alike: the first sweep after it must not declare live workers dead (their running jobs

@@ -91,11 +91,13 @@ AWAITING_WORKER = "awaiting_worker"
 
 
 class Heard(NamedTuple):
-    """A registered worker as the clocks see it: its last beat, and whether its pool ends an
-    attempt at the hard time limit by itself (``WorkerInfo.time_limits``)."""
+    """A registered worker as the clocks see it: its last beat, whether its pool ends an
+    attempt at the hard time limit by itself (``WorkerInfo.time_limits``) and its own worker
+    heartbeat timeout (``WorkerInfo.heartbeat_timeout``, 0 if not known)."""
 
     last_beat: float
     time_limits: bool
+    heartbeat_timeout: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -158,10 +160,12 @@ class Clock:
 
 @dataclass(frozen=True)
 class WorkerClock:
-    """Worker liveness: due at ``last_beat + worker_heartbeat_timeout``. The worker is then
-    declared dead: its active attempts fail with ``worker_death`` (retried per policy) and the
-    jobs it held but never started are dispatched again (same token, no attempt used). Its
-    silence during a :class:`BlindSpell` does not count (see :meth:`is_dead`)."""
+    """Worker liveness: due at ``last_beat + worker_heartbeat_timeout``, or the worker's own
+    timeout where it is longer (its beats may be further apart than this process's settings
+    expect). The worker is then declared dead: its active attempts fail with ``worker_death``
+    (retried per policy) and the jobs it held but never started are dispatched again (same
+    token, no attempt used). Its silence during a :class:`BlindSpell` does not count (see
+    :meth:`is_dead`)."""
 
     name: str = "worker"
 
@@ -169,13 +173,17 @@ class WorkerClock:
         return last_beat + policy.worker_heartbeat_timeout
 
     def cutoff(self, now: float, policy: Policy) -> float:
-        """Workers whose last beat is at or before this time are due."""
+        """Workers whose last beat is at or before this time may be due (those whose own
+        timeout is longer are not yet: see :meth:`is_dead`)."""
         return now - policy.worker_heartbeat_timeout
 
     def is_dead(self, last_beat: float, now: float, policy: Policy,
-                spell: BlindSpell | None = None) -> bool:
+                spell: BlindSpell | None = None, own_timeout: float = 0.0) -> bool:
+        """Silent for the worker heartbeat timeout: this process's, or ``own_timeout``, the
+        worker's own, if that is longer."""
         heard = last_beat if spell is None else spell.heard(last_beat)
-        return heard <= self.cutoff(now, policy)
+        return heard <= self.cutoff(now, policy) - max(
+            own_timeout - policy.worker_heartbeat_timeout, 0.0)
 
     def claims(self, owner: Heard | None, deadline: float, now: float, policy: Policy,
                spell: BlindSpell | None = None) -> bool:
@@ -192,8 +200,9 @@ class WorkerClock:
         should have declared dead long ago: nothing waits on it for ever."""
         if owner is None or not owner.time_limits or owner.last_beat >= deadline:
             return False
-        return not self.is_dead(owner.last_beat, now - policy.worker_heartbeat_timeout, policy,
-                                spell)
+        timeout = max(policy.worker_heartbeat_timeout, owner.heartbeat_timeout)
+        return not self.is_dead(owner.last_beat, now - timeout, policy, spell,
+                                owner.heartbeat_timeout)
 
     def active_rule(self, worker_id: str, now: float, policy: Policy) -> Rule:
         return partial(orphaned, worker_id=worker_id, now=now, policy=policy)

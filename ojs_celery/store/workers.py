@@ -30,6 +30,10 @@ class WorkerInfo:
     #: then leaves an attempt past its deadline to the worker clock while the worker is silent.
     #: False when not known (the record of an older version).
     time_limits: bool = False
+    #: Its own ``worker_heartbeat_timeout``: a sweeper whose setting is shorter (another app
+    #: on the store, a deploy that lengthened the beats) waits this long before declaring it
+    #: dead. 0: not known (the record of an older version).
+    heartbeat_timeout: float = 0.0
     started_at: float = 0.0
     state: str = "running"
     directive: str | None = None

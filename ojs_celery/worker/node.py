@@ -125,6 +125,7 @@ class WorkerNode:
             concurrency=int(concurrency),
             labels=list(self.settings.labels),
             time_limits=self.time_limits,
+            heartbeat_timeout=self.settings.worker_heartbeat_timeout,
             started_at=self.started_at,
             state=self.state,
             last_beat=time.time(),
