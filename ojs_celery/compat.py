@@ -287,8 +287,26 @@ def require_store_extra(url: str) -> None:
     (``postgresql+psycopg2://``) is left to SQLAlchemy."""
     dialect, driver = _scheme(url)
     if dialect in ("postgresql", "postgres") and driver not in (None, "psycopg"):
+        _require_driver(url, driver)
         return
     _require(_STORE_EXTRAS.get(dialect), f"the job store {_shown(url)}")
+
+
+def _require_driver(url: str, driver: str | None) -> None:
+    """Raise :class:`MissingExtra` when SQLAlchemy cannot load the driver a URL names
+    (``postgresql+psycopg2://`` without psycopg2): the error would otherwise come from the
+    first enqueue, as a traceback."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        make_url(url).get_dialect().import_dbapi()
+    except (ImportError, NoSuchModuleError, ArgumentError) as exc:
+        raise MissingExtra(
+            f"the job store {_shown(url)} names the driver {driver!r}, which cannot be loaded "
+            f"({exc}): install it, or use postgresql://... (psycopg 3, the ojs-celery[postgres] "
+            "extra)"
+        ) from None
 
 
 def require_broker_extra(url: str | None) -> None:

@@ -198,6 +198,21 @@ def test_store_url_scheme_is_checked_when_the_settings_are_read() -> None:
         read_settings({"store_url": "mongodb://localhost/ojs"})
 
 
+def test_a_store_url_naming_a_driver_that_cannot_be_loaded_is_a_settings_error() -> None:
+    """``postgresql+psycopg2://`` without psycopg2 (which no extra installs): a clear line
+    when the settings are read, not a traceback at the first enqueue."""
+    pytest.importorskip("sqlalchemy")
+    try:
+        import psycopg2  # noqa: F401
+        pytest.skip("psycopg2 is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(ImproperlyConfigured,
+                       match=r"ojs\.store_url: .*names the driver 'psycopg2', which cannot be "
+                             r"loaded \(No module named 'psycopg2'\)"):
+        read_settings({"store_url": "postgresql+psycopg2://postgres:secret@127.0.0.1/test"})
+
+
 def test_a_store_url_whose_extra_is_missing_names_the_extra(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
