@@ -28,6 +28,8 @@ from .envelope import (
     MAX_ENVELOPE_BYTES,
     DuplicateJob,
     InvalidJob,
+    format_timestamp,
+    from_epoch,
     utf8_safe,
 )
 from .events import listen
@@ -191,6 +193,9 @@ def cancel_command(ctx: click.Context, job_id: str) -> None:
 def events_command(ctx: click.Context, limit: int | None, timeout: float | None) -> None:
     """Print every OJS event from every process, one compact JSON line each, as they happen."""
     app = _app(ctx)
+    if not get_runtime(app).settings.events:
+        click.echo("warning: this app's ojs.events setting is false: its own processes emit no "
+                   "events (other apps' on the same exchange still show)", err=True)
     ready = threading.Event()
     threading.Thread(target=_announce, args=(ready,), daemon=True).start()
     try:
@@ -259,7 +264,10 @@ def _worker_rows(app: Celery) -> list[dict[str, Any]]:
             "worker_id": info.worker_id, "hostname": info.hostname, "pid": info.pid,
             "nodename": info.nodename, "state": info.state,
             "directive": store.meta.pending_directive(info.worker_id),
-            "queues": info.queues, "concurrency": info.concurrency,
+            "queues": info.queues, "concurrency": info.concurrency, "labels": info.labels,
+            "started_at": format_timestamp(from_epoch(info.started_at)) if info.started_at
+            else None,
+            "heartbeat_timeout": info.heartbeat_timeout or None,
             "active_jobs": len(info.active_job_ids),
             "last_beat_age": round(now - info.last_beat, 3),
         })

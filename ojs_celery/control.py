@@ -56,7 +56,7 @@ def ojs_terminate(state: Any, job_id: str, token: int, **_: Any) -> dict[str, An
             logger.warning("ojs_celery: this pool cannot stop job %s; its late outcome will "
                            "be rejected", job_id)
             return {"ok": "not terminable on this pool"}
-        logger.warning("ojs_celery: stopped job %s (token %s): its attempt was recovered",
-                       job_id, token)
+        logger.warning("ojs_celery: stopped job %s (token %s): the job store ended its attempt "
+                       "(cancelled, timed out or recovered)", job_id, token)
         return {"ok": "terminated"}
     return {"ok": "not here"}

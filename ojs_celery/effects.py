@@ -21,7 +21,7 @@ from celery.exceptions import TimeLimitExceeded
 from .canvas import celery_context
 from .envelope import Job
 from .lifecycle import Transition
-from .producer import publish, trusted_options
+from .producer import BrokerUnavailable, publish, trusted_options
 from .runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,9 @@ def carry_out(
 
 def log_unpublished(job_id: str, exc: BaseException) -> None:
     """The job is stored and owes a message that could not be sent: the sweeper sends it."""
+    if isinstance(exc, BrokerUnavailable):  # its message says all of that already
+        logger.error("ojs_celery: %s", exc)
+        return
     logger.error("ojs_celery: job %s is stored but its message could not be published (%s); "
                  "the sweeper publishes it later", job_id, exc)
 

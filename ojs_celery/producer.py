@@ -189,8 +189,8 @@ def publish(
                           producer=held, **options)
     except OperationalError as exc:
         raise BrokerUnavailable(
-            f"job {job.id} is stored but the broker is unreachable ({exc}); it stays in the "
-            "outbox and the sweeper publishes it when the broker is back"
+            f"job {job.id} is stored but its message could not be published (broker: {exc}); "
+            "it stays in the outbox and the sweeper publishes it when the broker takes it"
         ) from exc
     if acks is None:
         runtime.acks.ack(job.id, request.token)

@@ -109,6 +109,9 @@ def test_registration_beats_and_listing(env: Env, tmp_path: pathlib.Path) -> Non
         assert mine["active_jobs"] == 1 and mine["directive"] is None
         assert mine["last_beat_age"] < BEAT + SLACK
         assert set(mine) >= {"hostname", "nodename", "queues", "concurrency"}
+        assert mine["labels"] == list(env.app.conf.ojs.get("labels", []))
+        assert mine["started_at"].endswith("Z")
+        assert mine["heartbeat_timeout"] == get_runtime(env.app).settings.worker_heartbeat_timeout
         env.wait_state(job.id, "completed")
         types = env.wait_events(info.worker_id,
                                 lambda t: "worker.started" in t and "worker.heartbeat" in t)

@@ -17,6 +17,8 @@ from ...runtime import get_runtime
 #: The Django setting naming the Celery app (``"proj.celery:app"`` or ``"proj.celery.app"``);
 #: without it, the current Celery app (the one ``proj/__init__.py`` imports) is used.
 APP_SETTING = "OJS_CELERY_APP"
+#: The name of the app Celery makes when none was created (``current_app`` then).
+DEFAULT_APP_NAME = "default"
 
 
 class OJSConfig(AppConfig):  # type: ignore[misc]
@@ -52,7 +54,7 @@ def celery_app() -> Celery:
             raise ImproperlyConfigured(f"{APP_SETTING}: cannot import {path!r}: {exc}") from None
     if not isinstance(app, Celery):
         raise ImproperlyConfigured(f"{APP_SETTING}: {path!r} is not a Celery app")
-    if path is None and app.main is None and not app.conf.get("broker_url"):
+    if path is None and app.main in (None, DEFAULT_APP_NAME) and not app.conf.get("broker_url"):
         raise ImproperlyConfigured(
             "ojs_celery found no Celery app: import it in your project package "
             f"(`from .celery import app as celery_app`) or set {APP_SETTING} = 'proj.celery:app'")
