@@ -34,7 +34,7 @@ from .envelope import (
 )
 from .events import listen
 from .install import install
-from .migration import build_report
+from .migration import Report, build_report
 from .runtime import get_runtime
 from .store import StoreError
 from .sweeper import run_loop, sweep
@@ -231,12 +231,20 @@ def sweep_command(ctx: click.Context, mode: str | None, interval: float | None) 
 
 @commands.command(name="inspect")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (tasks, warnings).")
+@click.option("--strict", is_flag=True,
+              help="Exit status 1 if the app or an OJS task has a warning (for CI).")
 @click.pass_context
-def inspect_command(ctx: click.Context, as_json: bool) -> None:
+def inspect_command(ctx: click.Context, as_json: bool, strict: bool) -> None:
     """Migration report: every registered task (OJS or not, its OJS type, the queue it routes
     to, the job fields a Celery call of it gets from its options) and what works against OJS
     in the app's settings. Reads the app only; connects to nothing."""
     report = build_report(_app(ctx))
+    _print_report(report, as_json)
+    if strict and (report.warnings or any(t.warnings for t in report.tasks if t.ojs)):
+        sys.exit(EXIT_FAILED)
+
+
+def _print_report(report: Report, as_json: bool) -> None:
     if as_json:
         _line(report.as_dict())
         return

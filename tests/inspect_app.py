@@ -84,3 +84,13 @@ def legacy(path: str) -> None:
 @amqp_app.task(name="video upload", base=OJSTask, time_limit=60, shared=False)
 def upload(path: str) -> None:
     return None
+
+
+clean_app = Celery("inspect_clean", set_as_current=False)
+clean_app.conf.update(broker_url="memory://", ojs={"store_url": "sqlite:///:memory:"})
+install(clean_app)
+
+
+@clean_app.task(name="clean.job", base=OJSTask, time_limit=60, soft_time_limit=50, shared=False)
+def clean_job() -> None:
+    return None

@@ -111,3 +111,11 @@ def test_text_output_lists_each_task_and_its_warnings() -> None:
                             for line in indented)
     assert "warning:" in result.stdout
     assert "warning: 1 OJS task(s) have no time limit" in result.stdout
+
+
+def test_strict_fails_a_ci_step_on_warnings_of_the_app_or_an_ojs_task() -> None:
+    """``--strict``: exit status 1 when there is something to fix (the report still printed);
+    an app without warnings passes."""
+    warned = inspect("redis_app", "--json", "--strict")
+    assert warned.returncode == 1 and json.loads(warned.stdout)["warnings"]
+    assert inspect("clean_app", "--strict").returncode == 0
