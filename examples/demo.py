@@ -77,8 +77,9 @@ def main() -> int:
                      daemon=True).start()
     ready.wait(10)
     print(f"ojs_celery demo (filesystem broker, SQLite store in {base})", flush=True)
-    print("demo.report is stopped at its hard limit twice: Celery logs each stop as ERROR lines "
-          "('Hard time limit', 'Process ... exited with signal 9'), as intended\n", flush=True)
+    print("demo.report is stopped at its hard limit twice: Celery logs each stop as ERROR "
+          "lines (such as 'Hard time limit' or 'Process ... exited with signal 9'), as "
+          "intended\n", flush=True)
     worker = subprocess.Popen(
         [sys.executable, "-m", "celery", "--quiet", "-A", "examples.demo_app", "worker", "--pool",
          "prefork", "--concurrency", "3", "--without-gossip",

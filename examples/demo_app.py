@@ -21,14 +21,18 @@ app = Celery("demo")
 app.conf.update(embedded_settings(BASE))
 install(app)
 
+# Each job's envelope sets its own timeout; the tasks' limits are for Celery callers (a task
+# without one gets ojs.default_timeout, and the worker warns at start).
+LIMITS = {"time_limit": 120, "soft_time_limit": 100}
 
-@app.task(name="demo.greet", base=OJSTask)
+
+@app.task(name="demo.greet", base=OJSTask, **LIMITS)
 def greet(name: str) -> str:
     """Completes at once."""
     return f"hello, {name}"
 
 
-@app.task(name="demo.report", base=OJSTask, bind=True)
+@app.task(name="demo.report", base=OJSTask, bind=True, **LIMITS)
 def report(self: OJSTask, pages: int) -> int:
     """Too slow for its timeout: saves a checkpoint when cancelled, then overruns its grace."""
     ctx = self.ojs
@@ -46,7 +50,7 @@ def report(self: OJSTask, pages: int) -> int:
     return page
 
 
-@app.task(name="demo.flaky", base=OJSTask, bind=True)
+@app.task(name="demo.flaky", base=OJSTask, bind=True, **LIMITS)
 def flaky(self: OJSTask, succeed_on: int) -> str:
     """Fails until attempt ``succeed_on``."""
     ctx = self.ojs
