@@ -104,6 +104,24 @@ class Settings(BaseModel):
             raise ValueError(str(exc)) from None
         return value
 
+    @field_validator("store_prefix")
+    @classmethod
+    def _prefix_fits_postgres(cls, value: str, info: ValidationInfo) -> str:
+        """PostgreSQL cuts a name longer than 63 bytes, and its store's index names are the
+        prefix and up to 24 characters more: every store call would fail."""
+        url = str(info.data.get("store_url") or "").lower()
+        if url.startswith(("postgresql", "postgres")):
+            from .store.sql import POSTGRES_MAX_IDENTIFIER, longest_name
+
+            name = longest_name(value)
+            if len(name) > POSTGRES_MAX_IDENTIFIER:
+                room = POSTGRES_MAX_IDENTIFIER - (len(name) - len(value))
+                raise ValueError(
+                    f"at most {room} characters with a PostgreSQL store (its index {name} "
+                    f"would be over PostgreSQL's {POSTGRES_MAX_IDENTIFIER})"
+                )
+        return value
+
     @field_validator("type_map")
     @classmethod
     def _types(cls, value: dict[str, str]) -> dict[str, str]:

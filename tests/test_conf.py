@@ -225,3 +225,14 @@ def test_a_store_url_whose_extra_is_missing_names_the_extra(
         read_settings({"store_url": "redis://:secret@127.0.0.1:6379/0"})
     except ImproperlyConfigured as exc:
         assert "secret" not in str(exc)
+
+
+def test_a_store_prefix_too_long_for_postgresql_names_is_refused_on_postgresql_only() -> None:
+    """PostgreSQL cuts names over 63 bytes: with a 40-character prefix the store's index names
+    were cut and every store call failed (the CLI said the job "may or may not be stored")."""
+    postgres = "postgresql://postgres@127.0.0.1:5432/test"
+    with pytest.raises(ImproperlyConfigured,
+                       match=r"ojs\.store_prefix: at most 39 characters with a PostgreSQL store"):
+        read_settings({"store_url": postgres, "store_prefix": "p" * 40})
+    assert read_settings({"store_url": postgres, "store_prefix": "p" * 39}).store_prefix
+    assert read_settings({"store_url": "sqlite:///x.db", "store_prefix": "p" * 40}).store_prefix

@@ -168,6 +168,18 @@ def _deadline_column(clock: str) -> str:
     return f"due_{clock}"
 
 
+#: PostgreSQL's longest identifier, in bytes (``NAMEDATALEN`` - 1): a longer name is cut.
+POSTGRES_MAX_IDENTIFIER = 63
+
+
+def longest_name(prefix: str) -> str:
+    """The longest table or index name of a store with ``prefix``."""
+    metadata = build_metadata(prefix)
+    names = [*metadata.tables, *(index.name or "" for table in metadata.tables.values()
+                                 for index in table.indexes)]
+    return max(names, key=len)
+
+
 def build_metadata(prefix: str) -> sa.MetaData:
     """The three tables of one store (``{prefix}_jobs``, ``_workers``, ``_meta``)."""
     metadata = sa.MetaData()
