@@ -300,7 +300,9 @@ def _watch_sweeps(runtime: Runtime) -> None:
                 logger.warning(
                     "ojs_celery: no OJS sweep has completed for %.0fs (interval %ss): if none "
                     "runs, run `celery beat` with a worker consuming queue %r, or `ojs-celery "
-                    "sweep --loop`; if they run, the sweep worker's log says why they fail",
+                    "sweep --loop`; if they run, the sweep worker's log says why they fail (and a "
+                    "worker of another app consuming that queue on this broker takes its sweeps: "
+                    "give each app its own ojs.sweep_queue)",
                     late, interval, runtime.settings.sweep_queue,
                 )
             time.sleep(max(interval, 1.0))

@@ -294,7 +294,9 @@ class OJSTask(Task):  # type: ignore[misc]
                 time.sleep(STORE_DOWN_PAUSE)
                 raise Reject("job record not written yet", requeue=True)
             logger.error("ojs_celery: job %s has no record and its message is older than %ss: "
-                         "dropped as an orphan", job_id, arrival.ORPHAN_AFTER)
+                         "dropped as an orphan (its insert failed, or the job is in another "
+                         "job store: the producer's ojs.store_url or store_prefix differs from "
+                         "this worker's, %s)", job_id, arrival.ORPHAN_AFTER, runtime.store)
             raise Ignore()
         try:  # a start that ended the job (expired) reports it: the handler never runs
             carry_out(runtime, started, report_result=True)
