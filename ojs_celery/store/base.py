@@ -87,6 +87,11 @@ class StoreUncertain(StoreError):
             return (f"a batch of {self.batch} jobs, the first {self.job_id}: the job store "
                     f"failed during the write{said}; the batch may or may not be stored, all "
                     "of it or none (look up its first job)")
+        if "refused" in self.error.lower():  # the usual case: the store was down all along
+            return (f"job {self.job_id}: the job store refused the connection{said}; if it was "
+                    "down all along the job is not stored, but it may be if it went down "
+                    "during the write (enqueue the same envelope again with this id once the "
+                    "store is back: it returns the job if it was stored)")
         return (f"job {self.job_id}: the job store failed during the write and could not be "
                 f"asked whether it was done{said}; the job may or may not be stored (look it "
                 "up, or enqueue the same envelope again with this id: it returns the job if it "
