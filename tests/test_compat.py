@@ -81,7 +81,9 @@ def test_a_missing_store_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None
     assert "secret" not in str(raised.value)
     with pytest.raises(compat.MissingExtra, match=r"ojs-celery\[postgres\]"):
         compat.require_store_extra("postgres://u@h/db")
-    compat.require_store_extra("postgresql+psycopg2://u@h/db")  # SQLAlchemy's to report
+    with pytest.raises(compat.MissingExtra, match=r"names the driver 'nosuchdriver', which "
+                                                  r"cannot be loaded"):
+        compat.require_store_extra("postgresql+nosuchdriver://u:secret@h/db")
     compat.require_store_extra("sqlite:///x.sqlite3")
 
 

@@ -167,7 +167,7 @@ def test_a_worker_whose_store_driver_cannot_be_loaded_exits_naming_it(
     tmp_path: pathlib.Path,
 ) -> None:
     """A driver SQLAlchemy cannot load would fail every job's start: the worker says so once
-    and exits, before its pool starts."""
+    and exits, before its pool starts (when its settings are read)."""
     (tmp_path / "nodriver_app.py").write_text(
         "from celery import Celery\n"
         "import ojs_celery\n"
@@ -181,7 +181,8 @@ def test_a_worker_whose_store_driver_cannot_be_loaded_exits_naming_it(
         [sys.executable, "-m", "celery", "-A", "nodriver_app", "worker", "--pool", "solo",
          "-n", "nodriver@%h"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
-    assert "store_url: the job store's driver cannot be loaded" in done.stderr
+    assert "ojs.store_url: the job store postgresql+nosuchdriver://" in done.stderr
+    assert "names the driver 'nosuchdriver', which cannot be loaded" in done.stderr
     assert "Traceback" not in done.stderr
 
 

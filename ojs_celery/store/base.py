@@ -20,6 +20,7 @@ it reads the record again, instead of mistaking itself for a lost race.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import threading
@@ -39,6 +40,7 @@ from .workers import WorkerRegistry
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
+logger = logging.getLogger(__name__)
 
 Rule = Callable[[Record], Transition]
 #: One compare-and-set write: the new record, the record it replaces (whose version and nonce
@@ -468,7 +470,11 @@ class JobStore(ABC):
         dead. False if there was no record (another sweeper removed it first)."""
         removed = self.workers.remove(worker_id)
         if removed:
-            self.meta.forget_worker(worker_id, job_ids)
+            try:  # leftovers are small: their loss must not stop a dead worker's recovery
+                self.meta.forget_worker(worker_id, job_ids)
+            except StoreError as exc:
+                logger.warning("ojs_celery: worker %s is removed but what was left for it "
+                               "stays in the store's meta area: %s", worker_id, exc)
         return removed
 
     def get(self, job_id: str) -> Job | None:
