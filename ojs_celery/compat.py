@@ -283,8 +283,8 @@ def _scheme(url: str) -> tuple[str, str | None]:
 
 def require_store_extra(url: str) -> None:
     """Raise :class:`MissingExtra` naming the extra to install when the job store at ``url``
-    needs a package that is not installed. A PostgreSQL URL naming another driver
-    (``postgresql+psycopg2://``) is left to SQLAlchemy."""
+    needs a package that is not installed; one naming another PostgreSQL driver
+    (``postgresql+psycopg2://``), when SQLAlchemy cannot load that driver."""
     dialect, driver = _scheme(url)
     if dialect in ("postgresql", "postgres") and driver not in (None, "psycopg"):
         _require_driver(url, driver)
