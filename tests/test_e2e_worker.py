@@ -491,3 +491,30 @@ def test_kill_9_of_a_worker_holding_an_eta_message_runs_it_once_when_due(
         assert len([r for r in env.lines("runs") if job.id in r]) == 1
     finally:
         stop_all([victim] + ([survivor] if survivor else []))
+
+
+def test_a_worker_on_another_broker_than_the_stores_last_one_warns(
+    env: Env, tmp_path: pathlib.Path
+) -> None:
+    """A job store shared by two environments (staging and production, each on its own broker)
+    has each one's sweepers publish the other's jobs to their own broker: a worker that starts
+    on a store whose last worker had another broker says so, naming both."""
+    from ojs_celery.store.meta import BROKER
+
+    meta = get_runtime(env.app).store.meta
+    meta.note_broker("amqp://guest:**@staging.example:5672//")  # staging's worker started last
+
+    def recorded() -> str | None:
+        value = meta._get(BROKER)
+        return value if value and "staging.example" not in value else None
+
+    [worker] = own_workers(env, tmp_path)
+    try:
+        registered(env, worker)
+        mine = wait_for(recorded, 10, "the worker to record its broker")
+        assert mine.startswith(env.app.conf.broker_url.split("://")[0])
+        said = "last used by a worker on another broker, amqp://guest:**@staging.example:5672//"
+        wait_for(lambda: said in worker.log(), 10, "the warning")
+        assert meta.note_broker(mine) is None  # the same broker again: nothing to say
+    finally:
+        stop_all([worker])

@@ -24,6 +24,8 @@ LAST_SWEEP = "last_sweep"
 #: (``"start,end"``; see :meth:`MetaArea.record_contact`).
 LAST_CONTACT = "last_contact"
 BLIND_SPELL = "blind_spell"
+#: The broker of the last worker that started on this store (see :meth:`MetaArea.note_broker`).
+BROKER = "broker"
 
 
 def directive_key(worker_id: str) -> str:
@@ -70,6 +72,17 @@ class MetaArea(ABC):
         self._take(directive_key(worker_id))
         for job_id in job_ids:
             self._take(draining_key(worker_id, job_id))
+
+    def note_broker(self, broker: str) -> str | None:
+        """Record the broker of a worker starting on this store; returns the one recorded
+        before when it differs. A store shared by apps or environments on different brokers
+        has each one's sweepers publish the others' jobs to their own broker, where their
+        workers run them: the store says whose a job is nowhere else."""
+        before = self._get(BROKER)
+        if before == broker:
+            return None
+        self._put(BROKER, broker)
+        return before
 
     # ------------------------------------------------------------------ shutdown drain
 

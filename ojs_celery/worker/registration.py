@@ -9,7 +9,7 @@ from typing import Any
 from celery import bootsteps
 from celery.worker import state as worker_state
 
-from ..runtime import get_runtime
+from ..runtime import Runtime, get_runtime
 from .node import WorkerNode
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class RegistrationStep(bootsteps.StartStopStep):  # type: ignore[misc]
             "concurrency": info.concurrency, "hostname": info.hostname, "pid": info.pid,
         }, subject=node.worker_id)
         logger.info("ojs_celery: worker %s registered (queues %s)", node.worker_id, info.queues)
+        _check_broker(runtime)
 
     def stop(self, parent: Any) -> None:
         if worker_state.should_stop or worker_state.should_terminate:
@@ -62,6 +63,28 @@ class RegistrationStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if drain is not None and drain.started:
             return
         deregister(node, "shutdown")
+
+
+def _check_broker(runtime: Runtime) -> None:
+    """Warn when the last worker to start on this job store had another broker: another app
+    or environment sharing the store (see :meth:`MetaArea.note_broker`)."""
+    with runtime.app.connection_for_write() as connection:  # not connected: only its URL
+        broker = connection.as_uri()
+        prefix = (connection.transport_options or {}).get("global_keyprefix")
+    if prefix:
+        broker = f"{broker} (global_keyprefix {prefix!r})"
+    try:
+        other = runtime.store.meta.note_broker(broker)
+    except Exception as exc:  # any store fault: the check is advice, the worker goes on
+        logger.warning("ojs_celery: could not compare this store's brokers: %r", exc)
+        return
+    if other is not None:
+        logger.warning(
+            "ojs_celery: the job store %s was last used by a worker on another broker, %s "
+            "(this one: %s). If that is another app or environment, each one's sweepers publish "
+            "the other's jobs to their own broker, where its workers run them: give each its own "
+            "store (ojs.store_prefix or store_url). The same broker under another name is "
+            "harmless.", runtime.store, other, broker)
 
 
 def deregister(node: WorkerNode, reason: str) -> None:
