@@ -296,17 +296,21 @@ def _require_driver(url: str, driver: str | None) -> None:
     """Raise :class:`MissingExtra` when SQLAlchemy cannot load the driver a URL names
     (``postgresql+psycopg2://`` without psycopg2): the error would otherwise come from the
     first enqueue, as a traceback."""
-    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
+    from .store.sql import normalise_url  # postgres+<driver>:// as the store reads it
+
     try:
-        make_url(url).get_dialect().import_dbapi()
-    except (ImportError, NoSuchModuleError, ArgumentError) as exc:
+        normalise_url(url).get_dialect().import_dbapi()
+    except (ImportError, NoSuchModuleError) as exc:  # (the latter, an ArgumentError)
+        why = str(exc) if isinstance(exc, ImportError) else "SQLAlchemy has no such driver"
         raise MissingExtra(
             f"the job store {_shown(url)} names the driver {driver!r}, which cannot be loaded "
-            f"({exc}): install it, or use postgresql://... (psycopg 3, the ojs-celery[postgres] "
+            f"({why}): install it, or use postgresql://... (psycopg 3, the ojs-celery[postgres] "
             "extra)"
         ) from None
+    except ArgumentError:  # SQLAlchemy's text repeats the URL, password included
+        raise MissingExtra(f"the job store {_shown(url)} is not a valid URL") from None
 
 
 def require_broker_extra(url: str | None) -> None:
@@ -341,8 +345,8 @@ def _require(need: tuple[str, tuple[str, ...]] | None, what: str) -> None:
 def _shown(url: str) -> str:
     """``url`` without credentials, for an error message."""
     scheme, sep, rest = url.strip().partition("://")
-    if not sep:
-        return repr(scheme)
+    if not sep:  # not a URL: its first part only, which holds no password
+        return repr(scheme.split(":", 1)[0] + ":...")
     host = rest.rsplit("@", 1)[-1].split("/", 1)[0]
     return f"{scheme}://{host}"
 

@@ -74,7 +74,9 @@ class Settings(BaseModel):
     dispatch_failure_limit: int = Field(5, ge=1, le=ERRORS_KEPT)
     execution_tolerance: float = Field(1.5, ge=1.5)
     heartbeat_interval: float = Field(5.0, gt=0)
-    worker_heartbeat_timeout: float = Field(30.0, gt=0)
+    #: At most a day: a worker records its own, which sweepers wait for (a dead one with a huge
+    #: timeout would hold its jobs that long).
+    worker_heartbeat_timeout: float = Field(30.0, gt=0, le=DAY)
     shutdown_grace_period: float = Field(25.0, ge=0)
     #: A job still running this long (at most its own grace period) before the drain ends gets
     #: its cancellation signal; at most half of ``shutdown_grace_period`` (see cancel_window).

@@ -71,7 +71,7 @@ def build_report(app: Celery) -> Report:
     settings = runtime.settings
     conf = app.conf
     driver = broker_driver(app)
-    warnings: list[str] = []
+    warnings: list[str] = list(settings.warnings())  # also logged when they are read
     pool = pool_name(conf.get("worker_pool") or "prefork")
     if pool in WEAK_POOLS:
         warnings.append(f"worker_pool {pool!r} does not enforce {WEAK_POOLS[pool]}: OJS "

@@ -137,8 +137,10 @@ def _enforce_clock(
     """The jobs due on ``clock``, at most ``limit`` of them acted on. An attempt the worker
     clock claims (``Clock.defers_to``) stays due and is read past: a node that died with many
     running attempts must not hold back every other job's timeout until it is declared dead.
-    A pass reads at most :data:`READ_PAST` × ``limit`` index entries so (each claimed attempt
-    is claimed for twice the worker heartbeat timeout at most)."""
+    So is a job whose rule finds it not due yet (an index entry written under other settings
+    or by an older version, which stays until its job is due by this process's rule). A pass
+    reads at most :data:`READ_PAST` × ``limit`` index entries so (each claimed attempt is
+    claimed for twice the worker heartbeat timeout at most)."""
     store = runtime.store
     policy = store.policy
     cutoff = clock.cutoff(now, policy)
@@ -156,12 +158,11 @@ def _enforce_clock(
                                          info.heartbeat_timeout)
                 for info in store.workers.all()}
             rule = clock.rule(now, policy, spell, workers)
-        claimed = _enforce(runtime, clock.name, due, rule, now, report)
-        report.awaiting += len(claimed)
-        if not claimed:
+        passed = _enforce(runtime, clock.name, due, rule, now, report)
+        if not passed:
             return
         seen.update(job_id for job_id, _ in due)
-        left -= len(due) - len(claimed)
+        left -= len(due) - len(passed)
 
 
 def _enforce(
@@ -174,7 +175,8 @@ def _enforce(
 ) -> set[str]:
     """Apply ``rule`` to the jobs due on ``clock`` and act on every transition that applied:
     emit its events, stop the attempt it took the job from, publish what it owes. Returns the
-    jobs the rule left to the worker clock (:data:`~ojs_celery.lifecycle.AWAITING_WORKER`).
+    jobs to read past: those the rule left to the worker clock
+    (:data:`~ojs_celery.lifecycle.AWAITING_WORKER`, counted as ``awaiting``) or found not due.
 
     A store or broker error does not stop the acting on transitions already written (their
     events are emitted; a message that could not be published stays in the outbox); it is
@@ -184,9 +186,9 @@ def _enforce(
     """
     store = runtime.store
     job_ids = [job_id for job_id, _ in due]
-    claimed: set[str] = set()
+    passed: set[str] = set()
     if not job_ids:
-        return claimed
+        return passed
     try:
         results = store.apply_many(job_ids, rule)
     except OUTAGES:
@@ -215,7 +217,10 @@ def _enforce(
                 continue
         if done.record is None:
             if done.reason == lifecycle.AWAITING_WORKER:
-                claimed.add(job_id)
+                passed.add(job_id)
+                report.awaiting += 1
+            elif done.reason == lifecycle.NOT_DUE:
+                passed.add(job_id)
             continue
         report.applied[clock] += 1
         try:
@@ -228,7 +233,7 @@ def _enforce(
             failure = _skip(runtime, clock, job_id, exc, now, report) or failure
     if failure is not None:
         raise failure
-    return claimed
+    return passed
 
 
 def _skip(
@@ -301,21 +306,23 @@ def _bury_dead_workers(
     runtime: Runtime, clock: WorkerClock, now: float, limit: int, report: SweepReport,
     spell: BlindSpell | None = None,
 ) -> None:
-    """Workers silent for the worker heartbeat timeout: remove them, recover their jobs.
-    Silence during a blind spell does not count (see :class:`~ojs_celery.lifecycle.BlindSpell`):
-    a worker silent since before it is declared dead that much later."""
+    """Workers silent for the worker heartbeat timeout: remove them, recover their jobs, at
+    most ``limit`` of them. Silence during a blind spell does not count (see
+    :class:`~ojs_celery.lifecycle.BlindSpell`): a worker silent since before it is declared
+    dead that much later. Workers silent for this process's timeout but not their own longer
+    one are read past, up to :data:`READ_PAST` × ``limit``: they must not hide dead ones."""
     store = runtime.store
     policy = store.policy
     cutoff = clock.cutoff(now, policy)
     buried: set[str] = set()
-    for worker_id in store.workers.stale(cutoff, limit):
+    for worker_id in store.workers.stale(cutoff, READ_PAST * limit):
+        if len(buried) >= limit:
+            break
         info = store.workers.get(worker_id)
         if info is None or not clock.is_dead(info.last_beat, now, policy, spell,
                                              info.heartbeat_timeout):
             continue  # it beat meanwhile, its own timeout is longer, or a blind spell
-        if not store.remove_worker(
-            worker_id, [*info.active_job_ids, *info.reserved_job_ids]
-        ):
+        if not store.remove_worker(worker_id, info.active_job_ids):  # the drain marks those
             continue  # another sweeper took it
         buried.add(worker_id)
         report.applied[clock.name] += 1

@@ -259,7 +259,7 @@ class OJSTask(Task):  # type: ignore[misc]
         arrived = arrival.read(self.request, job_id)
         if arrived.token is None:
             logger.error("ojs_celery: job %s: message dropped, its ojs header is unusable (%s); "
-                         "the sweeper publishes the job again after redispatch_after",
+                         "the sweeper publishes the job again (its redispatch_after backstop)",
                          job_id, arrived.problem)
             raise Ignore()
 

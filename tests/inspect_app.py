@@ -94,3 +94,10 @@ install(clean_app)
 @clean_app.task(name="clean.job", base=OJSTask, time_limit=60, soft_time_limit=50, shared=False)
 def clean_job() -> None:
     return None
+
+
+tight_app = Celery("inspect_tight", set_as_current=False)
+tight_app.conf.update(broker_url="memory://", ojs={
+    "store_url": "sqlite:///:memory:", "heartbeat_interval": 5, "worker_heartbeat_timeout": 12,
+    "sweep_interval": 1})
+install(tight_app)

@@ -73,6 +73,10 @@ def test_a_missing_store_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None
     compat.require_store_extra("sqlite:///x.sqlite3")
     compat.require_store_extra("redis://127.0.0.1:6379/0")
     compat.require_store_extra("postgresql://u@h/db")
+    compat.require_store_extra("postgres+psycopg://u:secret@h/db")  # the store's spelling too
+    with pytest.raises(compat.MissingExtra, match="is not a valid URL") as malformed:
+        compat.require_store_extra("postgresql+psycopg2:/u:secret@h/db")
+    assert "secret" not in str(malformed.value)
     monkeypatch.setitem(sys.modules, "redis", None)
     monkeypatch.setitem(sys.modules, "psycopg", None)
     with pytest.raises(compat.MissingExtra) as raised:
@@ -82,8 +86,9 @@ def test_a_missing_store_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(compat.MissingExtra, match=r"ojs-celery\[postgres\]"):
         compat.require_store_extra("postgres://u@h/db")
     with pytest.raises(compat.MissingExtra, match=r"names the driver 'nosuchdriver', which "
-                                                  r"cannot be loaded"):
+                                                  r"cannot be loaded") as unknown:
         compat.require_store_extra("postgresql+nosuchdriver://u:secret@h/db")
+    assert "secret" not in str(unknown.value)
     compat.require_store_extra("sqlite:///x.sqlite3")
 
 

@@ -25,11 +25,17 @@ def test_a_project_whose_celery_app_is_not_imported_is_told_how_to_fix_it(
         CELERY_BROKER_URL = "memory://"
         CELERY_OJS = {"store_url": "sqlite:///:memory:"}
     """))
-    result = subprocess.run(
-        [sys.executable, "-c", "import django; django.setup()"], cwd=tmp_path, text=True,
-        capture_output=True, timeout=60,
-        env={"DJANGO_SETTINGS_MODULE": "noapp_settings", "PYTHONPATH": str(tmp_path),
-             "PATH": "/usr/bin:/bin"})
+    env = {"DJANGO_SETTINGS_MODULE": "noapp_settings", "PYTHONPATH": str(tmp_path),
+           "PATH": "/usr/bin:/bin"}
+
+    def setup(**extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", "import django; django.setup()"], cwd=tmp_path, text=True,
+            capture_output=True, timeout=60, env={**env, **extra})
+
+    result = setup()
     assert result.returncode != 0
     assert "ojs_celery found no Celery app" in result.stderr
     assert "OJS_CELERY_APP" in result.stderr
+    # Celery's default app configured from the environment is a real one: it is used
+    assert setup(CELERY_BROKER_URL="memory://").returncode == 0

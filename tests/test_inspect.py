@@ -119,3 +119,11 @@ def test_strict_fails_a_ci_step_on_warnings_of_the_app_or_an_ojs_task() -> None:
     warned = inspect("redis_app", "--json", "--strict")
     assert warned.returncode == 1 and json.loads(warned.stdout)["warnings"]
     assert inspect("clean_app", "--strict").returncode == 0
+
+
+def test_settings_against_the_worker_protocols_advice_are_warnings_of_the_report() -> None:
+    """A legal setting the worker protocol advises against (a worker heartbeat timeout under
+    three beats) is in the report's warnings, so ``--strict`` fails on it too."""
+    result = inspect("tight_app", "--json", "--strict")
+    assert result.returncode == 1
+    assert any("worker_heartbeat_timeout" in w for w in json.loads(result.stdout)["warnings"])

@@ -3,6 +3,7 @@ explicit clocks: what is due is enforced once, whoever sweeps."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -577,6 +578,41 @@ def test_a_backlog_gets_copies_of_its_messages_at_doubling_intervals(app: Celery
     assert len(messages(app)) == 5  # the first and four copies: fencing drops all but one
 
 
+def test_index_entries_not_due_by_this_sweepers_rule_do_not_hold_back_due_jobs(
+    app: Celery,
+) -> None:
+    """Index entries written under other settings (a shorter ``redispatch_after``, or an older
+    version's rule) that this sweeper's rule finds not due are read past: a batch of them at
+    the head of the index used to end the pass, and due jobs behind them waited."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    policy = store.policy
+    wall = time.time()
+
+    def stored(redispatch_after: float, created: float) -> str:
+        store.policy = dataclasses.replace(policy, redispatch_after=redispatch_after)
+        transition, confirm = store.begin_create(
+            parse_envelope({"type": "e2e.add", "args": [1, 2]}), now=created)
+        confirm()
+        assert transition.record is not None
+        store.ack_dispatch(transition.record.job.id, 1)
+        return transition.record.job.id
+
+    try:
+        early = [stored(100, wall) for _ in range(3)]  # indexed at +100, due at +7200 now
+        behind = stored(7200, wall - 7000)  # indexed and due at +200
+    finally:
+        store.policy = policy
+    store.policy = dataclasses.replace(policy, redispatch_after=7200)
+    try:
+        report = sweep(runtime, now=wall + 300, batch=2)
+    finally:
+        store.policy = policy
+    assert report.applied["redispatch"] == 1 and report.published == 1
+    assert [store.get_record(i).extended_at for i in early] == [wall] * 3  # type: ignore[union-attr]
+    assert store.get_record(behind).extended_at == wall + 300  # type: ignore[union-attr]
+
+
 def test_a_dead_workers_attempt_its_last_beat_did_not_list_fails_at_once(app: Celery) -> None:
     """A worker killed within a beat interval of starting a job never listed it in a beat: the
     job must still fail with ``worker_death`` when the worker is declared dead, not wait a
@@ -647,6 +683,29 @@ def test_a_worker_is_judged_by_its_own_heartbeat_timeout_where_it_is_longer(
     report = sweep(runtime, now=wall + 4 * timeout + 1)
     assert report.applied["worker"] == 1
     assert [e["type"] for e in store.get(job.id).errors] == ["worker_death"]  # type: ignore[union-attr]
+
+
+def test_workers_with_longer_timeouts_of_their_own_do_not_hide_a_dead_one(app: Celery) -> None:
+    """Live workers silent for this sweeper's timeout but not their own come first in the
+    registry's stale list: a pass reads past them to the dead worker behind them (a batch of
+    them used to fill the pass, and the dead worker's job stayed active)."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    timeout = runtime.settings.worker_heartbeat_timeout
+    wall = time.time()
+    for index in range(3):
+        store.workers.save(WorkerInfo(worker_id=f"worker_slow_{index}", hostname="h", pid=1,
+                                      last_beat=wall - timeout - 10 + index,
+                                      heartbeat_timeout=10 * timeout))
+    job = enqueue({"type": "e2e.add", "args": [1, 2], "heartbeat_timeout": 3600,
+                   "visibility_timeout": 3600}, app=app)
+    assert store.start(job.id, 1, "worker_dead", now=wall - timeout - 2).applied
+    store.workers.save(WorkerInfo(worker_id="worker_dead", hostname="h", pid=2,
+                                  last_beat=wall - timeout - 2, active_job_ids=[job.id]))
+    report = sweep(runtime, now=wall, batch=2)
+    assert report.applied["worker"] == 1
+    assert store.get(job.id).state == "retryable"  # type: ignore[union-attr]
+    assert {w.worker_id for w in store.workers.all()} == {f"worker_slow_{i}" for i in range(3)}
 
 
 def test_silence_in_a_blind_spell_is_not_a_death(app: Celery) -> None:

@@ -38,6 +38,7 @@ from .rules import (
     DISPATCH_FAILED,
     ERRORS_KEPT,
     NEVER_STARTED,
+    NOT_DUE,
     STARTABLE,
     STATES,
     TERMINAL,
@@ -85,7 +86,8 @@ from .rules import (
 
 __all__ = [
     "AWAITING_WORKER", "BY_NAME", "CLOCKS", "DAY", "DISPATCH", "DISPATCH_ERROR", "DISPATCH_FAILED",
-    "ENQUEUE_TTL", "ERRORS_KEPT", "EXECUTION", "INDEXED", "NEVER_STARTED", "PROMOTE", "REDISPATCH",
+    "ENQUEUE_TTL", "ERRORS_KEPT", "EXECUTION", "INDEXED", "NEVER_STARTED", "NOT_DUE", "PROMOTE",
+    "REDISPATCH",
     "RETENTION", "STALL", "STARTABLE", "STATES", "SWEEP", "TERMINAL", "TIMEOUT_EVENTS",
     "TIMEOUT_KINDS", "TOTAL", "VISIBILITY", "WORKER", "BlindSpell", "Clock", "Decision", "Heard",
     "Policy", "Publish", "Record", "Rule", "Times", "Transition", "WorkerClock", "ack_dispatch",

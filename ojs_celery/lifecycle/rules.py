@@ -144,6 +144,11 @@ class Transition:
         return self.record is not None
 
 
+#: Why a rule refused a job that its clock's index holds as due: by the record, it is not (the
+#: entry was written under other settings or by an older version; the sweeper reads past it).
+NOT_DUE = "not_due"
+
+
 def rejected(reason: str) -> Transition:
     return Transition(record=None, reason=reason)
 
@@ -706,7 +711,7 @@ def expire_ttl(record: Record, now: float, policy: Policy) -> Transition:
     assert job.created_at is not None
     elapsed = now - job.created_at.timestamp()
     if elapsed < job.enqueue_ttl:
-        return rejected("not_due")
+        return rejected(NOT_DUE)
     error = timeout_error(
         "enqueue_ttl_expired",
         job.enqueue_ttl,
@@ -724,7 +729,7 @@ def expire_total(record: Record, now: float, policy: Policy) -> Transition:
     assert job.created_at is not None
     elapsed = now - job.created_at.timestamp()
     if elapsed < job.total_timeout:
-        return rejected("not_due")
+        return rejected(NOT_DUE)
     error = timeout_error(
         "total_timeout",
         job.total_timeout,
@@ -833,7 +838,7 @@ def overdue(record: Record, now: float, policy: Policy) -> Transition:
         return rejected("not_active")
     elapsed = now - job.started_at.timestamp()
     if elapsed < job.timeout + job.grace_period + policy.execution_tolerance:
-        return rejected("not_due")
+        return rejected(NOT_DUE)
     error = timeout_error(
         "timeout", job.timeout, elapsed,
         f"execution timeout of {job.timeout}s exceeded (enforced by the sweeper: the "
@@ -849,7 +854,7 @@ def stalled(record: Record, now: float, policy: Policy) -> Transition:
         return rejected("not_active")
     silent = now - record.heartbeat_at
     if silent < job.heartbeat_timeout:
-        return rejected("not_due")
+        return rejected(NOT_DUE)
     error = timeout_error(
         "stalled", job.heartbeat_timeout, silent,
         f"no heartbeat for {round(silent, 1)}s (heartbeat_timeout {job.heartbeat_timeout}s)",
@@ -864,7 +869,7 @@ def invisible(record: Record, now: float, policy: Policy) -> Transition:
     if job.state != "active" or record.extended_at is None:
         return rejected("not_active")
     if now - record.extended_at < job.visibility_timeout:
-        return rejected("not_due")
+        return rejected(NOT_DUE)
     error = make_error(
         "visibility_timeout",
         f"reservation not extended for {job.visibility_timeout}s (visibility_timeout)",
@@ -894,7 +899,7 @@ def republish(record: Record, now: float, policy: Policy) -> Transition:
     if _owes_nothing(record):
         return rejected("not_owed")
     if record.dispatch_due is None or record.dispatch_due > now:
-        return rejected("not_due")
+        return rejected(NOT_DUE)
     return _claim(record, now, policy)
 
 
@@ -904,7 +909,7 @@ def promote(record: Record, now: float, policy: Policy) -> Transition:
     if _owes_nothing(record):
         return rejected("not_owed")
     if record.promote_at is None or record.promote_at > now:
-        return rejected("not_due")
+        return rejected(NOT_DUE)
     return _claim(record, now, policy)
 
 
@@ -951,7 +956,7 @@ def resend(record: Record, now: float, policy: Policy) -> Transition:
     if deadline is None:
         return rejected("not_waiting")
     if deadline > now:
-        return rejected("not_due")
+        return rejected(NOT_DUE)
     return _claim(record, now, policy)
 
 

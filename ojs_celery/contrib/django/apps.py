@@ -54,7 +54,7 @@ def celery_app() -> Celery:
             raise ImproperlyConfigured(f"{APP_SETTING}: cannot import {path!r}: {exc}") from None
     if not isinstance(app, Celery):
         raise ImproperlyConfigured(f"{APP_SETTING}: {path!r} is not a Celery app")
-    if path is None and app.main in (None, DEFAULT_APP_NAME) and not app.conf.get("broker_url"):
+    if path is None and app.main in (None, DEFAULT_APP_NAME) and not app.conf.broker_url:
         raise ImproperlyConfigured(
             "ojs_celery found no Celery app: import it in your project package "
             f"(`from .celery import app as celery_app`) or set {APP_SETTING} = 'proj.celery:app'")
