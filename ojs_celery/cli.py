@@ -214,9 +214,10 @@ def sweep_command(ctx: click.Context, mode: str | None, interval: float | None) 
     """Enforce every deadline from the store (for deployments without celery beat)."""
     app = _app(ctx)
     runtime = get_runtime(app)
+    settings = runtime.settings  # read here: a bad one is a usage error, not a failed pass
     if mode == "loop":
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s] %(message)s")
-        click.echo(f"sweeping every {interval or runtime.settings.sweep_interval}s "
+        click.echo(f"sweeping every {interval or settings.sweep_interval}s "
                    "(Ctrl-C to stop)", err=True)
         try:
             run_loop(runtime, interval)

@@ -76,7 +76,7 @@ class Settings(BaseModel):
     heartbeat_interval: float = Field(5.0, gt=0)
     #: At most a day: a worker records its own, which sweepers wait for (a dead one with a huge
     #: timeout would hold its jobs that long).
-    worker_heartbeat_timeout: float = Field(30.0, gt=0, le=DAY)
+    worker_heartbeat_timeout: float = Field(30.0, gt=0)
     shutdown_grace_period: float = Field(25.0, ge=0)
     #: A job still running this long (at most its own grace period) before the drain ends gets
     #: its cancellation signal; at most half of ``shutdown_grace_period`` (see cancel_window).
@@ -104,6 +104,14 @@ class Settings(BaseModel):
             compat.require_store_extra(value)
         except compat.MissingExtra as exc:
             raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("worker_heartbeat_timeout")
+    @classmethod
+    def _at_most_a_day(cls, value: float) -> float:
+        if not value <= DAY:  # (inf and nan too)
+            raise ValueError(f"at most a day ({DAY:.0f}s): sweepers wait this long for a silent "
+                             "worker of this app before they recover its jobs")
         return value
 
     @field_validator("store_prefix")

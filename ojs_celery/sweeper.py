@@ -203,6 +203,8 @@ def _enforce(
             logger.warning("ojs_celery: sweep took %d id(s) of jobs that do not exist out of "
                            "the %s index", forgotten, clock)
     failure: StoreError | BrokerUnavailable | None = None
+    read_at = dict(due)
+    later: list[tuple[str, float, float]] = []  # index entries to move to their deadline
     for job_id, done in zip(job_ids, results, strict=True):
         if done is None:  # lost a race, or the batch failed: decide again on fresh data
             if failure is not None:
@@ -221,6 +223,10 @@ def _enforce(
                 report.awaiting += 1
             elif done.reason == lifecycle.NOT_DUE:
                 passed.add(job_id)
+                deadline = None if done.previous is None else \
+                    lifecycle.deadlines(done.previous, store.policy).get(clock)
+                if deadline is not None and deadline > read_at[job_id]:
+                    later.append((job_id, read_at[job_id], deadline))
             continue
         report.applied[clock] += 1
         try:
@@ -231,6 +237,8 @@ def _enforce(
             failure = exc
         except Exception as exc:  # the broker refused this job's message
             failure = _skip(runtime, clock, job_id, exc, now, report) or failure
+    if later and failure is None:
+        store.move_due(clock, later)
     if failure is not None:
         raise failure
     return passed

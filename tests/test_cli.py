@@ -291,6 +291,17 @@ def test_sweep_once_and_loop(env: Env) -> None:
         loop.wait(10)
 
 
+def test_sweep_with_a_bad_setting_is_a_usage_error(env: Env) -> None:
+    """``sweep --once`` read its settings inside the pass, which logs and survives anything:
+    a bad setting came out as a failed pass with a traceback and exit status 1."""
+    bad = {"ojs": {**env.config["ojs"], "worker_heartbeat_timeout": 172800}}
+    for mode in ("--once", "--loop"):
+        out = run_with(env, bad, "sweep", mode)
+        assert out.returncode == 2, out.stderr
+        assert "ojs.worker_heartbeat_timeout: at most a day" in out.stderr
+        assert "Traceback" not in out.stderr
+
+
 def test_events_goes_on_after_the_broker_restarts(
     redis_server: PrivateRedis, tmp_path: pathlib.Path
 ) -> None:

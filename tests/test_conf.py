@@ -236,3 +236,12 @@ def test_a_store_prefix_too_long_for_postgresql_names_is_refused_on_postgresql_o
         read_settings({"store_url": postgres, "store_prefix": "p" * 40})
     assert read_settings({"store_url": postgres, "store_prefix": "p" * 39}).store_prefix
     assert read_settings({"store_url": "sqlite:///x.db", "store_prefix": "p" * 40}).store_prefix
+
+
+@pytest.mark.parametrize("value", [86401, float("inf")])
+def test_a_worker_heartbeat_timeout_over_a_day_is_refused(value: float) -> None:
+    """A worker records its own timeout and sweepers wait for it: a huge one would leave a
+    dead worker's jobs unrecovered that long."""
+    with pytest.raises(ImproperlyConfigured,
+                       match=r"ojs\.worker_heartbeat_timeout: at most a day \(86400s\)"):
+        read_settings({"worker_heartbeat_timeout": value})

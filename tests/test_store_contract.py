@@ -512,6 +512,16 @@ def test_due_dispatch(store: JobStore) -> None:
     assert store.due("dispatch", T0 + 9.99, 10) == []
 
 
+def test_an_index_entry_moves_only_from_the_deadline_that_was_read(store: JobStore) -> None:
+    """``move_due``: a compare-and-set on the index entry (a write since the read has set the
+    entry its record gives, which a stale move must not undo)."""
+    a = created(store, now=T0)
+    b = created(store, now=T0 + 1)
+    assert store.move_due("dispatch", [(a.id, T0 + 9, T0 + 50), (b.id, T0 + 11, T0 + 60)]) == 1
+    assert store.due("dispatch", T0 + 100, 10) == [(a.id, T0 + 10), (b.id, T0 + 60)]
+    assert store.move_due("dispatch", []) == 0
+
+
 def test_due_execution_stall_visibility(store: JobStore) -> None:
     a = started(
         store, now=T0 + 3, timeout=5, grace_period=2, heartbeat_timeout=100, visibility_timeout=200

@@ -24,7 +24,7 @@ from ojs_celery.lifecycle import BlindSpell
 from ojs_celery.runtime import Runtime, get_runtime
 from ojs_celery.store import StoreError
 from ojs_celery.store.workers import WorkerInfo
-from ojs_celery.sweeper import last_sweep, run_loop, sweep
+from ojs_celery.sweeper import READ_PAST, last_sweep, run_loop, sweep
 from tests.conftest import messages
 from tests.e2eapp import make_app
 
@@ -606,11 +606,49 @@ def test_index_entries_not_due_by_this_sweepers_rule_do_not_hold_back_due_jobs(
     store.policy = dataclasses.replace(policy, redispatch_after=7200)
     try:
         report = sweep(runtime, now=wall + 300, batch=2)
+        # read past, and moved to the deadline the rule gives: not read again before it
+        assert {i for i, _ in store.due("redispatch", wall + 7199, 10)} == set()
+        assert {i for i, _ in store.due("redispatch", wall + 7200, 10)} == set(early)
     finally:
         store.policy = policy
     assert report.applied["redispatch"] == 1 and report.published == 1
     assert [store.get_record(i).extended_at for i in early] == [wall] * 3  # type: ignore[union-attr]
     assert store.get_record(behind).extended_at == wall + 300  # type: ignore[union-attr]
+
+
+def test_more_index_entries_not_due_than_a_pass_reads_hold_due_jobs_back_one_pass(
+    app: Celery,
+) -> None:
+    """More such entries than a pass reads past (ten batches): each pass moves those it read to
+    their deadline, so the due job behind them is reached by the next pass, not only when they
+    come due (an upgrade over a backlog the previous version had resent)."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    policy = store.policy
+    wall = time.time()
+    fast = dataclasses.replace(policy, redispatch_after=100)
+    slow = dataclasses.replace(policy, redispatch_after=7200)
+    ids = []
+    for redispatch, created in [(fast, wall)] * (READ_PAST + 2) + [(slow, wall - 7000)]:
+        store.policy = redispatch
+        try:
+            transition, confirm = store.begin_create(
+                parse_envelope({"type": "e2e.add", "args": [1, 2]}), now=created)
+            confirm()
+        finally:
+            store.policy = policy
+        assert transition.record is not None
+        store.ack_dispatch(transition.record.job.id, 1)
+        ids.append(transition.record.job.id)
+    store.policy = slow
+    try:
+        first = sweep(runtime, now=wall + 300, batch=1)
+        second = sweep(runtime, now=wall + 301, batch=1)
+    finally:
+        store.policy = policy
+    assert first.applied["redispatch"] == 0
+    assert second.applied["redispatch"] == 1
+    assert store.get_record(ids[-1]).extended_at == wall + 301  # type: ignore[union-attr]
 
 
 def test_a_dead_workers_attempt_its_last_beat_did_not_list_fails_at_once(app: Celery) -> None:

@@ -290,6 +290,17 @@ class JobStore(ABC):
         the records' own columns)."""
         return 0
 
+    def move_due(self, clock: str, moves: Sequence[tuple[str, float, float]]) -> int:
+        """Move ``clock``'s index entries to later deadlines: ``(job id, deadline read,
+        deadline)`` each, moved only if the entry still holds the deadline read (a write since
+        has set its own). For entries a sweep found not due by its rule (written under other
+        settings, or by an older version): left in place, a batch of them would be read at the
+        head of the index every pass. Returns how many moved."""
+        return self._move_due(clock, moves) if moves else 0
+
+    @abstractmethod
+    def _move_due(self, clock: str, moves: Sequence[tuple[str, float, float]]) -> int: ...
+
     def _delete_many(self, deletes: Sequence[tuple[str, int]]) -> list[bool]:
         """:meth:`_delete` for each ``(job id, expected version)``: a pass prunes up to its
         batch at once."""

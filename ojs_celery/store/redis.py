@@ -161,6 +161,7 @@ class RedisStore(JobStore):
         self._ack_script = self.client.register_script(script("ack_dispatch"))
         self._delete_script = self.client.register_script(script("delete"))
         self._forget_script = self.client.register_script(script("forget"))
+        self._move_due_script = self.client.register_script(script("move_due"))
         self._lane = Lane(self.client)
         self.workers = RedisWorkerRegistry(self.client, prefix)
         self.meta = RedisMetaArea(self.client, prefix)
@@ -359,6 +360,12 @@ class RedisStore(JobStore):
             return 0
         keys = [self._due_keys[clock], *(self._job_prefix + job_id for job_id in job_ids)]
         return int(self._forget_script(keys, list(job_ids)))
+
+    @_wrap_errors
+    def _move_due(self, clock: str, moves: Sequence[tuple[str, float, float]]) -> int:
+        args = [str(part) if isinstance(part, str) else _num(part)
+                for move in moves for part in move]
+        return int(self._move_due_script([self._due_keys[clock]], args))
 
     # ------------------------------------------------------------------ admin
 

@@ -691,6 +691,20 @@ class SQLStore(JobStore):
                 results[index] = conn.execute(statement, params).rowcount == 1
         return results
 
+    @_wrap_errors
+    def _move_due(self, clock: str, moves: Sequence[tuple[str, float, float]]) -> int:
+        column = self.job_table.c[_deadline_column(clock)]
+        statement = (sa.update(self.job_table)
+                     .where(self.job_table.c.id == sa.bindparam("k_id"),
+                            column == sa.bindparam("k_seen", type_=sa.Double))
+                     .values({column: sa.bindparam("k_new", type_=sa.Double)}))
+        moved = 0
+        with self._transaction() as conn:
+            for job_id, seen, new in sorted(moves):  # id order, as _each_row
+                moved += conn.execute(statement, {"k_id": job_id, "k_seen": float(seen),
+                                                  "k_new": float(new)}).rowcount
+        return moved
+
     # ------------------------------------------------------------------ admin
 
     @_wrap_errors
