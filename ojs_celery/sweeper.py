@@ -138,7 +138,7 @@ def _enforce_clock(
     clock claims (``Clock.defers_to``) stays due and is read past: a node that died with many
     running attempts must not hold back every other job's timeout until it is declared dead.
     So is a job whose rule finds it not due yet (an index entry written under other settings
-    or by an older version, which stays until its job is due by this process's rule). A pass
+    or by an older version), whose entry is moved to the deadline its record gives. A pass
     reads at most :data:`READ_PAST` × ``limit`` index entries so (each claimed attempt is
     claimed for twice the worker heartbeat timeout at most)."""
     store = runtime.store

@@ -145,7 +145,8 @@ class Transition:
 
 
 #: Why a rule refused a job that its clock's index holds as due: by the record, it is not (the
-#: entry was written under other settings or by an older version; the sweeper reads past it).
+#: entry was written under other settings or by an older version; the sweeper reads past it
+#: and moves it to the deadline the record gives).
 NOT_DUE = "not_due"
 
 
