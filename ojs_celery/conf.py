@@ -46,6 +46,11 @@ class Retention(BaseModel):
     dead_letter: float = Field(180 * DAY, gt=0)
 
 
+def _on_postgres(info: ValidationInfo) -> bool:
+    """Whether the settings being validated have a PostgreSQL ``store_url`` (checked first)."""
+    return str(info.data.get("store_url") or "").lower().startswith(("postgresql", "postgres"))
+
+
 class Settings(BaseModel):
     """Every ``ojs`` setting with its default (see the README's settings table)."""
 
@@ -119,8 +124,7 @@ class Settings(BaseModel):
     def _prefix_fits_postgres(cls, value: str, info: ValidationInfo) -> str:
         """PostgreSQL cuts a name longer than 63 bytes, and its store's index names are the
         prefix and up to 24 characters more: every store call would fail."""
-        url = str(info.data.get("store_url") or "").lower()
-        if url.startswith(("postgresql", "postgres")):
+        if _on_postgres(info):
             from .store.sql import POSTGRES_MAX_IDENTIFIER, longest_name
 
             name = longest_name(value)
@@ -151,8 +155,7 @@ class Settings(BaseModel):
     @classmethod
     def _synchronous_commit_on_postgres(cls, value: str | None, info: ValidationInfo) -> str | None:
         """A PostgreSQL setting: with another store it would silently do nothing."""
-        url = str(info.data.get("store_url") or "").lower()
-        if value is not None and not url.startswith(("postgresql", "postgres")):
+        if value is not None and not _on_postgres(info):
             raise ValueError("applies to a PostgreSQL store_url only")
         return value
 

@@ -224,7 +224,7 @@ def _enforce(
             elif done.reason == lifecycle.NOT_DUE:
                 passed.add(job_id)
                 deadline = None if done.previous is None else \
-                    lifecycle.deadlines(done.previous, store.policy).get(clock)
+                    lifecycle.BY_NAME[clock].deadline(done.previous, store.policy)
                 if deadline is not None and deadline > read_at[job_id]:
                     later.append((job_id, read_at[job_id], deadline))
             continue

@@ -177,13 +177,16 @@ class WorkerClock:
         timeout is longer are not yet: see :meth:`is_dead`)."""
         return now - policy.worker_heartbeat_timeout
 
+    def timeout(self, policy: Policy, own_timeout: float = 0.0) -> float:
+        """The silence after which a worker is dead: this process's worker heartbeat timeout,
+        or ``own_timeout``, the worker's own, if that is longer."""
+        return max(policy.worker_heartbeat_timeout, own_timeout)
+
     def is_dead(self, last_beat: float, now: float, policy: Policy,
                 spell: BlindSpell | None = None, own_timeout: float = 0.0) -> bool:
-        """Silent for the worker heartbeat timeout: this process's, or ``own_timeout``, the
-        worker's own, if that is longer."""
+        """Silent for :meth:`timeout`."""
         heard = last_beat if spell is None else spell.heard(last_beat)
-        return heard <= self.cutoff(now, policy) - max(
-            own_timeout - policy.worker_heartbeat_timeout, 0.0)
+        return heard <= now - self.timeout(policy, own_timeout)
 
     def claims(self, owner: Heard | None, deadline: float, now: float, policy: Policy,
                spell: BlindSpell | None = None) -> bool:
@@ -200,7 +203,7 @@ class WorkerClock:
         should have declared dead long ago: nothing waits on it for ever."""
         if owner is None or not owner.time_limits or owner.last_beat >= deadline:
             return False
-        timeout = max(policy.worker_heartbeat_timeout, owner.heartbeat_timeout)
+        timeout = self.timeout(policy, owner.heartbeat_timeout)
         return not self.is_dead(owner.last_beat, now - timeout, policy, spell,
                                 owner.heartbeat_timeout)
 
