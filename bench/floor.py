@@ -15,6 +15,12 @@ place, a HOT update), with ``synchronous_commit`` on and off. With ``on`` the ba
 the WAL's flush and pays its system time; with ``off`` the WAL writer process flushes later,
 which is not counted here.
 
+``--fenced`` (Redis) times the store's own fenced write as well, the one each start and outcome
+pays: the compare-and-set script on a record like ``bench/caller.py``'s (its JSON, its nine
+clocks' indexes), sent raw on one connection, and through the store (the rule, the deadlines,
+the encoding and the store's request path in the client). Those are the design as built, where
+the bare requests are the least any request can cost.
+
 CPU is this process's (user + system) and the server's: the ``redis-server`` process (all its
 threads), or the PostgreSQL backend serving the connection, read from ``/proc/<pid>/task/*/
 schedstat`` (nanoseconds), so both must run on this machine. Other clients of the same server
@@ -27,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +46,7 @@ from psycopg import pq
 
 from ojs_celery.compat import pool_connection
 
+BENCH_DIR = pathlib.Path(__file__).resolve().parent
 WARMUP = 500
 KEY = "ojsfloor:hash"
 TABLE = "ojsfloor"
@@ -104,6 +113,67 @@ def redis_floor(url: str, n: int) -> None:
         client.close()
 
 
+def fenced_floor(options: argparse.Namespace, n: int) -> None:
+    """The store's compare-and-set of a job record, raw and through the store (``--fenced``).
+
+    The record is a real job's: one ``.apply_async()`` of ``bench/caller.py``'s task on a Redis
+    broker and store (nobody consumes it), started for a made-up worker. Each raw request is the
+    script with that record's arguments, its version and nonces moved on so that every write
+    wins; each write through the store is a heartbeat of the attempt (``JobStore.heartbeat``),
+    a whole record written as a start or an outcome writes it."""
+    sys.path.insert(0, str(BENCH_DIR))
+    from caller import TASK_NAME, Pairing, flush, make_app
+
+    from ojs_celery.runtime import get_runtime
+    from ojs_celery.store.base import new_nonce
+
+    services = argparse.Namespace(redis=options.redis, postgres=options.postgres,
+                                  amqp=options.redis)
+    with tempfile.TemporaryDirectory() as tmp:
+        pairing = Pairing("redis-redis", services, pathlib.Path(tmp))
+        try:
+            app = make_app(pairing.config("ojs", pairing.new_queue()))
+            job_id = app.tasks[TASK_NAME].apply_async().id
+            flush(app, "ojs")
+            store: Any = get_runtime(app).store
+            pid = server_process(int(store.client.info("server")["process_id"]), "redis-server")
+            published = store.get_record(job_id)
+            record = store.start(job_id, published.token, "floor@bench", hint=published).record
+            keys = store._job_keys(job_id)
+            args = store._cas_args(record.copy(), record, store._deadlines(record))
+            version, nonce = record.version, record.nonce
+            nonce_at = 11  # the new record's nonce in the script's arguments (RedisStore._args)
+            connection: Any = pool_connection(store.client.connection_pool)
+
+            def raw() -> None:
+                nonlocal version, nonce
+                args[1], args[nonce_at], args[-1] = str(version), new_nonce(), nonce
+                connection.send_packed_command(
+                    [pack_command(("EVALSHA", store._cas_script.sha, len(keys), *keys, *args))])
+                if connection.read_response() != 1:
+                    raise SystemExit("the raw compare-and-set lost: the figures would be wrong")
+                version, nonce = version + 1, args[nonce_at]
+
+            try:
+                report("Redis", "the compare-and-set script, raw", timed(raw, n, pid))
+            finally:
+                store.client.connection_pool.release(connection)
+            current = store.get_record(job_id)
+
+            def through_store() -> None:
+                nonlocal current
+                done = store.heartbeat(job_id, current.job.attempt, "floor@bench", hint=current)
+                if done.record is None:
+                    raise SystemExit(f"the heartbeat was refused ({done.reason})")
+                current = done.record
+
+            report("Redis", "the compare-and-set through the store", timed(through_store, n, pid))
+            get_runtime(app).close()
+            app.close()
+        finally:
+            pairing.cleanup()
+
+
 def checked(result: Any) -> None:
     """Raise if a libpq call failed (libpq returns a failed result, it does not raise)."""
     if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
@@ -144,6 +214,8 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=20000,
                         help="requests per Redis figure (a quarter of it on PostgreSQL)")
     parser.add_argument("--no-postgres", action="store_true")
+    parser.add_argument("--fenced", action="store_true",
+                        help="also the store's own compare-and-set on Redis, raw and through it")
     options = parser.parse_args()
     if options.n < 4:
         parser.error("-n: at least 4")
@@ -151,6 +223,8 @@ def main() -> None:
           "| store | request | client CPU | server CPU | both | wall |\n"
           "|---|---|---|---|---|---|")
     redis_floor(options.redis, options.n)
+    if options.fenced:
+        fenced_floor(options, options.n)
     if not options.no_postgres:
         postgres_floor(options.postgres, options.n)
 
