@@ -30,6 +30,7 @@ __all__ = [
     "MissingExtra",
     "call_soon",
     "celery_setting",
+    "delays_natively",
     "filesystem_message_names",
     "hide_setting",
     "jitter_backoff",
@@ -110,6 +111,37 @@ def keeps_bound_queues() -> bool:
     retry (the message is not sent); kombu 5.4.2 declares on the producer's current channel.
     """
     return not (5, 5) <= _kombu_version() < (5, 7)
+
+
+#: The least an ETA must be ahead when Celery routes it through RabbitMQ's native delayed
+#: delivery (see :func:`delays_natively`): one whole second, and a little for the time Celery
+#: takes between this check and its own reading of the clock.
+NATIVE_DELAY_LEAST = 1.05
+
+
+def delays_natively(app: Any, producer: Any, queue: Any) -> bool:
+    """Does Celery send a message with an ETA to ``queue`` through RabbitMQ's native delayed
+    delivery (the ``celery_delayed_*`` exchanges of quorum queues)?
+
+    Celery 5.5 to 5.7 do so when the app has a quorum queue on RabbitMQ and the message's
+    exchange is not direct; ``send_task`` then routes by the whole seconds left,
+    ``int(eta - now)``, and raises ``ValueError`` for an ETA less than a second ahead (plain
+    Celery's ``countdown=0.5`` does too), so a job due that soon is published a little later
+    instead (:data:`NATIVE_DELAY_LEAST`). Celery 5.4 has no native delayed delivery."""
+    try:
+        from celery.utils.quorum_queues import detect_quorum_queues
+    except ImportError:  # Celery 5.4
+        return False
+    if isinstance(queue, str):  # a queue named: Celery's router looks it up so
+        try:
+            queue = app.amqp.queues[queue]
+        except KeyError:  # Celery raises for it
+            return False
+    exchange = getattr(queue, "exchange", None)
+    if exchange is None or exchange.type == "direct":  # Celery's worker holds it until its ETA
+        return False
+    driver = producer.connection.transport.driver_type
+    return bool(detect_quorum_queues(app, driver)[0])
 
 
 def call_soon(consumer: Any, callback: Any, *args: Any) -> None:

@@ -184,7 +184,10 @@ def publish(
     kwargs = extensions.get(CELERY_KWARGS_FIELD) or {}
     try:
         with app.producer_or_acquire(producer) as held:
-            options["queue"] = bound_queue(app, celery_queue(app, job.queue), held)
+            options["queue"] = queue = bound_queue(app, celery_queue(app, job.queue), held)
+            if "eta" in options and compat.delays_natively(app, held, queue):
+                soonest = time.time() + compat.NATIVE_DELAY_LEAST
+                options["eta"] = from_epoch(max(request.eta or soonest, soonest))
             app.send_task(runtime.task_name_for(job.type), args=list(job.args), kwargs=kwargs,
                           producer=held, **options)
     except OperationalError as exc:
