@@ -48,7 +48,7 @@ from .outcome import (
 )
 from .producer import call_mismatch
 from .runtime import Runtime, get_runtime
-from .store import JobStore, StoreError, StoreTimeout
+from .store import JobStore, StoreError
 from .worker.gate import start_gate
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,13 @@ OUTCOME_RETRY_AT_LEAST = 30.0
 #: A start that waited this long for the store is named in a timeout's error: the handler had
 #: that much less of its time limit.
 START_WAIT_WORTH_SAYING = 1.0
-#: Pause before a message goes back to the broker because the store is unreachable.
+#: Pause before a message goes back to the broker because the store is unreachable, and the
+#: first pause between a start's tries while the store is unreachable (doubled up to the most).
 STORE_DOWN_PAUSE = 1.0
+STORE_DOWN_PAUSE_MAX = 5.0
+#: How long a start waits for an unreachable store before its message goes back to the broker,
+#: at most (see :func:`store_down_hold`).
+STORE_DOWN_HOLD = 30.0
 #: Why ``self.replace()`` fails an OJS job (see :meth:`OJSTask.replace`).
 REPLACE_REFUSED = (
     "self.replace() is not supported in an OJS task: the replacement would take over this "
@@ -267,21 +272,9 @@ class OJSTask(Task):  # type: ignore[misc]
             return runtime.runs(self, job.type) and arrival.carries_call(args, kwargs, job)
 
         try:
-            with runtime.store.remembering("start"):
-                try:
-                    started = arrival.start(runtime.store, job_id, arrived, worker_id, carries)
-                except StoreTimeout:
-                    # Once more, here: if the store ran the unanswered start meanwhile, this
-                    # thread knows it as its own (JobStore.remembering); a message sent back
-                    # would find the job started by nobody, and wait for the stall clock.
-                    time.sleep(STORE_DOWN_PAUSE)
-                    started = arrival.start(runtime.store, job_id, arrived, worker_id, carries)
-        except StoreError as exc:
-            logger.error("ojs_celery: store unreachable, job %s goes back to the broker: %s",
-                         job_id, exc)
-            time.sleep(STORE_DOWN_PAUSE)
-            # from None: logged above in one line; Celery logs the Reject with its traceback
-            raise Reject(f"store unreachable: {exc}", requeue=True) from None
+            started = self._start_in_store(runtime, job_id, arrived, worker_id, carries)
+        except Reject:
+            raise
         except Exception as exc:  # any other error: undecided, the broker keeps the message
             logger.error("ojs_celery: cannot start job %s, its message goes back to the broker: "
                          "%r", job_id, exc, exc_info=True)
@@ -316,6 +309,34 @@ class OJSTask(Task):  # type: ignore[misc]
             logger.info("ojs_celery: job %s not started (%s): message dropped", job_id, why)
             raise Ignore()
         return JobContext(runtime, started.record, worker_id)
+
+    def _start_in_store(self, runtime: Runtime, job_id: str, arrived: arrival.Arrival,
+                        worker_id: str, carries: Callable[[Job], bool]) -> Transition:
+        """The start's compare-and-set, tried again while the store cannot be reached (or
+        does not answer) for up to :func:`store_down_hold`, and then given up: ``Reject``
+        with requeue, the message goes back to the broker. Holding the message spares a
+        short outage the redeliveries, which a quorum queue's delivery limit counts. An
+        unanswered try that the store ran meanwhile is known as this one's own by the next
+        (``JobStore.remembering``): a message sent back would find the job started by nobody."""
+        give_up = time.monotonic() + store_down_hold(self.request.timelimit)
+        pause = STORE_DOWN_PAUSE
+        with runtime.store.remembering("start"):
+            while True:
+                try:
+                    return arrival.start(runtime.store, job_id, arrived, worker_id, carries)
+                except StoreError as exc:
+                    if start_gate.draining() or time.monotonic() + pause >= give_up:
+                        logger.error("ojs_celery: store unreachable, job %s goes back to the "
+                                     "broker: %s", job_id, exc)
+                        time.sleep(STORE_DOWN_PAUSE)
+                        # from None: logged in one line; Celery logs the Reject with its trace
+                        raise Reject(f"store unreachable: {exc}", requeue=True) from None
+                    if pause == STORE_DOWN_PAUSE:
+                        logger.warning("ojs_celery: store unreachable, job %s waits for it (up "
+                                       "to %.0fs) before its message goes back to the broker: "
+                                       "%s", job_id, give_up - time.monotonic(), exc)
+                    time.sleep(pause)
+                    pause = min(pause * 2, STORE_DOWN_PAUSE_MAX)
 
     def _record_outcome(self, runtime: Runtime, ctx: JobContext, outcome: Outcome) -> Any:
         """Write the attempt's outcome to the store (fenced on attempt and worker), then tell
@@ -414,6 +435,15 @@ def _project_call(cls: type) -> bool:
         owner = next((klass for klass in later if "__call__" in vars(klass)), None)
         found = _project_calls[cls] = owner is not None and not issubclass(Task, owner)
     return found
+
+
+def store_down_hold(timelimit: Any) -> float:
+    """How long a start may wait for the store: :data:`STORE_DOWN_HOLD`, and no more than a
+    quarter of the message's time limits (``request.timelimit``: hard, soft), which count the
+    wait (a start that waited a long while leaves its handler less time, and one past its hard
+    limit would be killed before it began)."""
+    limits = [float(limit) for limit in (timelimit or ()) if limit]
+    return min([STORE_DOWN_HOLD, *(limit / 4 for limit in limits)])
 
 
 def _plain_republish(task: OJSTask, options: dict[str, Any]) -> bool:

@@ -8,7 +8,9 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -16,16 +18,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from kombu import Producer
 
 from ojs_celery import Job, OJSTask, enqueue, enqueue_batch, get_job, install, parse_envelope
 from ojs_celery.runtime import Runtime, get_runtime
 from ojs_celery.sweeper import run_loop, sweep
+from tests import services
 from tests.conftest import start_env
 from tests.e2eapp import make_app
-from tests.test_store_faults import PrivateRedis
-from tests.workers import Worker, lines, redis_config, running_worker, unique, wait_for
+from tests.test_store_faults import PrivateRedis, free_port
+from tests.workers import (
+    Worker,
+    forget_redis_names,
+    lines,
+    redis_config,
+    running_worker,
+    unique,
+    wait_for,
+)
 
 
 def test_a_sweep_with_the_broker_down_keeps_what_is_owed(tmp_path: pathlib.Path) -> None:
@@ -48,9 +60,14 @@ def test_a_sweep_with_the_broker_down_keeps_what_is_owed(tmp_path: pathlib.Path)
 def test_store_down_when_a_message_arrives_sends_it_back_to_the_broker(
     tmp_path: pathlib.Path,
 ) -> None:
+    """A store that stays unreachable: the start waits for it (up to 30 s, a quarter of the
+    job's time limits: 2 s for this job's 8 s timeout), then the message goes back to the
+    broker, again and again, and the job is untouched until a worker that reaches the store
+    runs it."""
     with start_env("redis", tmp_path, concurrency=1) as env:
         queue = unique("own")
-        job = enqueue({"type": "e2e.add", "args": [20, 22], "queue": queue}, app=env.app)
+        job = enqueue({"type": "e2e.add", "args": [20, 22], "queue": queue, "timeout": 8},
+                      app=env.app)
         cut_off = {**env.config, "worker_queues": [queue],
                    "ojs": {**env.config["ojs"], "store_url": "redis://127.0.0.1:1/0"}}
         blind = Worker(cut_off, tmp_path / "blind.log")
@@ -67,6 +84,82 @@ def test_store_down_when_a_message_arrives_sends_it_back_to_the_broker(
             assert env.wait_state(job.id, "completed").result == 42
         finally:
             healthy.stop()
+
+
+class DurableRedis:
+    """A ``redis-server`` of the test's own that writes every command to its append-only file:
+    stopped, its clients' connections are refused (a store outage); started again on the same
+    port, it has all its data."""
+
+    def __init__(self, directory: pathlib.Path) -> None:
+        self.directory = directory
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not installed")
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.directory)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+
+        def up() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.ConnectionError:
+                return False
+
+        try:
+            wait_for(up, 10, f"redis-server on port {self.port}")
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+            self.process = None
+
+
+def test_a_short_store_outage_holds_the_message_instead_of_sending_it_back(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A start that cannot reach the store waits for it (up to 30 s): a store back within that
+    starts the job from the message the worker holds, which never goes back to the broker (a
+    RabbitMQ quorum queue counts each return against its delivery limit, and drops the message
+    at the limit). The job runs once."""
+    store = DurableRedis(tmp_path)
+    config = redis_config(tmp_path, services.redis_url())
+    config["ojs"]["store_url"] = store.url
+    app = make_app(config)
+    worker = None
+    try:
+        job = enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)  # nobody consumes yet
+        store.stop()
+        worker = Worker(config, tmp_path / "worker.log", concurrency=1)
+        worker.wait_ready()
+        wait_for(lambda: f"job {job.id} waits for it" in worker.log(), 20,
+                 "the start to wait for the store")
+        store.start()
+        done = wait_for(lambda: (found := get_job(job.id, app=app)) is not None
+                        and found.state == "completed" and found, 30, "the job to complete")
+        assert done.result == 3
+        assert lines(config["dir"], "postrun") == [f"{job.id} SUCCESS"]  # never rejected
+        assert len([line for line in lines(config["dir"], "runs") if job.id in line]) == 1
+    finally:
+        if worker is not None:
+            worker.stop()
+        if store.process is None:
+            store.start()
+        get_runtime(app).store.clear()
+        get_runtime(app).close()
+        forget_redis_names(config["broker_url"], [config["queue"], config["event_exchange"]])
+        store.stop()
 
 
 def test_workers_warn_when_no_sweep_runs(tmp_path: pathlib.Path) -> None:
