@@ -518,3 +518,34 @@ def test_a_worker_on_another_broker_than_the_stores_last_one_warns(
         assert meta.note_broker(mine) is None  # the same broker again: nothing to say
     finally:
         stop_all([worker])
+
+
+def test_on_gevent_signals_quiet_resume_and_drain(env: Env, tmp_path: pathlib.Path) -> None:
+    """Celery's gevent pool runs the worker's signal handlers in its event loop, where a
+    thread cannot be started and waited for: SIGTSTP, SIGCONT and SIGTERM work there as on
+    prefork (they used to end the worker with an unrecoverable error)."""
+    [worker] = own_workers(env, tmp_path, pool="gevent", concurrency=5)
+    try:
+        info = registered(env, worker)
+        store = get_runtime(env.app).store
+        worker.process.send_signal(signal.SIGTSTP)
+        wait_for(lambda: (w := store.workers.get(info.worker_id)) and w.state == "quiet",
+                 BEAT + SLACK, "quiet")
+        # gevent's pool has no event loop of kombu's: Celery's consumer cancels the queue at
+        # its next poll (up to 2 s), and a message arriving before that is still taken
+        beats_pass(env, info, 10)
+        held = enqueue({"type": "e2e.add", "args": [2, 2], "queue": queue_of(worker)},
+                       app=env.app)
+        beats_pass(env, info, 3)  # still beating: the process was not stopped
+        assert env.job(held.id).state == "available"
+        worker.process.send_signal(signal.SIGCONT)
+        assert env.wait_state(held.id, "completed").result == 4
+        running = enqueue({"type": "e2e.sleep", "args": [1.0, "done"],
+                           "queue": queue_of(worker)}, app=env.app)
+        env.wait_state(running.id, "active")
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.process.wait(1.0 + SLACK + 5) == 0
+        assert env.job(running.id).state == "completed"
+        assert store.workers.get(info.worker_id) is None
+    finally:
+        stop_all([worker])

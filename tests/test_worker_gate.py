@@ -4,9 +4,13 @@ shutdown drain still starts, seen from the pool processes the worker forks."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
+from types import SimpleNamespace
 
 from ojs_celery.worker.gate import StartGate, cancel_point
+from ojs_celery.worker.shutdown import Drain
 
 
 def test_a_job_starts_unless_the_drain_would_cancel_it_at_once() -> None:
@@ -45,3 +49,19 @@ def test_a_forked_pool_process_sees_the_drain_begin() -> None:
     gate.drain_until(time.monotonic() + 1.0)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_signal_handlers_are_left_alone_outside_the_main_thread() -> None:
+    """Python itself tells the main thread (``signal.signal`` refuses the others), not
+    ``threading.main_thread()``, which eventlet's monkey patching makes disagree in the main
+    thread: there the worker's handlers must be installed, elsewhere (a worker embedded in a
+    thread) none of them, and none half."""
+    node = SimpleNamespace(runtime=None, settings=SimpleNamespace(shutdown_grace_period=1.0),
+                           worker_id="w-thread")
+    before = {signum: signal.getsignal(signum)
+              for signum in (signal.SIGTSTP, signal.SIGCONT, signal.SIGTERM, signal.SIGINT,
+                             signal.SIGQUIT)}
+    thread = threading.Thread(target=Drain(node).install)  # type: ignore[arg-type]
+    thread.start()
+    thread.join()
+    assert {signum: signal.getsignal(signum) for signum in before} == before

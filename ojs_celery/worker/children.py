@@ -48,6 +48,14 @@ class PoolChildren:
         self.pool = pool
         _stop_shrunk(pool)
 
+    def holds(self, pid: int | None) -> bool:
+        """Is ``pid`` one of this worker's pool processes? A request's ``worker_pid`` is one
+        on the prefork pool; on the solo and threads pools it is this process, on gevent and
+        eventlet a greenlet's id, which no signal reaches."""
+        inner = getattr(self.pool, "_pool", None)
+        return bool(pid) and pid != os.getpid() and any(
+            getattr(process, "pid", None) == pid for process in getattr(inner, "_pool", None) or [])
+
     def kill(self, pid: int | None) -> bool:
         """Stop the child ``pid`` now (SIGKILL through the pool); False if it cannot be."""
         if not pid or pid == os.getpid():

@@ -8,6 +8,7 @@ reserved finishes); resume consumes again; terminate hands over to the drain, fo
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -32,11 +33,20 @@ class Directives:
     def __init__(self, node: WorkerNode) -> None:
         self.node = node
         self._faults = OncePerKind(logger, f"a state change of worker {node.worker_id}")
+        #: The changes :meth:`apply_soon` hands to the thread that applies them, in order.
+        self._wanted: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        threading.Thread(target=self._apply_wanted, name="ojs-directive", daemon=True).start()
 
     def apply_soon(self, wanted: str, source: str) -> None:
-        """:meth:`apply` from a thread of its own (signal handlers and beats must not block)."""
-        threading.Thread(target=self._apply_logged, args=(wanted, source), name="ojs-directive",
-                         daemon=True).start()
+        """:meth:`apply` in the directives' own thread: signal handlers and beats must not
+        block. The thread runs from the start, so this only queues: starting a thread here
+        would wait for it to begin, which gevent forbids inside its event loop, where a
+        monkey-patched worker's signal handlers may run."""
+        self._wanted.put((wanted, source))
+
+    def _apply_wanted(self) -> None:
+        while True:
+            self._apply_logged(*self._wanted.get())
 
     def _apply_logged(self, wanted: str, source: str) -> None:
         try:

@@ -66,16 +66,24 @@ class Drain:
         return self._started.is_set()
 
     def install(self) -> None:
-        """Chain our handlers in front of Celery's (call from the main thread, once)."""
-        if threading.current_thread() is not threading.main_thread():
-            logger.warning("ojs_celery: not in the main thread: SIGTERM/SIGTSTP/SIGCONT are "
-                           "left to Celery (use the terminate directive instead)")
-            return
-        for signum, handler in ((signal.SIGTSTP, self._on_tstp), (signal.SIGCONT, self._on_cont),
-                                (signal.SIGTERM, self._on_term), (signal.SIGINT, self._on_int),
-                                (signal.SIGQUIT, self._on_quit)):
-            self._previous[signum] = signal.getsignal(signum)
-            signal.signal(signum, handler)
+        """Chain our handlers in front of Celery's (call from the main thread, once). Python
+        itself says whether this is the main thread: under eventlet's monkey patching
+        ``threading.current_thread()`` is not ``threading.main_thread()`` even there."""
+        handlers = ((signal.SIGTSTP, self._on_tstp), (signal.SIGCONT, self._on_cont),
+                    (signal.SIGTERM, self._on_term), (signal.SIGINT, self._on_int),
+                    (signal.SIGQUIT, self._on_quit))
+        for signum, handler in handlers:
+            previous = signal.getsignal(signum)
+            try:
+                signal.signal(signum, handler)
+            except ValueError:  # not the main thread (an embedded worker): nothing installed
+                for installed, earlier in self._previous.items():
+                    signal.signal(installed, earlier)
+                self._previous.clear()
+                logger.warning("ojs_celery: not in the main thread: SIGTERM/SIGTSTP/SIGCONT "
+                               "are left to Celery (use the terminate directive instead)")
+                return
+            self._previous[signum] = previous
 
     # ------------------------------------------------------------------ handlers
 
@@ -171,8 +179,8 @@ class Drain:
             return  # looked at again at the next poll
         self._cancelled.add(request.id)
         pid = getattr(request, "worker_pid", None)
-        if not pid or pid == os.getpid():
-            return  # solo/threads pools run jobs in this process: nothing to interrupt
+        if pid is None or not self.node.children.holds(pid):
+            return  # solo/threads pools run jobs in this process, gevent/eventlet in greenlets
         try:
             self.node.registry.mark_draining(request.id)
             os.kill(pid, signal.SIGUSR1)
