@@ -299,8 +299,8 @@ def _blind_spell(runtime: Runtime) -> BlindSpell | None:
     every worker and job from being judged for as long as that clock is ahead, so it is left
     out, and said every ten minutes at most."""
     settings = runtime.settings
+    spell = runtime.store.meta.record_contact(None, settings.blind_after)
     wall = time.time()
-    spell = runtime.store.meta.record_contact(wall, settings.blind_after)
     if spell is None or spell.end <= wall + settings.blind_after:
         return spell
     if _future_spell.due(time.monotonic()):

@@ -407,3 +407,34 @@ def test_a_broker_connection_loss_leaves_a_running_attempt_to_finish_once(
     assert done.state == "completed" and done.attempt == 1 and done.errors == []
     assert "runs on although Celery cancels it" in f.worker.log()
     assert f.runs(job.id) == 1
+
+
+def test_a_sweep_asked_during_a_store_pause_keeps_the_pause_one_blind_spell(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A sweep pass whose first request waits out a pause of the store (Redis stopped, a
+    failover) reaches the store when the pause ends: its contact is then, and the pause stays
+    one blind spell. Stamped when it asked, it split the pause in two spells, of which only
+    the last is kept, and the first part's silence counted against live workers: a worker
+    frozen with the store for 20 s was declared dead and its jobs ran twice."""
+    server = PrivateRedis(tmp_path)
+    app = Celery("paused", broker=services.redis_url(), set_as_current=False)
+    app.conf.ojs = {"store_url": server.url, "store_prefix": unique("pz"), "events": False}
+    meta = install(app).store.meta
+    try:
+        meta.record_contact(None, blind_after=1.0)  # the last sweep before the pause
+        os.kill(server.process.pid, signal.SIGSTOP)
+        paused_at = time.time()
+        asked = threading.Thread(target=meta.record_contact, args=(None, 1.0))
+        asked.start()  # a sweep during the pause: its request waits
+        time.sleep(3.0)  # the pause itself
+        os.kill(server.process.pid, signal.SIGCONT)
+        resumed_at = time.time()
+        asked.join(10)
+        spell = meta.record_contact(None, blind_after=1.0)  # the next sweep
+        assert spell is not None
+        assert spell.start <= paused_at and spell.end >= resumed_at
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        get_runtime(app).close()
+        server.stop()

@@ -10,6 +10,7 @@ methods. The area lives on the same backend as the jobs (see :mod:`.base`), reac
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
@@ -106,13 +107,20 @@ class MetaArea(ABC):
         value = self._get(LAST_SWEEP)
         return float(value) if value else None
 
-    def record_contact(self, wall: float, blind_after: float) -> BlindSpell | None:
-        """A sweeper reached the store at ``wall`` (its clock, like the workers' beats);
-        returns the last blind spell: the last time ``blind_after`` seconds or more passed
-        between two contacts. The store, or every sweeper, was away then, and a beat not seen
-        in that time may never have reached the store (a Redis pause stops the beats and the
-        sweeps alike)."""
+    def record_contact(self, wall: float | None, blind_after: float) -> BlindSpell | None:
+        """A sweeper reached the store at ``wall`` (its clock, like the workers' beats; None:
+        when the store answered this call's first request); returns the last blind spell: the
+        last time ``blind_after`` seconds or more passed between two contacts. The store, or
+        every sweeper, was away then, and a beat not seen in that time may never have reached
+        the store (a Redis pause stops the beats and the sweeps alike).
+
+        A sweeper's contact is the time of the answer, not of the question: a pass that asked
+        during a pause of the store is answered only when the pause ends, and a contact
+        stamped before that would split the pause in two spells, of which only the last is
+        kept (the first part's silence would then count against live workers)."""
         last = self._get(LAST_CONTACT)
+        if wall is None:
+            wall = time.time()
         if last and wall - float(last) >= blind_after:
             self._put(BLIND_SPELL, f"{float(last)!r},{float(wall)!r}")
         self._put(LAST_CONTACT, repr(float(wall)))
