@@ -217,6 +217,14 @@ def make_app(config: dict[str, Any]) -> Celery:
     def plain(x: int) -> int:
         return x
 
+    @app.task(shared=False, name="e2e.plain_sleep", bind=True)
+    def plain_sleep(self: Task, seconds: float) -> str:
+        """A plain Celery task (no OJSTask) that runs a while, in a worker with ``install``."""
+        record(directory, "runs", f"plain_sleep {self.request.id} pid={os.getpid()}")
+        time.sleep(seconds)
+        record(directory, "finished", f"plain_sleep {self.request.id}")
+        return "slept"
+
     @app.task(shared=False, name="e2e.raise_package_error", base=OJSTask)
     def raise_package_error(name: str) -> None:
         """Raise one of ojs_celery's own exceptions (it must reach the main process whole)."""

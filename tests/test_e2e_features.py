@@ -373,6 +373,20 @@ def test_celerys_revoke_cancels_the_job_and_terminate_stops_it(env: Env) -> None
     assert not [f for f in env.lines("finished") if running.id in f]
 
 
+def test_a_plain_tasks_terminate_stops_it_as_in_celery(env: Env) -> None:
+    """A task without OJSTask on a worker with ``install``: ``revoke(terminate=True)`` (and
+    Flower's terminate, ``celery control terminate``) stops it, as under plain Celery, although
+    the worker's pool processes ignore SIGTERM for the drain. It used to run on to its end,
+    reported REVOKED, then SUCCESS over it."""
+    running = env.app.tasks["e2e.plain_sleep"].apply_async(args=[60])
+    wait_for(lambda: [r for r in env.lines("runs") if running.id in r], 15, "the task to run")
+    pid = int(next(r for r in env.lines("runs") if running.id in r).rsplit("pid=", 1)[1])
+    env.app.control.revoke(running.id, terminate=True)
+    wait_for(lambda: not _alive(pid), 15, "the pool process running the task to be stopped")
+    assert AsyncResult(running.id, app=env.app).state == "REVOKED"
+    assert not [f for f in env.lines("finished") if running.id in f]
+
+
 def test_a_terminate_with_the_soft_limit_signal_cancels_rather_than_times_out(
     env: Env,
 ) -> None:

@@ -22,6 +22,8 @@ from typing import Any
 from billiard.common import TERM_SIGNAL
 from billiard.process import current_process
 from celery import bootsteps
+from celery.concurrency.prefork import TaskPool as PreforkPool
+from celery.platforms import signals
 
 from .node import node_of
 from .registration import RegistrationStep
@@ -47,6 +49,7 @@ class PoolChildren:
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         _stop_shrunk(pool)
+        _terminate_with_kill(pool)
 
     def holds(self, pid: int | None) -> bool:
         """Is ``pid`` one of this worker's pool processes? A request's ``worker_pid`` is one
@@ -139,6 +142,23 @@ def _stop_shrunk(pool: Any) -> None:
                     logger.debug("ojs_celery: stop shrunk child %s: %r", process.pid, exc)
 
     pool.shrink = shrink_and_stop
+
+
+def _terminate_with_kill(pool: Any) -> None:
+    """Make a terminate that asks for SIGTERM stop the job: ``revoke(terminate=True)``,
+    ``celery control terminate``, Flower's terminate, of any task, OJS or not. Its pool process
+    ignores SIGTERM here, so Celery would report the task revoked while it ran on to its end
+    (and wrote SUCCESS over REVOKED); SIGKILL stops it, as SIGTERM does under plain Celery.
+    Other signals (SIGUSR1, to raise ``SoftTimeLimitExceeded`` in the handler) go as asked."""
+    terminate_job = getattr(pool, "terminate_job", None)
+    if not isinstance(pool, PreforkPool) or not callable(terminate_job):
+        return  # no pool processes that ignore SIGTERM
+
+    def terminate_with_kill(pid: int, signum: Any = None) -> Any:
+        wanted = signals.signum(signum or "SIGTERM")
+        return terminate_job(pid, signal.SIGKILL if wanted == signal.SIGTERM else wanted)
+
+    pool.terminate_job = terminate_with_kill
 
 
 def _free_shared_locks(inner: Any) -> None:
