@@ -161,8 +161,10 @@ def _add_sweep_task(app: Celery) -> None:
     faults = sweep_faults()
     signals.before_task_publish.connect(_stamp_sweep, weak=False, dispatch_uid="ojs-sweep-stamp")
 
+    # send_events=False: a pass every sweep_interval would fill Celery's task events (Flower
+    # keeps 10,000 tasks: a day of an idle app's sweeps pushes its own tasks out)
     @app.task(name=SWEEP_TASK, ignore_result=True, shared=False,  # type: ignore[untyped-decorator]
-              bind=True)
+              bind=True, send_events=False)
     def ojs_sweep(self: Any) -> dict[str, Any]:
         runtime = get_runtime(app)
         sent_at = sweep_sent_at(self.request)

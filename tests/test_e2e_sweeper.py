@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -189,3 +190,36 @@ def test_the_sweep_loop_survives_a_read_only_store_and_sweeps_after_the_heal(
             loop.wait(10)
             store.clear()
             store.close()
+
+
+def test_sweeps_send_no_celery_task_events(tmp_path: pathlib.Path) -> None:
+    """A worker with Celery's task events on (``-E``, for Flower or ``celery events``) sends
+    them for the app's tasks, not for a sweep every ``sweep_interval``, which would push the
+    app's own tasks out of a monitor's memory."""
+    with start_env("redis", tmp_path, beat=True, extra=["-E"]) as env:
+        names: dict[str, str] = {}
+        seen: list[dict[str, object]] = []
+
+        def on_event(event: dict[str, object]) -> None:
+            if event.get("type") == "task-received":
+                names[str(event["uuid"])] = str(event.get("name"))
+            seen.append(event)
+
+        def listen() -> None:
+            with env.app.connection_for_read() as connection:
+                receiver = env.app.events.Receiver(connection, handlers={"*": on_event})
+                with contextlib.suppress(TimeoutError, OSError):
+                    receiver.capture(limit=None, timeout=20, wakeup=False)
+
+        thread = threading.Thread(target=listen, daemon=True)
+        thread.start()
+        runtime = get_runtime(env.app)
+        first = wait_for(runtime.store.meta.last_sweep, 20, "a sweep")
+        job = enqueue({"type": "e2e.add", "args": [1, 2]}, app=env.app)
+        env.wait_state(job.id, "completed")
+        wait_for(lambda: (runtime.store.meta.last_sweep() or 0) > first + 2, 20,
+                 "two more sweeps")
+        wait_for(lambda: any(e.get("type") == "task-succeeded" and e.get("uuid") == job.id
+                             for e in seen), 10, "the job's task-succeeded event")
+        assert names.get(job.id) == "e2e.add"
+        assert "ojs_celery.sweep" not in names.values()
