@@ -101,15 +101,16 @@ def _received(env: Env, job_id: str) -> int:
 
 def test_a_start_that_raises_sends_the_message_back(tmp_path: pathlib.Path) -> None:
     """A store answering READONLY (a Redis replica after a failover), then a record that does
-    not decode (an error that is no StoreError): each message bounces, and runs once healed."""
+    not decode (an error that is no StoreError): each message bounces, and runs once healed.
+    (The jobs' 8 s timeout keeps the READONLY start's wait for the store to 2 s a try.)"""
     server = PrivateRedis(tmp_path)
     try:
         with start_env("filesystem", tmp_path, concurrency=1,
                        config={"ojs": {"store_url": server.url}}) as env:
             soon = time.time() + 3
-            readonly = enqueue({"type": "e2e.add", "args": [1, 2],
+            readonly = enqueue({"type": "e2e.add", "args": [1, 2], "timeout": 8,
                                 "scheduled_at": _iso(soon)}, app=env.app)
-            corrupt = enqueue({"type": "e2e.add", "args": [3, 4],
+            corrupt = enqueue({"type": "e2e.add", "args": [3, 4], "timeout": 8,
                                "scheduled_at": _iso(soon)}, app=env.app)
             [key] = [k for k in server.admin.scan_iter(match=f"*{corrupt.id}")
                      if server.admin.type(k) == "hash"]
