@@ -4,22 +4,26 @@ A transition (see :mod:`ojs_celery.lifecycle`) says what changed; once the store
 :func:`carry_out` makes it visible and effective, always in the same order: emit its events,
 stop the attempt it took the job from (when the caller is not that attempt's owner: the
 sweeper, a cancel), report a terminal outcome to Celery's result backend when no worker will
-(``report_result``: the sweeper, a cancel), publish the message it owes. The worker, the
-sweeper, the producer and the API all go through here, so a new caller (the HTTP binding)
-cannot forget a step.
+(``report_result``: the sweeper, a cancel) with the Celery task event that monitors (Flower,
+``celery events``) read, publish the message it owes. The worker, the sweeper, the producer
+and the API all go through here, so a new caller (the HTTP binding) cannot forget a step.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+from collections.abc import Callable
 from typing import Any
 
 from billiard.exceptions import WorkerLostError
 from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeLimitExceeded
+from kombu.utils.encoding import safe_repr
 
 from .canvas import celery_context
 from .envelope import Job
+from .identity import worker_nodename, worker_task_events
 from .lifecycle import Transition
 from .producer import BrokerUnavailable, publish, trusted_options
 from .runtime import Runtime
@@ -40,6 +44,7 @@ def carry_out(
     report_result: bool = False,
     producer: Any = None,
     acks: list[tuple[str, int]] | None = None,
+    send_event: EventSender | None = None,
 ) -> bool:
     """Emit ``done``'s events, stop the attempt it ended (``stop_attempt``), report a terminal
     outcome to the result backend (``report_result``: callers that are not the attempt's
@@ -50,16 +55,17 @@ def carry_out(
     logged, whatever the error; with ``raise_unpublished`` a broker that is down is raised
     as :class:`~ojs_celery.BrokerUnavailable` (and any other error as it is), for the sweeper
     to tell an outage from a job's own fault. ``producer``, ``acks``: see
-    :func:`~.producer.publish`.
+    :func:`~.producer.publish`; ``send_event``: see :func:`report_outcome`.
     """
     if done.record is None:
         return False
     runtime.emit(done)
     before = done.previous
-    if stop_attempt and before is not None and before.job.state == "active":
+    stopped = stop_attempt and before is not None and before.job.state == "active"
+    if stopped and before is not None:
         stop_running_attempt(runtime, before.job.id, before.token)
     if report_result and done.record.job.terminal:
-        report_outcome(runtime, done.record.job)
+        report_outcome(runtime, done.record.job, terminated=stopped, send_event=send_event)
     if not publish_message or done.publish is None:
         return False
     try:
@@ -102,40 +108,120 @@ class JobDiscarded(RuntimeError):
 EXPIRY_ERRORS = frozenset({"expired", "enqueue_ttl_expired", "total_timeout"})
 
 
-def report_outcome(runtime: Runtime, job: Job) -> None:
+#: Sends one Celery task event of the job: ``send(type, **fields)``, as Celery's
+#: ``Request.send_event`` (the worker's own dispatcher) takes it.
+EventSender = Callable[..., Any]
+
+
+def report_outcome(runtime: Runtime, job: Job, *, terminated: bool = False,
+                   send_event: EventSender | None = None) -> None:
     """Write a terminal ``job``'s outcome to Celery's result backend as Celery's worker would
     (completed -> SUCCESS; discarded -> FAILURE, with the chord part counted, the chain's
     results failed and the ``link_error`` callbacks called; cancelled or expired -> REVOKED,
-    the chord part counted), so that a chord whose member the sweeper ended never hangs.
+    the chord part counted), so that a chord whose member the sweeper ended never hangs; then
+    send its task event (:func:`report_event`; ``terminated``: the ending stopped a running
+    attempt).
 
     Called once per accepted transition (the store's compare-and-set decides who makes it).
     """
     backend = runtime.app.backend
-    if isinstance(backend, DisabledBackend) or job.state not in ("completed", "discarded",
-                                                                  "cancelled"):
+    if job.state not in ("completed", "discarded", "cancelled"):
         return
     try:
         name = runtime.task_name_for(job.type)
     except Exception:
         name = job.type
     task = runtime.app.tasks.get(name)
-    options = trusted_options(job)
-    ignored = options.get("ignore_result", task is not None and task.ignore_result)
-    store = not ignored  # the call's ignore_result, else the task's, as Celery's worker reads it
-    request = celery_context(job, name, options)
-    error: dict[str, Any] = dict(job.error or {})
+    if not isinstance(backend, DisabledBackend):
+        options = trusted_options(job)
+        ignored = options.get("ignore_result", task is not None and task.ignore_result)
+        store = not ignored  # the call's ignore_result, else the task's, as Celery's worker
+        request = celery_context(job, name, options)
+        error: dict[str, Any] = dict(job.error or {})
+        try:
+            if job.state == "completed":
+                backend.mark_as_done(job.id, job.result, request=request, store_result=store)
+            elif _revoked(job):
+                backend.mark_as_revoked(job.id, reason=str(error.get("type") or job.state),
+                                        request=request, store_result=store)
+            else:
+                backend.mark_as_failure(job.id, _exception(error), request=request,
+                                        store_result=store, call_errbacks=True)
+        except Exception as exc:  # the backend is down: the job's outcome is in the store
+            logger.error("ojs_celery: could not report job %s (%s) to the result backend: %r",
+                         job.id, job.state, exc)
+    report_event(runtime, job, terminated=terminated, send_event=send_event)
+
+
+def _revoked(job: Job) -> bool:
+    """Does Celery call this ending REVOKED (a cancel, an expiry) rather than a failure?"""
+    return job.state == "cancelled" or (job.error or {}).get("type") in EXPIRY_ERRORS
+
+
+def report_event(runtime: Runtime, job: Job, *, terminated: bool = False,
+                 send_event: EventSender | None = None) -> None:
+    """Send the Celery task event of a terminal ``job`` that Celery's own worker would have
+    sent for the same ending (``task-succeeded``; ``task-revoked`` with ``expired``, and with
+    ``terminated``/``signum`` when a running attempt was stopped; ``task-failed``), so that
+    monitors, which read only events, do not show the task running for ever. ``send_event``:
+    the worker request's own (Celery decides there whether events are on); by default this
+    process's app dispatcher, when this process sends task events (:func:`send_task_event`).
+    Best effort: a failure is logged, never raised."""
+    fields: dict[str, Any]
+    if job.state == "completed":
+        event, fields = "task-succeeded", {"result": event_repr(job.result)}
+    elif _revoked(job):
+        expired = job.state != "cancelled"
+        event, fields = "task-revoked", {
+            "terminated": terminated, "signum": int(signal.SIGKILL) if terminated else None,
+            "expired": expired}
+    elif job.state == "discarded":
+        error: dict[str, Any] = dict(job.error or {})
+        frames = error.get("backtrace")
+        trace = "".join(map(str, frames)) if isinstance(frames, list) else ""
+        event, fields = "task-failed", {"exception": event_repr(_exception(error)),
+                                        "traceback": trace}
+    else:
+        return
     try:
-        if job.state == "completed":
-            backend.mark_as_done(job.id, job.result, request=request, store_result=store)
-        elif job.state == "cancelled" or error.get("type") in EXPIRY_ERRORS:
-            backend.mark_as_revoked(job.id, reason=str(error.get("type") or job.state),
-                                    request=request, store_result=store)
+        if send_event is not None:
+            send_event(event, **fields)
         else:
-            backend.mark_as_failure(job.id, _exception(error), request=request,
-                                    store_result=store, call_errbacks=True)
-    except Exception as exc:  # the backend is down: the job's outcome is in the store
-        logger.error("ojs_celery: could not report job %s (%s) to the result backend: %r",
-                     job.id, job.state, exc)
+            send_task_event(runtime, job, event, **fields)
+    except Exception as exc:
+        logger.warning("ojs_celery: could not send the %s event of job %s: %r", event, job.id,
+                       exc)
+
+
+def event_repr(value: Any) -> str:
+    """A value as Celery's worker puts it in a task event (kombu's ``safe_repr``)."""
+    return str(safe_repr(value))  # type: ignore[no-untyped-call]
+
+
+def task_events_enabled(runtime: Runtime) -> bool:
+    """Whether this process sends Celery task events: a worker's ``-E`` or
+    ``worker_send_task_events`` (its pool children too), else the app's setting."""
+    found = worker_task_events()
+    if found is not None:
+        return found
+    return bool(runtime.app.conf.worker_send_task_events)
+
+
+def send_task_event(runtime: Runtime, job: Job, event: str, **fields: Any) -> None:
+    """Send one task event of ``job`` from a process that has no worker request for it (the
+    sweeper, a cancel, a pool process): through the app's default dispatcher, under this
+    worker's node name (or the app's own name outside a worker), when task events are on
+    here and the job's task sends them (Celery's ``Task.send_events``)."""
+    if not task_events_enabled(runtime):
+        return
+    try:
+        task = runtime.app.tasks.get(runtime.task_name_for(job.type))
+    except Exception:
+        task = None
+    if task is not None and not task.send_events:
+        return
+    with runtime.app.events.default_dispatcher(hostname=worker_nodename()) as dispatcher:
+        dispatcher.send(event, uuid=job.id, **fields)
 
 
 def _exception(error: dict[str, Any]) -> BaseException:

@@ -18,9 +18,13 @@ from .envelope import new_job_id
 
 
 class _Identity:
-    """The one value this module keeps (see the module docstring for why it is per process)."""
+    """What this module keeps (see the module docstring for why it is per process)."""
 
     worker_id: str | None = None
+    #: The worker's node name and whether it sends Celery task events (``-E``,
+    #: ``worker_send_task_events``): None in a process that is no worker.
+    nodename: str | None = None
+    task_events: bool | None = None
 
 
 _identity = _Identity()
@@ -34,6 +38,23 @@ def assign_worker_id() -> str:
     """Give this process (and the children it will fork) a new worker id."""
     _identity.worker_id = new_worker_id()
     return _identity.worker_id
+
+
+def note_worker(nodename: str, task_events: bool) -> None:
+    """Remember the worker's node name and task-events choice for this process and the pool
+    children it forks: ``-E`` sets no setting a child could read, and a child has no consumer
+    event dispatcher to ask."""
+    _identity.nodename, _identity.task_events = nodename, task_events
+
+
+def worker_nodename() -> str | None:
+    """The node name of the worker this process belongs to; None outside a worker."""
+    return _identity.nodename
+
+
+def worker_task_events() -> bool | None:
+    """Whether the worker this process belongs to sends task events; None outside a worker."""
+    return _identity.task_events
 
 
 def current_worker_id() -> str:

@@ -16,7 +16,7 @@ from . import compat, control
 from .callers import wrap_send_task
 from .conf import Settings
 from .embedded import register_transport
-from .identity import assign_worker_id
+from .identity import assign_worker_id, note_worker
 from .logs import quiet_worker_logs
 from .producer import warn_default_timeouts
 from .request import cancel_revoked
@@ -57,6 +57,8 @@ def install(app: Celery) -> Runtime:
         start_gate.prepare()  # shared with the pool processes it forks next
         quiet_worker_logs(app, SWEEP_TASK)
         worker_id = assign_worker_id()
+        note_worker(str(getattr(sender, "hostname", "") or ""),
+                    bool(getattr(sender, "task_events", False)))
         name = pool_name(getattr(sender, "pool_cls", ""))
         logger.info("ojs_celery: worker id %s (pool %s)", worker_id, name)
         _watch_sweeps(runtime)

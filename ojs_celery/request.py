@@ -35,7 +35,7 @@ from celery.worker.request import TERM_SIGNAME, Request
 from celery.worker.state import task_ready
 
 from . import arrival, lifecycle
-from .effects import carry_out
+from .effects import carry_out, event_repr
 from .header import ABSENT, of_request, of_task_request, token_of
 from .identity import current_worker_id
 from .lifecycle import Transition
@@ -154,10 +154,12 @@ class OJSRequest(Request):  # type: ignore[misc]
         return max(time.time() - started, 0.0)
 
     def _ack_without_failure(self, outcome: str, exc: BaseException) -> None:
-        """Close the message for an outcome Celery must not report as a failure."""
+        """Close the message for an outcome Celery must not report as a failure (a retry is
+        written as Celery's RETRY, with its ``task-retried`` event, as Celery's own retry)."""
         task_ready(self)
         if outcome == "retried":
             self.task.backend.mark_as_retry(self.id, exc, request=self._context)
+            self.send_event("task-retried", exception=event_repr(exc), traceback="")
         self.acknowledge()
 
     def _hard_timeout(self, timeout: float) -> None:

@@ -25,7 +25,7 @@ from . import arrival, compat, lifecycle, softlimit
 from .callers import check_call_arguments, enqueue_call
 from .context import JobContext, _current, maybe_current_job
 from .eager import apply_eagerly, in_place_of_a_call, run_eagerly
-from .effects import carry_out
+from .effects import carry_out, report_event
 from .envelope import CELERY_KWARGS_FIELD, Job, json_native
 from .faults import AtMostEvery
 from .identity import current_worker_id
@@ -351,10 +351,11 @@ class OJSTask(Task):  # type: ignore[misc]
         if isinstance(outcome, Cancelled):
             done = _write(store, lambda: store.apply(job.id, lambda r: lifecycle.cancel_by_owner(
                 r, ctx.attempt, ctx.worker_id, now)), ctx)
-            if done is not None and done.applied:
+            if done is not None and done.record is not None:
                 carry_out(runtime, done)
                 if ctx.result_state not in states.READY_STATES:  # else the handler's own end
                     self.backend.mark_as_revoked(job.id, reason="ignored", request=self.request)
+                    report_event(runtime, done.record.job)  # Celery's trace sends none
             raise Ignore()
         delay: float | None = None
         retryable = True
