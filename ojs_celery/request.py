@@ -4,7 +4,9 @@ When billiard kills a child at the hard time limit, or a child dies, the child c
 The main process fails the attempt in the store instead, once per attempt although Celery 5.7
 reports a hard timeout up to three times (the compare-and-set on the attempt rejects the
 repeats), and tells Celery's result backend only what the store accepted: RETRY when the job
-will run again (no errbacks), FAILURE when it was discarded, nothing for a stale attempt.
+will run again (no errbacks), FAILURE when it was discarded, nothing for a stale attempt;
+SUCCESS when the store shows the job completed by this very attempt (the limit struck after the
+store took its outcome, before Celery's trace could report it), which no one else would write.
 
 A pool process that OJS stopped itself (the shutdown drain, ``ojs_terminate``) was stopped
 after the store transition that ended its attempt, whose maker reports it to the result
@@ -35,7 +37,7 @@ from celery.worker.request import TERM_SIGNAME, Request
 from celery.worker.state import task_ready
 
 from . import arrival, lifecycle
-from .effects import carry_out, event_repr
+from .effects import carry_out, event_repr, report_outcome
 from .header import ABSENT, of_request, of_task_request, token_of
 from .identity import current_worker_id
 from .lifecycle import Transition
@@ -128,12 +130,31 @@ class OJSRequest(Request):  # type: ignore[misc]
                 self._ojs_failure_recorded = "unstarted"
                 return "unstarted"
             logger.info("ojs_celery: late failure of job %s ignored (%s)", self.id, done.reason)
+            self._ojs_report_own_completion(done, token)
             self._ojs_failure_recorded = "stale"
             return "stale"
         carry_out(runtime, done)
         retried = done.record.job.state == "retryable"
         self._ojs_failure_recorded = "retried" if retried else "discarded"
         return self._ojs_failure_recorded
+
+    def _ojs_report_own_completion(self, done: Transition, token: int) -> None:
+        """The store completed this message's attempt, yet its pool process failed (a hard
+        time limit that struck after the store accepted the outcome: gevent's at the first
+        switch, which may be inside the outcome's own write; a child killed or lost just
+        after it), so Celery's trace never reported it: report it here, where it would
+        otherwise stay PENDING. Only the attempt's owner can complete a job, so a completed
+        record with this message's token is this attempt's own outcome, which no one else
+        reports. (A discarded or cancelled record may be the sweeper's or a cancel's, which
+        their makers reported: left alone.) Its ``link`` callbacks and the chain's next step
+        are not sent: Celery's trace sends them before it stores the result, so an
+        interrupted trace may have sent them already, and the store cannot tell."""
+        record = done.previous
+        if record is None or record.token != token or record.job.state != "completed":
+            return
+        logger.warning("ojs_celery: job %s completed in the store before its attempt was "
+                       "stopped: reported as completed", self.id)
+        report_outcome(get_runtime(self.task.app), record.job, send_event=self.send_event)
 
     def _ojs_unstarted(self, done: Transition, token: int) -> bool:
         """Did this message never start its attempt (the job still waits for its token, or

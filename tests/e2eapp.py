@@ -336,6 +336,17 @@ def make_app(config: dict[str, Any]) -> Celery:
         record(directory, "celery", f"{tag} attempt={current_job().attempt}")
         time.sleep(30)
 
+    @app.task(shared=False, name="e2e.busy_past_limit", base=OJSTask, time_limit=2)
+    def busy_past_limit(seconds: float) -> str:
+        """Computes past its hard time limit without yielding (on gevent, the limit's
+        ``Timeout`` then strikes at the first switch after the handler: its outcome's write),
+        and returns."""
+        record(directory, "runs", f"busy_past_limit {current_job().job_id}")
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+        return "done"
+
     @app.task(shared=False, name="e2e.celery_retry_later", base=OJSTask, bind=True)
     def celery_retry_later(self: OJSTask, tag: str, countdown: float) -> None:
         record(directory, "celery", f"{tag} retries={self.request.retries}")
