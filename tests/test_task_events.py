@@ -4,6 +4,7 @@ must end with exactly one terminal task event, as after Celery's own revoke or e
 
 from __future__ import annotations
 
+import pathlib
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from celery import Celery
 
 import ojs_celery
 from tests.conftest import Env, start_env
-from tests.workers import wait_for
+from tests.workers import unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,3 +101,20 @@ def test_an_expired_job_ends_with_one_task_revoked_from_its_worker(events_env: E
     assert ended[0]["hostname"].startswith("w")  # the worker's node name (tests.workers)
     assert result.state == "REVOKED"
 
+
+
+def test_a_job_the_sweeper_discards_ends_with_one_task_revoked_from_the_sweep_worker(
+        tmp_path: pathlib.Path) -> None:
+    """The sweep task runs in a worker that is not the job's (none consumes its queue): its
+    ``-E`` sends the enqueue_ttl expiry's event."""
+    overrides = {"ojs": {"sweep_interval": 0.5}}
+    with start_env("redis", tmp_path, config=overrides, beat=True, extra=["-E"]) as env, \
+            task_events(env.app) as seen:
+        job = ojs_celery.enqueue({"type": "e2e.add", "args": [1, 2],
+                                  "queue": unique("lonely"), "enqueue_ttl": 1}, app=env.app)
+        env.wait_state(job.id, "discarded", timeout=15)
+        wait_for(lambda: terminal(seen, job.id), 10, "a terminal task event")
+        time.sleep(1.0)  # no second one follows
+        ended = terminal(seen, job.id)
+    assert [e["type"] for e in ended] == ["task-revoked"]
+    assert (ended[0]["expired"], ended[0]["terminated"]) == (True, False)
