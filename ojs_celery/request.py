@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-from signal import SIGKILL, SIGTERM
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
@@ -32,8 +31,7 @@ from billiard.exceptions import (
     TimeLimitExceeded,
     WorkerLostError,
 )
-from celery.platforms import signals
-from celery.worker.request import TERM_SIGNAME, Request
+from celery.worker.request import Request
 from celery.worker.state import task_ready
 
 from . import arrival, lifecycle
@@ -73,17 +71,14 @@ class OJSRequest(Request):  # type: ignore[misc]
         return bool(self.time_start) and self._ojs_token() is not None
 
     def terminate(self, pool: Any, signal: Any = None) -> None:
-        """``revoke(terminate=True)``: pool processes ignore SIGTERM, Celery's default, so that
-        a deploy's SIGTERM to the process group drains instead of killing; a terminate that
-        asks for SIGTERM is carried out with SIGKILL, which stops the attempt as Celery
-        would. The job is cancelled in the store before a running attempt gets the signal: one
-        that lets the handler go on (SIGUSR1 raises ``SoftTimeLimitExceeded`` in it, as the
-        soft limit does) then ends a cancelled attempt, whose outcome is rejected, instead of
-        reading as its timeout."""
-        wanted = signals.signum(signal or TERM_SIGNAME)
+        """``revoke(terminate=True)``: the job is cancelled in the store before a running
+        attempt gets the signal: one that lets the handler go on (SIGUSR1 raises
+        ``SoftTimeLimitExceeded`` in it, as the soft limit does) then ends a cancelled attempt,
+        whose outcome is rejected, instead of reading as its timeout. (SIGTERM, Celery's
+        default, reaches the pool process as SIGKILL: see ``worker.children``.)"""
         if self._ojs_attempt_running():
             cancel_in_store(self.task, self.id)
-        super().terminate(pool, SIGKILL if wanted == SIGTERM else wanted)
+        super().terminate(pool, signal)
 
     def cancel(self, pool: Any, signal: Any = None, **options: Any) -> None:
         """Celery cancels a running ``acks_late`` task when the broker connection is lost
