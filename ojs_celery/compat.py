@@ -113,6 +113,17 @@ def keeps_bound_queues() -> bool:
     return not (5, 5) <= _kombu_version() < (5, 7)
 
 
+def _quorum_detector() -> Any:
+    """Celery's ``detect_quorum_queues`` (5.5 and later), looked up once; None on 5.4."""
+    try:
+        from celery.utils.quorum_queues import detect_quorum_queues
+    except ImportError:  # Celery 5.4
+        return None
+    return detect_quorum_queues
+
+
+_detect_quorum_queues = _quorum_detector()
+
 #: The least an ETA must be ahead when Celery routes it through RabbitMQ's native delayed
 #: delivery (see :func:`delays_natively`): one whole second, and a little for the time Celery
 #: takes between this check and its own reading of the clock.
@@ -128,9 +139,7 @@ def delays_natively(app: Any, producer: Any, queue: Any) -> bool:
     ``int(eta - now)``, and raises ``ValueError`` for an ETA less than a second ahead (plain
     Celery's ``countdown=0.5`` does too), so a job due that soon is published a little later
     instead (:data:`NATIVE_DELAY_LEAST`). Celery 5.4 has no native delayed delivery."""
-    try:
-        from celery.utils.quorum_queues import detect_quorum_queues
-    except ImportError:  # Celery 5.4
+    if _detect_quorum_queues is None:  # Celery 5.4
         return False
     if isinstance(queue, str):  # a queue named: Celery's router looks it up so
         try:
@@ -141,7 +150,7 @@ def delays_natively(app: Any, producer: Any, queue: Any) -> bool:
     if exchange is None or exchange.type == "direct":  # Celery's worker holds it until its ETA
         return False
     driver = producer.connection.transport.driver_type
-    return bool(detect_quorum_queues(app, driver)[0])
+    return bool(_detect_quorum_queues(app, driver)[0])
 
 
 def call_soon(consumer: Any, callback: Any, *args: Any) -> None:

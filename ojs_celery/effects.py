@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -220,8 +221,22 @@ def send_task_event(runtime: Runtime, job: Job, event: str, **fields: Any) -> No
         task = None
     if task is not None and not task.send_events:
         return
-    with runtime.app.events.default_dispatcher(hostname=worker_nodename()) as dispatcher:
-        dispatcher.send(event, uuid=job.id, **fields)
+    now = time.monotonic()
+    if now < _events_paused_until[0]:
+        return  # the last send failed: a sweep or a drain must not wait on each job for it
+    try:
+        with runtime.app.events.default_dispatcher(hostname=worker_nodename()) as dispatcher:
+            dispatcher.send(event, uuid=job.id, **fields)
+    except Exception:
+        _events_paused_until[0] = time.monotonic() + EVENTS_PAUSE_AFTER_FAILURE
+        raise
+
+
+#: How long a process sends no task events of its own after one could not be sent (a broker
+#: that is down makes each try wait for kombu's connection timeout).
+EVENTS_PAUSE_AFTER_FAILURE = 60.0
+#: Until when (monotonic) this process sends none (see :data:`EVENTS_PAUSE_AFTER_FAILURE`).
+_events_paused_until = [0.0]
 
 
 def _exception(error: dict[str, Any]) -> BaseException:

@@ -31,6 +31,7 @@ from billiard.exceptions import (
     TimeLimitExceeded,
     WorkerLostError,
 )
+from celery import states
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
@@ -85,8 +86,9 @@ class OJSRequest(Request):  # type: ignore[misc]
         (``worker_cancel_long_running_tasks_on_connection_loss``, Celery 6's default), so that
         its redelivered message runs it again; it would also stop listing it as running. An
         OJS attempt runs on instead, listed in the worker's beats: fencing drops the
-        redelivered message, and the attempt records its own outcome in the job store. (Its
-        SIGTERM would not stop the pool process anyway; a cold shutdown kills those itself.)"""
+        redelivered message, and the attempt records its own outcome in the job store. (Celery's
+        cancel would kill the pool process: its SIGTERM reaches it as SIGKILL. A cold shutdown
+        kills those itself.)"""
         if self._ojs_attempt_running():
             logger.warning("ojs_celery: job %s runs on although Celery cancels it (after a "
                            "lost broker connection, or in a cold shutdown): its attempt records "
@@ -147,6 +149,11 @@ class OJSRequest(Request):  # type: ignore[misc]
         record = done.previous
         if record is None or record.token != token or record.job.state != "completed":
             return
+        try:  # the trace may have stored it just before the stop: a chord counts it once
+            if self.task.backend.get_state(self.id) in states.READY_STATES:
+                return
+        except Exception as exc:  # the backend cannot say: report, as the store says
+            logger.debug("ojs_celery: state of job %s in the result backend: %r", self.id, exc)
         logger.warning("ojs_celery: job %s completed in the store before its attempt was "
                        "stopped: reported as completed", self.id)
         report_outcome(get_runtime(self.task.app), record.job, send_event=self.send_event)

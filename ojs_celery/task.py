@@ -48,7 +48,7 @@ from .outcome import (
 )
 from .producer import call_mismatch
 from .runtime import Runtime, get_runtime
-from .store import JobStore, StoreError
+from .store import JobStore, StoreError, StoreTimeout
 from .worker.gate import start_gate
 
 logger = logging.getLogger(__name__)
@@ -256,11 +256,7 @@ class OJSTask(Task):  # type: ignore[misc]
         dropped: nothing to start, or it is not the job's: another task, other ``args`` and
         ``kwargs``) or ``Reject`` with requeue (it goes back to the broker: whether it may
         start could not be decided, or its job's record may still come)."""
-        if start_gate.draining() and start_gate.too_late(self.request.timelimit,
-                                                         runtime.settings.cancel_window):
-            logger.info("ojs_celery: job %s not started, the worker is shutting down: its "
-                        "message goes back to the broker", job_id)
-            raise Reject(SHUTTING_DOWN, requeue=True)
+        self._unless_too_late(runtime, job_id)
         arrived = arrival.read(self.request, job_id)
         if arrived.token is None:
             logger.error("ojs_celery: job %s: message dropped, its ojs header is unusable (%s); "
@@ -320,12 +316,15 @@ class OJSTask(Task):  # type: ignore[misc]
         (``JobStore.remembering``): a message sent back would find the job started by nobody."""
         give_up = time.monotonic() + store_down_hold(self.request.timelimit)
         pause = STORE_DOWN_PAUSE
+        settled = False  # a try after a timed-out one: it knows a start the store ran as its own
         with runtime.store.remembering("start"):
             while True:
                 try:
                     return arrival.start(runtime.store, job_id, arrived, worker_id, carries)
                 except StoreError as exc:
-                    if start_gate.draining() or time.monotonic() + pause >= give_up:
+                    unsettled = isinstance(exc, StoreTimeout) and not settled
+                    settled = settled or isinstance(exc, StoreTimeout)
+                    if not unsettled and time.monotonic() + pause >= give_up:
                         logger.error("ojs_celery: store unreachable, job %s goes back to the "
                                      "broker: %s", job_id, exc)
                         time.sleep(STORE_DOWN_PAUSE)
@@ -334,9 +333,23 @@ class OJSTask(Task):  # type: ignore[misc]
                     if pause == STORE_DOWN_PAUSE:
                         logger.warning("ojs_celery: store unreachable, job %s waits for it (up "
                                        "to %.0fs) before its message goes back to the broker: "
-                                       "%s", job_id, give_up - time.monotonic(), exc)
+                                       "%s", job_id, max(give_up - time.monotonic(), pause),
+                                       exc)
                     time.sleep(pause)
                     pause = min(pause * 2, STORE_DOWN_PAUSE_MAX)
+                    if not unsettled:  # a try that may have started it is settled first
+                        self._unless_too_late(runtime, job_id)
+
+    def _unless_too_late(self, runtime: Runtime, job_id: str) -> None:
+        """Send the message back (``Reject`` with requeue) when the worker's drain has begun
+        and the job would reach its cancellation point at once: it would spend an attempt on
+        a ``shutdown``. Checked before the start, and before each try of a start that waits
+        for the store."""
+        if start_gate.draining() and start_gate.too_late(self.request.timelimit,
+                                                         runtime.settings.cancel_window):
+            logger.info("ojs_celery: job %s not started, the worker is shutting down: its "
+                        "message goes back to the broker", job_id)
+            raise Reject(SHUTTING_DOWN, requeue=True)
 
     def _record_outcome(self, runtime: Runtime, ctx: JobContext, outcome: Outcome) -> Any:
         """Write the attempt's outcome to the store (fenced on attempt and worker), then tell

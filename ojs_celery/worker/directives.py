@@ -34,7 +34,7 @@ class Directives:
         self.node = node
         self._faults = OncePerKind(logger, f"a state change of worker {node.worker_id}")
         #: The changes :meth:`apply_soon` hands to the thread that applies them, in order.
-        self._wanted: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        self._wanted: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
         threading.Thread(target=self._apply_wanted, name="ojs-directive", daemon=True).start()
 
     def apply_soon(self, wanted: str, source: str) -> None:
@@ -45,8 +45,13 @@ class Directives:
         self._wanted.put((wanted, source))
 
     def _apply_wanted(self) -> None:
-        while True:
-            self._apply_logged(*self._wanted.get())
+        while (wanted := self._wanted.get()) is not None:
+            self._apply_logged(*wanted)
+
+    def close(self) -> None:
+        """End the directives' thread (the worker stops: a worker started again in the same
+        process, as tests do, gets its own)."""
+        self._wanted.put(None)
 
     def _apply_logged(self, wanted: str, source: str) -> None:
         try:
@@ -114,3 +119,8 @@ class DirectivesStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if getattr(node, "directives", None) is None:
             node.directives = Directives(node)
             compat.call_soon(parent, _nothing)  # kombu < 5.7: sets up the hub's waker now
+
+    def shutdown(self, parent: Any) -> None:
+        directives = getattr(getattr(parent, "ojs", None), "directives", None)
+        if directives is not None:
+            directives.close()
