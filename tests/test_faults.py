@@ -23,6 +23,7 @@ from celery import Celery
 from kombu import Producer
 
 from ojs_celery import Job, OJSTask, enqueue, enqueue_batch, get_job, install, parse_envelope
+from ojs_celery.envelope import format_timestamp, from_epoch
 from ojs_celery.runtime import Runtime, get_runtime
 from ojs_celery.sweeper import run_loop, sweep
 from tests import services
@@ -437,4 +438,36 @@ def test_a_sweep_asked_during_a_store_pause_keeps_the_pause_one_blind_spell(
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
         get_runtime(app).close()
+        server.stop()
+
+
+def test_a_start_that_timed_out_is_tried_once_more_before_its_message_goes_back(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A start whose compare-and-set got no answer in time (the store paused) may have been
+    run by the store afterwards: it is tried once more, however short the job's wait for the
+    store (here 1 s, a quarter of its 4 s timeout), and that try knows the start as its own.
+    Sent back at once instead, its message would find the job started by nobody, and the job
+    would wait for its stall clock."""
+    server = PrivateRedis(tmp_path)
+    config = redis_config(tmp_path, services.redis_url())
+    config["ojs"].update({"store_url": server.url, "store_timeout": 1.0})
+    app = make_app(config)
+    worker = Worker(config, tmp_path / "worker.log", concurrency=1)
+    try:
+        worker.wait_ready()
+        due = time.time() + 4.0
+        job = enqueue({"type": "e2e.add", "args": [2, 3], "timeout": 4,
+                       "scheduled_at": format_timestamp(from_epoch(due))}, app=app)
+        time.sleep(max(due - 0.5 - time.time(), 0))  # the pause begins just before it is due
+        server.admin.execute_command("CLIENT", "PAUSE", "3000", "WRITE")
+        done = wait_for(lambda: (found := get_job(job.id, app=app)) is not None
+                        and found.state == "completed" and found, 20, "the job to complete")
+        assert done.result == 5 and done.attempt == 1
+        assert lines(config["dir"], "postrun") == [f"{job.id} SUCCESS"]  # never sent back
+    finally:
+        worker.stop()
+        get_runtime(app).store.clear()
+        get_runtime(app).close()
+        forget_redis_names(config["broker_url"], [config["queue"], config["event_exchange"]])
         server.stop()
