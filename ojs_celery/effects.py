@@ -128,11 +128,7 @@ def report_outcome(runtime: Runtime, job: Job, *, terminated: bool = False,
     backend = runtime.app.backend
     if job.state not in ("completed", "discarded", "cancelled"):
         return
-    try:
-        name = runtime.task_name_for(job.type)
-    except Exception:
-        name = job.type
-    task = runtime.app.tasks.get(name)
+    name, task = _task_of(runtime, job)
     if not isinstance(backend, DisabledBackend):
         options = trusted_options(job)
         ignored = options.get("ignore_result", task is not None and task.ignore_result)
@@ -152,6 +148,16 @@ def report_outcome(runtime: Runtime, job: Job, *, terminated: bool = False,
             logger.error("ojs_celery: could not report job %s (%s) to the result backend: %r",
                          job.id, job.state, exc)
     report_event(runtime, job, terminated=terminated, send_event=send_event)
+
+
+def _task_of(runtime: Runtime, job: Job) -> tuple[str, Any]:
+    """The Celery task name of ``job`` (its type where the app maps none) and the app's task of
+    that name (None if it has none)."""
+    try:
+        name = runtime.task_name_for(job.type)
+    except Exception:
+        name = job.type
+    return name, runtime.app.tasks.get(name)
 
 
 def _revoked(job: Job) -> bool:
@@ -215,10 +221,7 @@ def send_task_event(runtime: Runtime, job: Job, event: str, **fields: Any) -> No
     here and the job's task sends them (Celery's ``Task.send_events``)."""
     if not task_events_enabled(runtime):
         return
-    try:
-        task = runtime.app.tasks.get(runtime.task_name_for(job.type))
-    except Exception:
-        task = None
+    _, task = _task_of(runtime, job)
     if task is not None and not task.send_events:
         return
     now = time.monotonic()
