@@ -8,9 +8,7 @@ import json
 import logging
 import os
 import pathlib
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import redis
 from celery import Celery
 from kombu import Producer
 
@@ -29,7 +26,7 @@ from ojs_celery.sweeper import run_loop, sweep
 from tests import services
 from tests.conftest import start_env
 from tests.e2eapp import make_app
-from tests.test_store_faults import PrivateRedis, free_port
+from tests.test_store_faults import PrivateRedis
 from tests.workers import (
     Worker,
     forget_redis_names,
@@ -87,46 +84,6 @@ def test_store_down_when_a_message_arrives_sends_it_back_to_the_broker(
             healthy.stop()
 
 
-class DurableRedis:
-    """A ``redis-server`` of the test's own that writes every command to its append-only file:
-    stopped, its clients' connections are refused (a store outage); started again on the same
-    port, it has all its data."""
-
-    def __init__(self, directory: pathlib.Path) -> None:
-        self.directory = directory
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("redis-server is not installed")
-        self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.directory)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-
-        def up() -> bool:
-            try:
-                return bool(client.ping())
-            except redis.ConnectionError:
-                return False
-
-        try:
-            wait_for(up, 10, f"redis-server on port {self.port}")
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(10)
-            self.process = None
-
-
 def test_a_short_store_outage_holds_the_message_instead_of_sending_it_back(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -134,7 +91,7 @@ def test_a_short_store_outage_holds_the_message_instead_of_sending_it_back(
     starts the job from the message the worker holds, which never goes back to the broker (a
     RabbitMQ quorum queue counts each return against its delivery limit, and drops the message
     at the limit). The job runs once."""
-    store = DurableRedis(tmp_path)
+    store = PrivateRedis(tmp_path, durable=True)
     config = redis_config(tmp_path, services.redis_url())
     config["ojs"]["store_url"] = store.url
     app = make_app(config)
@@ -155,7 +112,7 @@ def test_a_short_store_outage_holds_the_message_instead_of_sending_it_back(
     finally:
         if worker is not None:
             worker.stop()
-        if store.process is None:
+        if not store.running():
             store.start()
         get_runtime(app).store.clear()
         get_runtime(app).close()

@@ -62,21 +62,32 @@ def free_port() -> int:
 
 
 class PrivateRedis:
-    """A ``redis-server`` of this test's own, without persistence, stopped at the end."""
+    """A ``redis-server`` of this test's own, stopped at the end: without persistence, or
+    ``durable``, writing every command to its append-only file, so that it can be stopped (its
+    clients' connections refused: a store outage) and started again on the same port with all
+    its data (:meth:`start`)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, durable: bool = False) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("redis-server is not installed")
+        self.binary = binary
+        self.directory = directory
+        self.durable = durable
         self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.admin = redis.Redis(port=self.port, decode_responses=True)
+        self.start()
+
+    def start(self) -> None:
+        persistence = (["--appendonly", "yes", "--appendfsync", "always"] if self.durable
+                       else ["--appendonly", "no"])
         self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(directory),
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             *persistence, "--dir", str(self.directory),
              "--enable-protected-configs", "local"],  # CONFIG SET dir (the MISCONF test)
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.admin = redis.Redis(port=self.port, decode_responses=True)
 
         def up() -> bool:
             try:
@@ -85,6 +96,9 @@ class PrivateRedis:
                 return False
 
         wait_for(up, 10, f"redis-server on port {self.port}")
+
+    def running(self) -> bool:
+        return self.process.poll() is None
 
     def stop(self) -> None:
         """Stop the server, by force if it refuses (a server that cannot write its snapshot
