@@ -136,9 +136,11 @@ def listen(
     limit: int | None = None,
     timeout: float | None = None,
     ready: threading.Event | None = None,
+    stop: threading.Event | None = None,
 ) -> None:
-    """Call ``handler`` for every OJS event on the bus until ``limit`` events, or until
-    ``timeout`` seconds pass without a message.
+    """Call ``handler`` for every OJS event on the bus until ``limit`` events, until
+    ``timeout`` seconds pass without a message, or until ``stop`` is set (seen within about a
+    second: a listening thread can be ended before its broker goes away).
 
     ``ready`` is set once the receiver is bound, so nothing published after it is missed. The
     limit counts events, not bus messages (one message carries a batch of them), and is not
@@ -147,6 +149,7 @@ def listen(
     to :data:`RECONNECT_MAX`: what was published meanwhile is lost, as the bus is best-effort.
     """
     counted = _Counted(handler, limit)
+    stopping = stop or threading.Event()
     pause = RECONNECT_FIRST
     while True:
         connection = app.connection_for_read()
@@ -159,6 +162,7 @@ def listen(
                 receiver = app.events.Receiver(connection,
                                                handlers={BUS_EVENT_TYPE: counted.on_message})
                 counted.receiver = receiver
+                receiver.on_iteration = counted.stop_when(stopping)
                 if ready is not None:
                     receiver.on_consume_ready = lambda *_a, **_k: ready.set()
                 receiver.capture(timeout=timeout, wakeup=False)
@@ -166,12 +170,15 @@ def listen(
         except TimeoutError:
             return
         except lost as exc:  # connecting (a broker still down) or consuming
+            if stopping.is_set():  # the broker went away after the caller asked to stop
+                return
             if counted.flowed:  # events came since the last loss: start over
                 pause, counted.flowed = RECONNECT_FIRST, False
             logger.warning("ojs_celery: event bus: lost the broker (%s: %s); connecting again "
                            "in %gs", type(exc).__name__, str(exc).splitlines()[0] if str(exc)
                            else "", pause)
-        time.sleep(pause)
+        if stopping.wait(pause):
+            return
         pause = min(pause * 2, RECONNECT_MAX)
 
 
@@ -196,3 +203,13 @@ class _Counted:
                 self.handler(event)
         if self.limit is not None and self.seen >= self.limit:
             self.receiver.should_stop = True
+
+    def stop_when(self, stop: threading.Event) -> Callable[[], None]:
+        """The receiver's ``on_iteration`` hook (kombu calls it before each poll): it stops
+        consuming once ``stop`` is set."""
+
+        def check() -> None:
+            if stop.is_set():
+                self.receiver.should_stop = True
+
+        return check

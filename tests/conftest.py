@@ -144,9 +144,10 @@ def start_env(kind: str, tmp: pathlib.Path, *, config: dict[str, Any] | None = N
         config["worker_queues"] = [config["queue"], config["ojs"]["sweep_queue"]]
     app = make_app(config)
     events = Events()
-    ready = threading.Event()
-    threading.Thread(target=listen, args=(app, events.add), kwargs={"ready": ready},
-                     daemon=True).start()
+    ready, stop = threading.Event(), threading.Event()
+    listener = threading.Thread(target=listen, args=(app, events.add),
+                                kwargs={"ready": ready, "stop": stop}, daemon=True)
+    listener.start()
     assert ready.wait(15), "event listener did not start"
     worker = Worker(config, tmp / "worker.log", **worker_options)
     beat_process = Beat(config, tmp) if beat else None
@@ -154,9 +155,11 @@ def start_env(kind: str, tmp: pathlib.Path, *, config: dict[str, Any] | None = N
         worker.wait_ready()
         yield Env(kind, config, app, worker, events)
     finally:
+        stop.set()  # before the broker may go away (a test's own vhost)
         if beat_process is not None:
             beat_process.stop()
         worker.stop()
+        listener.join(5)
         store = app._ojs_runtime.store
         store.clear()
         drop = getattr(store, "drop_tables", None)

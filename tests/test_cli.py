@@ -370,3 +370,28 @@ def test_events_goes_on_after_the_broker_restarts(
         get_runtime(app).close()
     assert not any("Traceback" in line for line in said), "".join(said)
     assert sum("lost the broker" in line for line in said) >= 2
+
+
+def test_listen_ends_when_asked_while_listening_and_while_its_broker_is_down(
+    redis_server: PrivateRedis, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``listen(..., stop=...)`` (what a thread reading the bus is ended with) returns soon
+    after ``stop`` is set: while it waits for events, and while it waits to connect again to a
+    broker that went away (it would otherwise try for ever)."""
+    from ojs_celery.events import listen
+
+    config = redis_config(tmp_path, redis_server.url)
+    app = make_app(config)
+    for broker_down in (False, True):
+        ready, stop = threading.Event(), threading.Event()
+        thread = threading.Thread(target=listen, args=(app, lambda _event: None),
+                                  kwargs={"ready": ready, "stop": stop}, daemon=True)
+        thread.start()
+        assert ready.wait(15), "the listener did not start"
+        if broker_down:
+            redis_server.stop()
+            wait_for(lambda: "lost the broker" in caplog.text, 15, "the listener to lose it")
+        stop.set()
+        thread.join(5)
+        assert not thread.is_alive(), f"listen went on after stop (broker down: {broker_down})"
+    get_runtime(app).close()

@@ -107,6 +107,8 @@ def test_a_short_store_outage_holds_the_message_instead_of_sending_it_back(
         done = wait_for(lambda: (found := get_job(job.id, app=app)) is not None
                         and found.state == "completed" and found, 30, "the job to complete")
         assert done.result == 3
+        # Celery's task_postrun comes after the store took the completion: await it.
+        wait_for(lambda: lines(config["dir"], "postrun"), 10, "the task's postrun signal")
         assert lines(config["dir"], "postrun") == [f"{job.id} SUCCESS"]  # never rejected
         assert len([line for line in lines(config["dir"], "runs") if job.id in line]) == 1
     finally:
@@ -421,6 +423,7 @@ def test_a_start_that_timed_out_is_tried_once_more_before_its_message_goes_back(
         done = wait_for(lambda: (found := get_job(job.id, app=app)) is not None
                         and found.state == "completed" and found, 20, "the job to complete")
         assert done.result == 5 and done.attempt == 1
+        wait_for(lambda: lines(config["dir"], "postrun"), 10, "the task's postrun signal")
         assert lines(config["dir"], "postrun") == [f"{job.id} SUCCESS"]  # never sent back
     finally:
         worker.stop()
