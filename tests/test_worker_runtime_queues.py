@@ -1,0 +1,79 @@
+"""A queue a worker was told to consume at run time (``celery control add_consumer``) stops
+with the others when the worker goes quiet or drains, and a queue it was told to drop
+(``cancel_consumer``) stays dropped when it resumes."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import signal
+import time
+
+from ojs_celery import enqueue
+from tests.conftest import Env, start_env
+from tests.workers import unique, wait_for
+
+#: Long enough for a consumer that still listens on a queue to take a job from it.
+SETTLE = 4.0
+
+
+def _read_nodename(env: Env) -> str:
+    """The worker's Celery node name, from its log (a broadcast ``ping`` on a shared broker
+    would be answered by other runs' workers too)."""
+    found = re.search(r"(\S+@\S+) ready\.", env.worker.log())
+    assert found, "the worker's node name is not in its log"
+    return found.group(1)
+
+
+def test_quiet_stops_a_queue_added_at_run_time_and_resume_keeps_a_dropped_one(
+    tmp_path: pathlib.Path,
+) -> None:
+    with start_env("redis", tmp_path, concurrency=2) as env:
+        node = _read_nodename(env)
+        added = unique("q")
+        replies = env.app.control.add_consumer(added, destination=[node], reply=True)
+        assert replies and "ok" in replies[0][node], replies
+        ran = enqueue({"type": "e2e.add", "args": [1, 1], "queue": added}, app=env.app)
+        env.wait_state(ran.id, "completed")  # the worker consumes the added queue
+
+        env.worker.process.send_signal(signal.SIGTSTP)  # quiet
+        wait_for(lambda: " is quiet " in env.worker.log(), 10, "the worker quiet")
+        time.sleep(1)
+        held = enqueue({"type": "e2e.add", "args": [2, 2], "queue": added}, app=env.app)
+        time.sleep(SETTLE)
+        assert env.job(held.id).state == "available", "a quiet worker started a job"
+
+        env.worker.process.send_signal(signal.SIGCONT)  # running again: the job runs
+        env.wait_state(held.id, "completed")
+
+        # an operator drops the app's own queue; quiet and resume do not bring it back
+        replies = env.app.control.cancel_consumer(env.config["queue"], destination=[node],
+                                                  reply=True)
+        assert replies and "ok" in replies[0][node], replies
+        env.worker.process.send_signal(signal.SIGTSTP)
+        wait_for(lambda: env.worker.log().count(" is quiet ") == 2, 10, "quiet again")
+        env.worker.process.send_signal(signal.SIGCONT)
+        wait_for(lambda: env.worker.log().count(" is running again ") == 2, 10, "resumed")
+        time.sleep(1)
+        dropped = enqueue({"type": "e2e.add", "args": [3, 3]}, app=env.app)
+        time.sleep(SETTLE)
+        assert env.job(dropped.id).state == "available", "resume consumed a dropped queue"
+        env.app.control.add_consumer(env.config["queue"], destination=[node], reply=True)
+        env.wait_state(dropped.id, "completed")
+
+
+def test_the_drain_stops_a_queue_added_at_run_time(tmp_path: pathlib.Path) -> None:
+    with start_env("redis", tmp_path, concurrency=2) as env:
+        node = _read_nodename(env)
+        added = unique("q")
+        env.app.control.add_consumer(added, destination=[node], reply=True)
+        long = enqueue({"type": "e2e.sleep", "args": [SETTLE + 2]}, app=env.app)
+        wait_for(lambda: env.lines("runs"), 10, "the long job started")
+        env.worker.process.send_signal(signal.SIGTERM)  # drains while the long job runs
+        wait_for(lambda: " shutting down " in env.worker.log(), 10, "the drain")
+        time.sleep(1)
+        late = enqueue({"type": "e2e.add", "args": [4, 4], "queue": added}, app=env.app)
+        env.wait_state(long.id, "completed")
+        assert env.worker.process.wait(30) == 0
+        assert env.job(late.id).state == "available", "a draining worker started a job"
+        assert not [line for line in env.lines("runs") if late.id in line]
