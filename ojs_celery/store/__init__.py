@@ -13,6 +13,7 @@ from .base import (
     DuplicateJob,
     JobStore,
     StoreError,
+    StoreRefused,
     StoreTimeout,
     StoreUncertain,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "JobStore",
     "MetaArea",
     "StoreError",
+    "StoreRefused",
     "StoreTimeout",
     "StoreUncertain",
     "WorkerInfo",

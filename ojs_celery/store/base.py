@@ -100,6 +100,12 @@ class StoreUncertain(StoreError):
                 "was stored)")
 
 
+class StoreRefused(StoreError):
+    """The store refused what has to come before any write (a SQL store's tables could not be
+    made: no permission, a read-only session): nothing was sent that could store a job, so the
+    write that needed it is not uncertain."""
+
+
 class DuplicateJob(ValueError):
     """A job with this id exists already."""
 
@@ -333,7 +339,7 @@ class JobStore(ABC):
         deadlines = self._deadlines(record)
         try:
             written = self._insert_begin(record, deadlines)
-        except StoreUncertain:
+        except (StoreUncertain, StoreRefused):
             raise
         except StoreError:
             inserted = self._settle_insert(record, deadlines)
@@ -368,7 +374,7 @@ class JobStore(ABC):
         which sends ``again`` (default :meth:`_insert`) if the record is not there."""
         try:
             return attempt()
-        except StoreUncertain:
+        except (StoreUncertain, StoreRefused):
             raise
         except StoreError:
             return self._settle_insert(record, deadlines, again)
@@ -396,7 +402,7 @@ class JobStore(ABC):
             except StoreTimeout as unanswered:  # all or none of it may still be stored
                 raise StoreUncertain(rows[0][0].job.id, str(unanswered), batch=len(rows)) \
                     from unanswered
-            except StoreUncertain:
+            except (StoreUncertain, StoreRefused):
                 raise
             except StoreError:  # a lost reply (the write may be done) or an error reply
                 taken = self._settle_batch(rows)

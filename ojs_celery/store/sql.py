@@ -47,6 +47,7 @@ from .base import (
     JobStore,
     NewRow,
     StoreError,
+    StoreRefused,
     Write,
     decode_job,
     encode_job,
@@ -432,13 +433,28 @@ class SQLStore(JobStore):
         return engine
 
     def _create_tables(self, engine: Engine) -> None:
-        """``create_all`` under a lock, so processes starting together do not both try."""
-        with engine.connect() as conn, transaction(conn, self._sqlite):
-            if not self._sqlite:
-                key = zlib.crc32(f"ojs_celery:{self.prefix}".encode())
-                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
-            self.metadata.create_all(conn, checkfirst=True)
-            self._add_missing_columns(conn)
+        """``create_all`` under a lock, so processes starting together do not both try.
+
+        A refusal by the database on a working connection (no permission to create the
+        tables, a read-only session) leaves as :class:`StoreRefused`: the write that needed
+        the tables was not sent, so it did not happen (a lost connection or an unanswered
+        statement stays the error it is)."""
+        with engine.connect() as conn:
+            try:
+                with transaction(conn, self._sqlite):
+                    if not self._sqlite:
+                        key = zlib.crc32(f"ojs_celery:{self.prefix}".encode())
+                        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
+                    self.metadata.create_all(conn, checkfirst=True)
+                    self._add_missing_columns(conn)
+            except sa_exc.DBAPIError as exc:
+                if exc.connection_invalidated or unanswered(exc):
+                    raise
+                cause = getattr(exc, "orig", None) or exc
+                said = " ".join(str(cause).split())
+                raise StoreRefused(mask_secrets(
+                    f"job store error: could not create the job store's tables "
+                    f"({self.prefix}_*): {type(cause).__name__}: {said}")) from exc
 
     def _add_missing_columns(self, conn: sa.Connection) -> None:
         """Give a jobs table made by an older version the columns added since (each has a
