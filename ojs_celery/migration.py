@@ -145,6 +145,10 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
     priority = getattr(task, "priority", None)
     if priority is not None:
         envelope["priority"] = priority
+    asked = getattr(task, "ojs_acks_late_asked", None) if is_ojs else None
+    if asked is not None:
+        report.warnings.append(f"acks_late={asked!r}: ignored: OJS tasks always ack late (a "
+                               "message is acknowledged when its attempt's outcome is written)")
     for option, what in NO_EQUIVALENT.items():
         if getattr(task, option, _CELERY_DEFAULTS[option]) != _CELERY_DEFAULTS[option]:
             report.warnings.append(f"{option}={getattr(task, option)!r}: {what}")

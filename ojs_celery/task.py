@@ -95,7 +95,22 @@ class OJSTask(Task):  # type: ignore[misc]
     #: "worker": the worker's beats keep the job alive; "handler": only ctx.heartbeat()/progress().
     heartbeat: str = "worker"
     acks_late = True
+    #: What the task's options or ``task_annotations`` asked for instead of ``acks_late=True``
+    #: (overridden when the task is bound; the migration report names it), else None.
+    ojs_acks_late_asked: Any = None
     Request = "ojs_celery.request:OJSRequest"
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Keep ``acks_late`` on whatever a task's options or ``task_annotations`` (applied
+        just before this, when Celery binds the task) set: an OJS message is acknowledged
+        when its attempt's outcome is written. An early ack would lose the message of a job
+        that the drain sends back to the broker unstarted (until the sweeper's redispatch,
+        ``redispatch_after`` later)."""
+        super().on_bound(app)
+        if cls.acks_late is not True:
+            cls.ojs_acks_late_asked = cls.acks_late
+            cls.acks_late = True
 
     @property
     def ojs(self) -> JobContext | None:
