@@ -19,7 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from celery import Celery, Task
-from celery.utils.time import maybe_make_aware
+from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu.common import Broadcast
 from kombu.entity import Queue
 from kombu.exceptions import OperationalError
@@ -277,12 +277,32 @@ def trusted_options(job: Job) -> dict[str, Any]:
     return {name: stored[name] for name in TRUSTED_OPTIONS if stored.get(name) is not None}
 
 
-def scheduled_at_from(eta: datetime | None, countdown: float | None) -> datetime | None:
+def celery_datetime(value: datetime | str, option: str) -> datetime:
+    """A Celery caller's ``eta`` or ``expires`` given as a datetime or, as Celery also takes
+    them, as ISO 8601 text (``send_task`` parses it with dateutil's ``isoparse``; the worker
+    with ``maybe_iso8601``), made aware: a naive one is UTC, as Celery's worker reads it
+    (``maybe_make_aware``). Text that is no such date raises
+    :class:`~ojs_celery.InvalidJob` naming the option (a ``ValueError``, as Celery's own)."""
+    if isinstance(value, str):
+        try:
+            parsed = maybe_iso8601(value)
+        except (ValueError, OverflowError) as exc:
+            parsed, problem = None, str(exc)
+        else:
+            problem = "empty"
+        if parsed is None:
+            raise InvalidJob([(option, f"must be a datetime or ISO 8601 text ({problem})")])
+        value = parsed
+    aware: datetime = maybe_make_aware(value)
+    return aware
+
+
+def scheduled_at_from(eta: datetime | str | None, countdown: float | None) -> datetime | None:
     """When a Celery caller's ``eta``/``countdown`` schedules the job. A naive ``eta`` is UTC,
-    as Celery's worker reads it (``maybe_make_aware``), like a naive ``expires``."""
-    if eta is not None:
-        aware: datetime = maybe_make_aware(eta)
-        return aware
+    as Celery's worker reads it (``maybe_make_aware``), like a naive ``expires``; ISO 8601
+    text is read as Celery reads it (:func:`celery_datetime`)."""
+    if eta:  # Celery sends an empty ``eta`` as none
+        return celery_datetime(eta, "eta")
     if countdown:
         return from_epoch(time.time() + float(countdown))
     return None
@@ -352,13 +372,14 @@ def _time_limit(app: Celery, task: Task, options: dict[str, Any], name: str) -> 
 
 
 def celery_expires_at(task: Task, options: dict[str, Any], now: float) -> str | None:
-    """Celery's ``expires`` (per call or task option; seconds or a datetime) as the job's
-    ``expires_at``: checked at every start, retries included; never given to Celery."""
+    """Celery's ``expires`` (per call or task option; seconds, a datetime or ISO 8601 text, as
+    Celery takes it) as the job's ``expires_at``: checked at every start, retries included;
+    never given to Celery."""
     expires = _first(options.get("expires"), getattr(task, "expires", None))
     if expires is None:
         return None
-    if isinstance(expires, datetime):
-        return format_timestamp(maybe_make_aware(expires))
+    if isinstance(expires, (datetime, str)):
+        return format_timestamp(celery_datetime(expires, "expires"))
     return format_timestamp(from_epoch(now + float(expires)))
 
 

@@ -19,7 +19,6 @@ from celery import Task, states
 from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
-from celery.utils.time import maybe_make_aware
 
 from . import arrival, compat, lifecycle, softlimit
 from .callers import check_call_arguments, enqueue_call
@@ -46,7 +45,7 @@ from .outcome import (
     pending_retry,
     run_handler,
 )
-from .producer import call_mismatch
+from .producer import call_mismatch, celery_datetime
 from .runtime import Runtime, get_runtime
 from .store import JobStore, StoreError, StoreTimeout
 from .worker.gate import start_gate
@@ -201,11 +200,11 @@ class OJSTask(Task):  # type: ignore[misc]
                 raise self.MaxRetriesExceededError(
                     f"Can't retry {self.name}[{self.request.id}] args:{self.request.args} "
                     f"kwargs:{self.request.kwargs}")
-            if eta is None and countdown is None:
+            if not eta and countdown is None:
                 countdown = self.default_retry_delay
         delay = None if countdown is None else float(countdown)
-        if eta is not None:
-            delay = max(maybe_make_aware(eta).timestamp() - time.time(), 0.0)
+        if eta:  # a datetime or ISO 8601 text, as Celery's retry passes it to apply_async
+            delay = max(celery_datetime(eta, "eta").timestamp() - time.time(), 0.0)
         requested = RetryRequested(
             exc, delay,
             None if args is None else json_native(list(args)),

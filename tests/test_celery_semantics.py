@@ -106,6 +106,33 @@ def test_eta_schedules_the_job_and_a_naive_one_is_utc_as_celery_reads_it(tmp_pat
     assert job.scheduled_at == due.replace(tzinfo=timezone.utc)
 
 
+def test_eta_and_expires_as_iso_text_are_read_as_celery_reads_them(tmp_path: Path) -> None:
+    """Celery takes ``eta`` and ``expires`` as ISO 8601 text too (``send_task`` parses them
+    with dateutil's ``isoparse``, a naive one is UTC): the call must not fail with an
+    ``AttributeError``/``ValueError`` from inside OJS, and text that is no date names the
+    option."""
+    app = Celery("isotext", set_as_current=False)
+    app.conf.update(embedded_settings(tmp_path))
+    install(app)
+
+    @app.task(shared=False, name="m.later", base=OJSTask)
+    def later() -> None: ...
+
+    store = get_runtime(app).store
+    due = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(hours=1)
+    gone = due + timedelta(hours=2)
+    job = store.get(later.apply_async(eta=due.isoformat(), expires=gone.isoformat()).id)
+    assert job is not None and job.state == "scheduled"
+    assert job.scheduled_at == due and job.expires_at == gone
+    naive = store.get(later.apply_async(eta=due.replace(tzinfo=None).isoformat()).id)
+    assert naive is not None and naive.scheduled_at == due
+    assert scheduled_at_from(due.isoformat(), None) == due
+    for option in ("eta", "expires"):
+        with pytest.raises(InvalidJob) as raised:
+            later.apply_async(**{option: "next tuesday"})
+        assert [path for path, _ in raised.value.violations] == [option]
+
+
 def test_a_call_with_nan_or_an_infinity_is_refused_before_anything_is_stored(
         tmp_path: Path) -> None:
     """Celery's JSON serializer would send ``Infinity``; a job's JSON may not hold it (every
@@ -374,6 +401,27 @@ def test_a_hard_time_limit_ends_the_job_as_in_celery(env: Env) -> None:
     assert job.error is not None and job.error["type"] == "timeout"
     assert type(_failure(env, result.id).result).__name__ == "TimeLimitExceeded"
     assert _runs(env, tag) == ["attempt=1"]
+
+
+def test_eta_and_expires_given_as_iso_text_run_and_expire_as_in_celery(env: Env) -> None:
+    """``apply_async(eta="...", expires="...")`` with ISO 8601 text, as plain Celery takes it:
+    the job runs at its ETA, and one whose ``expires`` passed before its ETA is revoked
+    (``expired``) without running."""
+    now = datetime.now(timezone.utc)
+    task = env.app.tasks["e2e.celery_fails"]
+    ran = unique("isoeta")
+    result = env.app.tasks["e2e.add"].apply_async(
+        (2, 3), eta=(now + timedelta(seconds=1)).isoformat(),
+        expires=(now + timedelta(seconds=60)).replace(tzinfo=None).isoformat())
+    assert result.get(timeout=30) == 5
+    late = task.apply_async((ran,), countdown=2, expires=(now + timedelta(seconds=1)).isoformat())
+    job = env.wait_state(late.id, "discarded", timeout=30)
+    assert job.error is not None and job.error["type"] == "expired"
+    assert _runs(env, ran) == []
+    tag = unique("retryeta")
+    retried = env.app.tasks["e2e.celery_retry_eta_text"].delay(tag)
+    assert retried.get(timeout=30) == 1
+    assert _runs(env, tag) == ["retries=0", "retries=1"]
 
 
 def test_expires_is_checked_at_a_retry(env: Env) -> None:
