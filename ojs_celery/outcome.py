@@ -152,7 +152,8 @@ Outcome: TypeAlias = Completed | Failed | TimedOut | Retried | Cancelled | Rejec
 
 
 #: One encoder for every result (``json.dumps`` with an option builds a new one per call).
-_STRICT_JSON = json.JSONEncoder(allow_nan=False)
+#: Not ASCII-only, so that what the store writes, UTF-8, is what is checked.
+_STRICT_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False)
 
 
 def run_handler(call: Callable[[], Any]) -> Outcome:
@@ -183,11 +184,18 @@ def run_handler(call: Callable[[], Any]) -> Outcome:
 
 def result_problem(value: Any) -> TypeError | None:
     """Why a handler's return value cannot be its job's result (JSON data; NaN and infinities
-    are not JSON either); None: it can."""
+    are not JSON either; text with a lone surrogate, such as ``os.fsdecode`` makes of a file
+    name that is not UTF-8, cannot be written as the UTF-8 the store keeps); None: it can."""
     try:
-        _STRICT_JSON.encode(value)
+        text = _STRICT_JSON.encode(value)
     except (TypeError, ValueError) as bad:
         return TypeError(f"result is not JSON-serialisable: {bad}")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as bad:
+            return TypeError("result is not JSON-serialisable: text must be Unicode that UTF-8 "
+                             f"can encode (no lone surrogates such as \\ud800): {bad}")
     return None
 
 

@@ -254,6 +254,12 @@ def make_app(config: dict[str, Any]) -> Celery:
         """Celery's ``self.replace``, which an OJS job refuses with a final error."""
         raise self.replace(add.s(x, 100))
 
+    @app.task(shared=False, name="e2e.return_undecodable_name", base=OJSTask, time_limit=30)
+    def return_undecodable_name() -> str:
+        """Returns a file name that is not UTF-8, as ``os.fsdecode`` gives it (a lone
+        surrogate): JSON text, but not text UTF-8 can encode."""
+        return os.fsdecode(b"report-\xff.csv")
+
     @app.task(shared=False, name="e2e.raise_awkward", base=OJSTask)
     def raise_awkward(kind: str) -> None:
         """Raise an exception whose text is awkward to record: a lone surrogate, a ``str()``

@@ -246,6 +246,21 @@ def test_an_exception_awkward_to_record_fails_the_attempt_with_its_own_error(env
     assert isinstance(backtrace, list) and sum(len(str(line)) for line in backtrace) <= 10_000
 
 
+def test_a_result_utf8_cannot_encode_fails_the_attempt_as_any_result_json_cannot_carry(
+        env: Env) -> None:
+    """A result with a lone surrogate (a file name that is not UTF-8, as ``os.fsdecode`` gives
+    it) is JSON to Python's ASCII-only encoder but not UTF-8 text the store can write: it
+    fails the attempt with the result's ``TypeError``, as a NaN does, not with a
+    ``UnicodeEncodeError`` quoting the job's JSON while the job stays active."""
+    result = env.app.tasks["e2e.return_undecodable_name"].delay()
+    job = env.wait_state(result.id, "discarded", timeout=30)
+    assert job.error is not None and job.error["type"] == "TypeError"
+    assert "UTF-8" in str(job.error["message"])
+    wait_for(lambda: result.state == "FAILURE", 20, "the result backend to show the failure")
+    assert isinstance(result.result, TypeError)
+    assert str(result.result).startswith("result is not JSON-serialisable: ")
+
+
 def test_a_final_job_error_is_final_under_autoretry_for_exception(env: Env) -> None:
     result = env.app.tasks["e2e.final_under_autoretry"].apply_async()
     job = env.wait_state(result.id, "discarded")

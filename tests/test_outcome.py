@@ -26,7 +26,8 @@ def test_a_json_result_completes_the_attempt(value: Any) -> None:
 
 
 @pytest.mark.parametrize("value", [math.inf, [1, {"a": -math.inf}], math.nan,
-                                   datetime.now(timezone.utc), {1, 2}])
+                                   datetime.now(timezone.utc), {1, 2},
+                                   "report-\udcff.csv", {"k\udcff": 1}, ["\ud800"]])
 def test_a_result_json_cannot_carry_fails_the_attempt_naming_why(value: Any) -> None:
     outcome = run_handler(lambda: value)
     assert isinstance(outcome, Failed)
