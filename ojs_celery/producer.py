@@ -298,13 +298,14 @@ def celery_datetime(value: datetime | str, option: str) -> datetime:
 
 
 def scheduled_at_from(eta: datetime | str | None, countdown: float | None) -> datetime | None:
-    """When a Celery caller's ``eta``/``countdown`` schedules the job. A naive ``eta`` is UTC,
-    as Celery's worker reads it (``maybe_make_aware``), like a naive ``expires``; ISO 8601
-    text is read as Celery reads it (:func:`celery_datetime`)."""
-    if eta:  # Celery sends an empty ``eta`` as none
-        return celery_datetime(eta, "eta")
+    """When a Celery caller's ``eta``/``countdown`` schedules the job. A ``countdown`` wins
+    over an ``eta`` given with it, as in Celery (its message's ETA is made from the countdown).
+    A naive ``eta`` is UTC, as Celery's worker reads it (``maybe_make_aware``), like a naive
+    ``expires``; ISO 8601 text is read as Celery reads it (:func:`celery_datetime`)."""
     if countdown:
         return from_epoch(time.time() + float(countdown))
+    if eta:  # Celery sends an empty ``eta`` as none
+        return celery_datetime(eta, "eta")
     return None
 
 

@@ -203,7 +203,8 @@ class OJSTask(Task):  # type: ignore[misc]
             if not eta and countdown is None:
                 countdown = self.default_retry_delay
         delay = None if countdown is None else float(countdown)
-        if eta:  # a datetime or ISO 8601 text, as Celery's retry passes it to apply_async
+        if eta and not countdown:  # Celery's retry message: a countdown wins over an eta
+            # (a datetime or ISO 8601 text, as Celery's retry passes it to apply_async)
             delay = max(celery_datetime(eta, "eta").timestamp() - time.time(), 0.0)
         requested = RetryRequested(
             exc, delay,

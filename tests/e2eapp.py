@@ -366,6 +366,16 @@ def make_app(config: dict[str, Any]) -> Celery:
             raise self.retry(eta=datetime.fromtimestamp(time.time() + 1, timezone.utc).isoformat())
         return int(self.request.retries)
 
+    @app.task(shared=False, name="e2e.celery_retry_eta_and_countdown", base=OJSTask, bind=True)
+    def celery_retry_eta_and_countdown(self: OJSTask, tag: str) -> int:
+        """Retries once with an ``eta`` an hour ahead and a ``countdown`` of one second: in
+        Celery the countdown wins."""
+        record(directory, "celery", f"{tag} retries={self.request.retries}")
+        if self.request.retries == 0:
+            raise self.retry(eta=datetime.fromtimestamp(time.time() + 3600, timezone.utc),
+                             countdown=1)
+        return int(self.request.retries)
+
     @app.task(shared=False, name="e2e.celery_retry_with", base=OJSTask, bind=True)
     def celery_retry_with(self: OJSTask, tag: str, value: str) -> None:
         """Retries with a keyword argument JSON cannot carry (``value``: "datetime", "object")."""

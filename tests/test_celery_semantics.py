@@ -424,6 +424,18 @@ def test_eta_and_expires_given_as_iso_text_run_and_expire_as_in_celery(env: Env)
     assert _runs(env, tag) == ["retries=0", "retries=1"]
 
 
+def test_a_countdown_wins_over_an_eta_given_with_it_as_in_celery(env: Env) -> None:
+    """Celery makes a message's ETA from the ``countdown`` when a call (or ``self.retry``)
+    gives both: the job runs after the countdown, not at the ``eta``."""
+    later = datetime.now(timezone.utc) + timedelta(hours=1)
+    assert env.app.tasks["e2e.add"].apply_async((1, 1), eta=later, countdown=1).get(
+        timeout=30) == 2
+    tag = unique("etacountdown")
+    retried = env.app.tasks["e2e.celery_retry_eta_and_countdown"].delay(tag)
+    assert retried.get(timeout=30) == 1
+    assert _runs(env, tag) == ["retries=0", "retries=1"]
+
+
 def test_expires_is_checked_at_a_retry(env: Env) -> None:
     tag = unique("expires")
     result = env.app.tasks["e2e.celery_retry_later"].apply_async(args=[tag, 6], expires=4)
