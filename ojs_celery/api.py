@@ -26,6 +26,7 @@ from .producer import (
     BrokerUnavailable,
     call_mismatch,
     celery_queue,
+    check_serializer,
     publish,
     sent_together,
     with_celery_options,
@@ -89,6 +90,7 @@ def enqueue_batch(
         argument_rule(runtime, job) for job in jobs) if rule is not None]
     if mismatches:
         raise InvalidJob(mismatches)
+    check_serializer(runtime.app)
     earlier, transitions = _store_batch(runtime, jobs)
     with ExitStack() as held:
         try:  # one producer (one pooled connection) for every message of the batch
@@ -281,6 +283,7 @@ def enqueue_job(
         violations = publish_violations(runtime, job.type, job.queue)
         if violations:
             raise InvalidJob(violations)
+    check_serializer(runtime.app)
     if celery_options:
         job = with_celery_options(job, celery_options)
     shared = runtime.joint_store

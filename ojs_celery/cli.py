@@ -21,6 +21,7 @@ import click
 from celery import Celery
 from celery.app.utils import find_app
 from celery.exceptions import ImproperlyConfigured
+from kombu.exceptions import SerializerNotInstalled
 
 from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job
 from .envelope import (
@@ -115,6 +116,8 @@ class _Commands(click.Group):
             _fail([f"{path}: {rule}" for path, rule in exc.violations], status)
         except StoreError as exc:
             _fail([f"error: {exc}"], EXIT_STORE)  # it says what failed, whatever the backend
+        except SerializerNotInstalled as exc:  # the app's task_serializer: a bad setting
+            _fail([f"error: {exc}"], EXIT_INVALID)
         except Exception as exc:
             if _improperly_configured(exc):
                 _fail([line for line in str(exc).splitlines() if line.strip()], EXIT_INVALID)

@@ -22,7 +22,8 @@ from celery import Celery, Task
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu.common import Broadcast
 from kombu.entity import Queue
-from kombu.exceptions import OperationalError
+from kombu.exceptions import OperationalError, SerializerNotInstalled
+from kombu.serialization import dumps as _kombu_dumps
 
 from . import compat, header
 from .conf import Settings
@@ -131,6 +132,29 @@ def time_limits(job: Job, start_at: float) -> tuple[float | None, float]:
     if soft is not None and soft >= hard:
         soft = None
     return soft, hard
+
+
+#: The serializers this process has encoded with (a failure is not kept: an app may register
+#: its own serializer later).
+_WORKING_SERIALIZERS: set[str] = set()
+_encode: Any = _kombu_dumps  # kombu's registry: what Celery's publish encodes a body with
+
+
+def check_serializer(app: Celery) -> None:
+    """Raise kombu's ``SerializerNotInstalled``, as Celery's publish does at every call, when
+    the app's ``task_serializer`` cannot encode in this process (``msgpack`` or ``yaml``
+    without its library). Checked before a job is stored: such a job's message could not be
+    published here, by the call or by a sweep, and the caller would be told it was taken."""
+    name = app.conf.task_serializer
+    if name in _WORKING_SERIALIZERS:
+        return
+    try:
+        _encode([], serializer=name)
+    except SerializerNotInstalled as exc:
+        raise SerializerNotInstalled(
+            f"task_serializer {name!r} cannot encode in this process ({exc}): nothing was "
+            "stored") from exc
+    _WORKING_SERIALIZERS.add(name)
 
 
 def publish(

@@ -10,9 +10,12 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from click.testing import CliRunner
+from kombu.exceptions import SerializerNotInstalled
 
 from ojs_celery import DuplicateJob, InvalidJob, cancel, enqueue, enqueue_batch, get_job
 from ojs_celery.api import JobNotFound
+from ojs_celery.cli import EXIT_INVALID, commands
 from ojs_celery.envelope import MAX_BATCH_BYTES, MAX_BATCH_JOBS, MAX_NESTING, new_job_id
 from tests.e2eapp import make_app
 from tests.workers import filesystem_config
@@ -200,3 +203,37 @@ def test_timeouts_shorter_than_two_worker_beats_are_refused(app: Celery) -> None
                    app=app).heartbeat_timeout == 1
     assert enqueue({"type": "e2e.add", "args": [1, 2], "heartbeat_timeout": 10,
                     "visibility_timeout": 10}, app=app).visibility_timeout == 10
+
+
+@pytest.mark.parametrize("serializer", ["msgpack", "ojs-no-such-serializer"])
+def test_a_task_serializer_this_process_cannot_encode_with_stores_nothing(
+    app: Celery, serializer: str
+) -> None:
+    """``task_serializer = "msgpack"`` without the msgpack library (or a name kombu does not
+    know): plain Celery's ``.delay()`` raises kombu's ``SerializerNotInstalled`` at every call;
+    so does an OJS call, an ``enqueue`` and a batch, before anything is stored (the sweeper on
+    this machine could not publish such a job either), and the CLI says it in one line."""
+    if serializer == "msgpack":  # kombu registers msgpack as missing when it cannot import it
+        try:
+            import msgpack  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            pytest.skip("msgpack is installed here")
+    app.conf.task_serializer = serializer
+    before = published(app)
+    job_id, batch_id = new_job_id(), new_job_id()
+    with pytest.raises(SerializerNotInstalled):
+        app.tasks["e2e.add"].apply_async((1, 2), task_id="celery-call-1")
+    with pytest.raises(SerializerNotInstalled, match="nothing was stored"):
+        enqueue({"id": job_id, "type": "e2e.add", "args": [1, 2]}, app=app)
+    with pytest.raises(SerializerNotInstalled):
+        enqueue_batch([{"id": batch_id, "type": "e2e.add", "args": [1, 2]}], app=app)
+    result = CliRunner().invoke(commands, ["enqueue", "-"], obj=app,
+                                input=json.dumps({"type": "e2e.add", "args": [1, 2]}))
+    assert result.exit_code == EXIT_INVALID, result.output
+    assert result.stderr.startswith(f"error: task_serializer {serializer!r} cannot encode")
+    assert "Traceback" not in result.output
+    for stored in ("celery-call-1", job_id, batch_id):
+        assert get_job(stored, app=app) is None
+    assert published(app) == before
