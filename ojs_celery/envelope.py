@@ -536,6 +536,13 @@ def _is_utf8(value: Any) -> bool:
     return True
 
 
+def utf8_violations(fields: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(name, rule)`` for each field whose value holds text UTF-8 cannot encode (a lone
+    surrogate, such as ``os.fsdecode`` makes of bytes that are not UTF-8): the store writes a
+    job as UTF-8 JSON."""
+    return [(name, _UTF8_RULE) for name, value in fields.items() if not _is_utf8(value)]
+
+
 #: Fields by name, each JSON data (what ``args`` holds): the Celery kwargs' strict check.
 _JSON_FIELDS: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(dict[str, JsonValue])
 _NOT_JSON = "must be JSON data"
@@ -713,8 +720,8 @@ def parse_envelope(
     except PydanticSerializationError:  # every field is checked by now
         raise InvalidJob([("(envelope)", _NOT_JSON)]) from None
     except UnicodeEncodeError:
-        bad = [str(key) for key, value in clean.items() if not _is_utf8(value)]
-        raise InvalidJob([(key, _UTF8_RULE) for key in bad or ["(envelope)"]]) from None
+        bad = utf8_violations({str(key): value for key, value in clean.items()})
+        raise InvalidJob(bad or [("(envelope)", _UTF8_RULE)]) from None
     if size > MAX_ENVELOPE_BYTES + _SYSTEM_BYTES:
         raise InvalidJob([("(envelope)", f"must not exceed 1 MiB (is {size - _SYSTEM_BYTES} "
                                          "bytes, less the fields the system adds)")])

@@ -34,6 +34,7 @@ from .envelope import (
     Job,
     format_timestamp,
     from_epoch,
+    utf8_violations,
 )
 from .lifecycle import Publish, Record
 from .lifecycle.rules import celery_retries, celery_semantics
@@ -289,6 +290,9 @@ def with_celery_options(job: Job, options: dict[str, Any]) -> Job:
     kept = {name: options[name] for name in TRUSTED_OPTIONS if options.get(name) is not None}
     if not kept:
         return job
+    bad = utf8_violations(kept)  # a plain callback's arguments: nothing else checks them
+    if bad:
+        raise InvalidJob(bad)
     return job.model_copy(update={CELERY_OPTIONS_FIELD: kept})
 
 

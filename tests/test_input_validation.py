@@ -237,3 +237,20 @@ def test_a_task_serializer_this_process_cannot_encode_with_stores_nothing(
     for stored in ("celery-call-1", job_id, batch_id):
         assert get_job(stored, app=app) is None
     assert published(app) == before
+
+
+def test_a_plain_callback_with_text_utf8_cannot_encode_is_refused_at_the_call(
+    app: Celery,
+) -> None:
+    """A plain task's signature in ``link`` is kept with the job (UTF-8 JSON): a lone
+    surrogate in its arguments (``os.fsdecode`` of bytes that are not UTF-8) is refused at the
+    call with ``InvalidJob`` naming the option, before anything is stored or published, not a
+    bare ``UnicodeEncodeError`` from the store's write."""
+    before = published(app)
+    with pytest.raises(InvalidJob) as raised:
+        app.tasks["e2e.add"].apply_async(
+            (1, 2), task_id="celery-link-1", link=app.tasks["e2e.plain"].s(x="x\udcff"))
+    assert [path for path, _ in raised.value.violations] == ["link"]
+    assert "UTF-8" in raised.value.violations[0][1]
+    assert get_job("celery-link-1", app=app) is None
+    assert published(app) == before
