@@ -10,6 +10,7 @@ import signal
 import time
 
 from ojs_celery import enqueue
+from ojs_celery.runtime import get_runtime
 from tests.conftest import Env, start_env
 from tests.workers import unique, wait_for
 
@@ -25,6 +26,12 @@ def _read_nodename(env: Env) -> str:
     return found.group(1)
 
 
+def _registered_queues(env: Env, node: str) -> list[str]:
+    """The queues the job store's worker registry lists for the worker ``node``."""
+    return [name for info in get_runtime(env.app).store.workers.all()
+            if info.nodename == node for name in info.queues]
+
+
 def test_quiet_stops_a_queue_added_at_run_time_and_resume_keeps_a_dropped_one(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -35,6 +42,8 @@ def test_quiet_stops_a_queue_added_at_run_time_and_resume_keeps_a_dropped_one(
         assert replies and "ok" in replies[0][node], replies
         ran = enqueue({"type": "e2e.add", "args": [1, 1], "queue": added}, app=env.app)
         env.wait_state(ran.id, "completed")  # the worker consumes the added queue
+        wait_for(lambda: added in _registered_queues(env, node), 20,
+                 "the registry to list the added queue")
 
         env.worker.process.send_signal(signal.SIGTSTP)  # quiet
         wait_for(lambda: " is quiet " in env.worker.log(), 10, "the worker quiet")
@@ -55,6 +64,8 @@ def test_quiet_stops_a_queue_added_at_run_time_and_resume_keeps_a_dropped_one(
         env.worker.process.send_signal(signal.SIGCONT)
         wait_for(lambda: env.worker.log().count(" is running again ") == 2, 10, "resumed")
         time.sleep(1)
+        wait_for(lambda: _registered_queues(env, node) == [added], 20,
+                 "the registry to list the queues it serves, the dropped one not")
         dropped = enqueue({"type": "e2e.add", "args": [3, 3]}, app=env.app)
         time.sleep(SETTLE)
         assert env.job(dropped.id).state == "available", "resume consumed a dropped queue"

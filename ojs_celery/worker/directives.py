@@ -34,7 +34,7 @@ class Directives:
         self.node = node
         self._faults = OncePerKind(logger, f"a state change of worker {node.worker_id}")
         #: The queues the last quiet (or the drain) cancelled: what a resume consumes again.
-        self._stopped: list[str] = []
+        self.stopped: list[str] = []
         #: The changes :meth:`apply_soon` hands to the thread that applies them, in order.
         self._wanted: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
         threading.Thread(target=self._apply_wanted, name="ojs-directive", daemon=True).start()
@@ -97,13 +97,13 @@ class Directives:
         """Cancel every queue the worker consumes now: those it started with and those
         ``celery control add_consumer`` added since (a queue it was told to drop,
         ``cancel_consumer``, is not consumed and stays dropped); remembered for a resume."""
-        names = consumed_queues(self.node.consumer)
-        self._stopped = list(dict.fromkeys([*self._stopped, *names]))
+        names = self.node.consumed_queues()
+        self.stopped = list(dict.fromkeys([*self.stopped, *names]))
         self._each_queue(self.node.consumer.cancel_task_queue, names)
 
     def _resume_consuming(self) -> None:
         """Consume again what the quiet cancelled, and nothing else."""
-        names, self._stopped = self._stopped, []
+        names, self.stopped = self.stopped, []
         self._each_queue(self.node.consumer.add_task_queue, names)
 
     def _each_queue(self, change: Callable[[str], Any], names: list[str]) -> None:
@@ -115,20 +115,6 @@ class Directives:
             except Exception as exc:
                 logger.debug("ojs_celery: %s(%s): %r", getattr(change, "__name__", change),
                              name, exc)
-
-
-def consumed_queues(consumer: Any) -> list[str]:
-    """The names of the queues ``consumer`` takes jobs from now: Celery's selection, which
-    ``add_consumer`` and ``cancel_consumer`` change and a consumer restart consumes again, and
-    what its task consumer listens on."""
-    names: list[str] = []
-    try:
-        names.extend(str(name) for name in consumer.app.amqp.queues.consume_from)
-    except Exception as exc:
-        logger.debug("ojs_celery: the worker's selected queues: %r", exc)
-    task_consumer = getattr(consumer, "task_consumer", None)
-    names.extend(str(queue.name) for queue in getattr(task_consumer, "queues", None) or [])
-    return list(dict.fromkeys(names))
 
 
 class DirectivesStep(bootsteps.StartStopStep):  # type: ignore[misc]

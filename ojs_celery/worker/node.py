@@ -8,6 +8,7 @@ later step finds it there and adds its own part (``beat``, ``directives``, ``dra
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from .children import PoolChildren
     from .directives import Directives
     from .shutdown import Drain
+
+logger = logging.getLogger(__name__)
 
 #: The states a worker reports in its beats.
 STATES = ("running", "quiet", "terminate")
@@ -110,6 +113,30 @@ class WorkerNode:
         self.state_lock = threading.Lock()
         self.left = False  # deregistered: set once, under state_lock
 
+    def consumed_queues(self) -> list[str]:
+        """The names of the queues the worker takes jobs from now: Celery's selection, which
+        ``add_consumer`` and ``cancel_consumer`` change and a consumer restart consumes again,
+        and what its task consumer listens on."""
+        names: list[str] = []
+        task_consumer = getattr(self.consumer, "task_consumer", None)
+        # read from the beat's thread too, while the consumer's thread may change them
+        for source in (lambda: self.consumer.app.amqp.queues.consume_from,
+                       lambda: [queue.name for queue in getattr(task_consumer, "queues", None)
+                                or []]):
+            try:
+                names.extend(str(name) for name in list(source()))
+            except Exception as exc:
+                logger.debug("ojs_celery: the worker's queues: %r", exc)
+        return list(dict.fromkeys(names))
+
+    def serving_queues(self) -> list[str]:
+        """The queues the registry lists for this worker: those it consumes now and those a
+        quiet stopped (a resume consumes them again); those it started with until it has
+        any."""
+        directives = getattr(self, "directives", None)
+        stopped = directives.stopped if directives is not None else []
+        return list(dict.fromkeys([*self.consumed_queues(), *stopped])) or list(self.queues)
+
     def info(self) -> WorkerInfo:
         """The registry record of this worker as of now."""
         consumer = self.consumer
@@ -121,7 +148,7 @@ class WorkerNode:
             hostname=socket.gethostname(),
             pid=os.getpid(),
             nodename=str(getattr(consumer, "hostname", "")),
-            queues=list(self.queues),
+            queues=self.serving_queues(),
             concurrency=int(concurrency),
             labels=list(self.settings.labels),
             time_limits=self.time_limits,
