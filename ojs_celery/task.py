@@ -214,7 +214,7 @@ class OJSTask(Task):  # type: ignore[misc]
         if throw:
             raise requested
         pending_retry.set(requested)
-        return Retry(f"Retry in {delay}s" if delay is not None else "Retry", exc)
+        return Retry(exc=exc, when=_celery_when(delay))
 
     # ------------------------------------------------------------------ running
 
@@ -443,9 +443,10 @@ class OJSTask(Task):  # type: ignore[misc]
         if record.job.state == "completed" and isinstance(outcome, Completed):
             return outcome.value
         exc = celery_exception(outcome)
-        if record.job.state == "retryable":
-            when = record.job.next_retry_at
-            raise Retry(f"OJS retry at {when}", exc, when=when)
+        if record.job.state == "retryable":  # reported as Celery's own retry reports it
+            delay = outcome.delay if isinstance(outcome, Retried) else None
+            raise Retry(exc=exc, when=_celery_when(delay) if delay is not None
+                        else record.job.next_retry_at)
         if exc is None or isinstance(exc, (Reject, Retry, RetryRequested)):
             raise RuntimeError(str((record.job.error or {}).get("message", "discarded")))
         raise exc
@@ -542,3 +543,11 @@ def _write(
                                "%.0fs now): %s", now - began, exc)
             time.sleep(min(pause, give_up - now))
             pause = min(pause * 2, 5.0)
+
+
+def _celery_when(delay: float | None) -> float | int | None:
+    """A retry's delay as Celery's ``Retry`` carries the countdown it was given (``when``: the
+    worker logs ``Retry in 1s: ValueError(...)``, the ``task_retry`` signal's ``reason``)."""
+    if delay is not None and float(delay).is_integer():
+        return int(delay)
+    return delay

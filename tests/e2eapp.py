@@ -471,6 +471,14 @@ def make_app(config: dict[str, Any]) -> Celery:
 
     signals.task_revoked.connect(on_revoked, weak=False)
 
+    def on_retry(sender: Any = None, request: Any = None, reason: Any = None, **_: Any) -> None:
+        """Celery's ``task_retry``: the ``Retry`` it was told of, as the worker logs it."""
+        if sender is None or sender.app is not app:
+            return
+        record(directory, "retry_signal", f"{request.id} {reason}")
+
+    signals.task_retry.connect(on_retry, weak=False)
+
     watched = list(config.get("prerun_modules") or [])
     if watched:  # which modules a pool process has when a job reaches it, before its start
 

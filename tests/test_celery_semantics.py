@@ -359,6 +359,10 @@ def test_self_retry_uses_countdown_and_max_retries(env: Env) -> None:
     assert job.attempt == 3
     assert _runs(env, tag) == ["retries=0", "retries=1", "retries=2"]
     assert isinstance(_failure(env, result.id).result, ValueError)
+    # task_retry's reason, which the worker logs ("retry: Retry in 1s: ValueError(...)"), is
+    # the Retry Celery's own retry makes
+    assert [line.split(" ", 1)[1] for line in env.lines("retry_signal")
+            if line.startswith(result.id)] == [f"Retry in 1s: ValueError('{tag} not yet')"] * 2
 
 
 def test_retry_replaces_args_and_kwargs(env: Env) -> None:
