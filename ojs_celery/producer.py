@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any
 
 from celery import Celery, Task
@@ -305,12 +305,15 @@ def trusted_options(job: Job) -> dict[str, Any]:
     return {name: stored[name] for name in TRUSTED_OPTIONS if stored.get(name) is not None}
 
 
-def celery_datetime(value: datetime | str, option: str) -> datetime:
+def celery_datetime(value: datetime | date | str, option: str) -> datetime:
     """A Celery caller's ``eta`` or ``expires`` given as a datetime or, as Celery also takes
     them, as ISO 8601 text (``send_task`` parses it with dateutil's ``isoparse``; the worker
     with ``maybe_iso8601``), made aware: a naive one is UTC, as Celery's worker reads it
-    (``maybe_make_aware``). Text that is no such date raises
-    :class:`~ojs_celery.InvalidJob` naming the option (a ``ValueError``, as Celery's own)."""
+    (``maybe_make_aware``); a ``date`` is its midnight, as Celery sends its ``isoformat()``.
+    Text that is no such date raises :class:`~ojs_celery.InvalidJob` naming the option (a
+    ``ValueError``, as Celery's own)."""
+    if isinstance(value, date) and not isinstance(value, datetime):
+        value = datetime(value.year, value.month, value.day)
     if isinstance(value, str):
         try:
             parsed = maybe_iso8601(value)
@@ -325,7 +328,8 @@ def celery_datetime(value: datetime | str, option: str) -> datetime:
     return aware
 
 
-def scheduled_at_from(eta: datetime | str | None, countdown: float | None) -> datetime | None:
+def scheduled_at_from(eta: datetime | date | str | None,
+                      countdown: float | None) -> datetime | None:
     """When a Celery caller's ``eta``/``countdown`` schedules the job. A ``countdown`` wins
     over an ``eta`` given with it, as in Celery (its message's ETA is made from the countdown).
     A naive ``eta`` is UTC, as Celery's worker reads it (``maybe_make_aware``), like a naive
@@ -407,7 +411,7 @@ def celery_expires_at(task: Task, options: dict[str, Any], now: float) -> str | 
     expires = _first(options.get("expires"), getattr(task, "expires", None))
     if expires is None:
         return None
-    if isinstance(expires, (datetime, str)):
+    if isinstance(expires, (date, str)):  # a datetime is a date
         return format_timestamp(celery_datetime(expires, "expires"))
     return format_timestamp(from_epoch(now + float(expires)))
 

@@ -127,6 +127,11 @@ def test_eta_and_expires_as_iso_text_are_read_as_celery_reads_them(tmp_path: Pat
     naive = store.get(later.apply_async(eta=due.replace(tzinfo=None).isoformat()).id)
     assert naive is not None and naive.scheduled_at == due
     assert scheduled_at_from(due.isoformat(), None) == due
+    day = due.date()  # a date is its midnight (UTC), as Celery sends its isoformat()
+    dated = store.get(later.apply_async(eta=day, expires=day + timedelta(days=2)).id)
+    midnight = datetime(day.year, day.month, day.day, tzinfo=timezone.utc)
+    assert dated is not None and dated.scheduled_at == midnight
+    assert dated.expires_at == midnight + timedelta(days=2)
     for option in ("eta", "expires"):
         with pytest.raises(InvalidJob) as raised:
             later.apply_async(**{option: "next tuesday"})
