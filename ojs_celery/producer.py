@@ -22,7 +22,7 @@ from celery import Celery, Task
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu.common import Broadcast
 from kombu.entity import Queue
-from kombu.exceptions import OperationalError, SerializerNotInstalled
+from kombu.exceptions import EncodeError, OperationalError, SerializerNotInstalled
 from kombu.serialization import dumps as _kombu_dumps
 
 from . import compat, header
@@ -139,6 +139,9 @@ def time_limits(job: Job, start_at: float) -> tuple[float | None, float]:
 #: its own serializer later).
 _WORKING_SERIALIZERS: set[str] = set()
 _encode: Any = _kombu_dumps  # kombu's registry: what Celery's publish encodes a body with
+#: A body shaped as Celery's (protocol 2: args, kwargs, embed), for a serializer that reads it.
+_CELERY_BODY: tuple[Any, ...] = ((), {}, {"callbacks": None, "errbacks": None, "chain": None,
+                                          "chord": None})
 
 
 def check_serializer(app: Celery) -> None:
@@ -150,11 +153,13 @@ def check_serializer(app: Celery) -> None:
     if name in _WORKING_SERIALIZERS:
         return
     try:
-        _encode([], serializer=name)
+        _encode(_CELERY_BODY, serializer=name)
     except SerializerNotInstalled as exc:
         raise SerializerNotInstalled(
             f"task_serializer {name!r} cannot encode in this process ({exc}): nothing was "
             "stored") from exc
+    except EncodeError:  # installed, but particular about what it encodes: the publish decides
+        return
     _WORKING_SERIALIZERS.add(name)
 
 
@@ -193,6 +198,10 @@ def publish(
         "time_limit": hard,
         "soft_time_limit": soft,
         "expires": None,
+        # The app's serializer and compression, the ones check_serializer checks: Celery 5.7's
+        # send_task would otherwise take the task's own (README: ignored for OJS messages).
+        "serializer": app.conf.task_serializer,
+        "compression": app.conf.task_compression,
         "retry": True,
         "retry_policy": PUBLISH_RETRY_POLICY,
     }

@@ -254,3 +254,21 @@ def test_a_plain_callback_with_text_utf8_cannot_encode_is_refused_at_the_call(
     assert "UTF-8" in raised.value.violations[0][1]
     assert get_job("celery-link-1", app=app) is None
     assert published(app) == before
+
+
+def test_a_task_level_serializer_is_ignored_for_ojs_messages(app: Celery) -> None:
+    """README: a task's own ``serializer`` is ignored, the message uses the app's
+    ``task_serializer`` (the one checked at the call). Celery 5.7's ``send_task`` would take
+    the task's: one this process cannot encode with left the job stored and never published."""
+    task = app.tasks["e2e.add"]
+    kept = task.serializer
+    task.serializer, task._exec_options = "ojs-no-such-serializer", None
+    try:
+        before = published(app)
+        job_id = task.apply_async((1, 2)).id
+        sent = [path for path in published(app) if path not in before]
+    finally:
+        task.serializer, task._exec_options = kept, None
+    assert len(sent) == 1, "the job's message was not published"
+    assert json.loads(sent[0].read_text())["content-type"] == "application/json"
+    assert get_job(job_id, app=app) is not None
