@@ -102,9 +102,11 @@ class Directives:
         self._each_queue(self.node.consumer.cancel_task_queue, names)
 
     def _resume_consuming(self) -> None:
-        """Consume again what the quiet cancelled, and nothing else."""
-        names, self.stopped = self.stopped, []
+        """Consume again what the quiet cancelled, and nothing else (forgotten once consumed
+        again, so that a beat in between still lists them)."""
+        names = list(self.stopped)
         self._each_queue(self.node.consumer.add_task_queue, names)
+        self.stopped = [name for name in self.stopped if name not in names]
 
     def _each_queue(self, change: Callable[[str], Any], names: list[str]) -> None:
         """Cancel or re-add each of ``names`` (in the consumer's thread, via ``call_soon``); a

@@ -108,34 +108,34 @@ class WorkerNode:
         self.registry = Registry(runtime, self.worker_id)
         self.started_at = time.time()
         self.queues: list[str] = [q.name for q in consumer.task_consumer.queues]
+        self._consumed: list[str] = list(self.queues)  # see consumed_queues
         self.time_limits = enforces_time_limits(getattr(consumer.controller, "pool_cls", ""))
         self.state = "running"
         self.state_lock = threading.Lock()
         self.left = False  # deregistered: set once, under state_lock
 
     def consumed_queues(self) -> list[str]:
-        """The names of the queues the worker takes jobs from now: Celery's selection, which
-        ``add_consumer`` and ``cancel_consumer`` change and a consumer restart consumes again,
-        and what its task consumer listens on."""
-        names: list[str] = []
+        """The names of the queues the worker's task consumer listens on now (``add_consumer``
+        adds to them, ``cancel_consumer`` drops from them). Not Celery's ``consume_from``:
+        without ``-Q``, before Celery 5.7, that is every queue the app knows, one this process
+        only published to included. While the consumer restarts (no task consumer), the last
+        ones seen. Read from the beat's thread too: ``list`` copies the consumer's dict at once
+        under the GIL."""
         task_consumer = getattr(self.consumer, "task_consumer", None)
-        # read from the beat's thread too, while the consumer's thread may change them
-        for source in (lambda: self.consumer.app.amqp.queues.consume_from,
-                       lambda: [queue.name for queue in getattr(task_consumer, "queues", None)
-                                or []]):
+        if task_consumer is not None:
             try:
-                names.extend(str(name) for name in list(source()))
+                self._consumed = list(dict.fromkeys(
+                    str(queue.name) for queue in list(task_consumer.queues)))
             except Exception as exc:
                 logger.debug("ojs_celery: the worker's queues: %r", exc)
-        return list(dict.fromkeys(names))
+        return list(self._consumed)
 
     def serving_queues(self) -> list[str]:
         """The queues the registry lists for this worker: those it consumes now and those a
-        quiet stopped (a resume consumes them again); those it started with until it has
-        any."""
+        quiet stopped (a resume consumes them again)."""
         directives = getattr(self, "directives", None)
         stopped = directives.stopped if directives is not None else []
-        return list(dict.fromkeys([*self.consumed_queues(), *stopped])) or list(self.queues)
+        return list(dict.fromkeys([*self.consumed_queues(), *stopped]))
 
     def info(self) -> WorkerInfo:
         """The registry record of this worker as of now."""
