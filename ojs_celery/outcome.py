@@ -45,15 +45,19 @@ class RetryRequested(Exception):
         delay: float | None,
         args: list[Any] | None = None,
         kwargs: dict[str, Any] | None = None,
+        when: Any = None,
     ) -> None:
         super().__init__(said(exc) if exc else "retry requested by the handler")
         self.exc = exc
         self.delay = delay
         self.args_ = args
         self.kwargs_ = kwargs
+        #: What Celery's ``Retry`` says the retry is: the countdown (seconds) or the eta.
+        self.when = when
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.exc, self.delay, self.args_, self.kwargs_), self.__dict__)
+        return (type(self), (self.exc, self.delay, self.args_, self.kwargs_, self.when),
+                self.__dict__)
 
 
 #: A ``self.retry(throw=False)`` of the running handler: Celery sends the retry and lets the
@@ -133,6 +137,8 @@ class Retried:
     delay: float | None
     args: list[Any] | None = None
     kwargs: dict[str, Any] | None = None
+    #: As :attr:`RetryRequested.when` (None: the retry policy's backoff decides).
+    when: Any = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +173,7 @@ def run_handler(call: Callable[[], Any]) -> Outcome:
     except SoftTimeLimitExceeded as exc:
         return TimedOut(exc)
     except RetryRequested as exc:
-        return Retried(exc.exc, exc.delay, exc.args_, exc.kwargs_)
+        return Retried(exc.exc, exc.delay, exc.args_, exc.kwargs_, exc.when)
     except Ignore:
         return Cancelled()
     except Reject as exc:

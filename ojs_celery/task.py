@@ -203,18 +203,21 @@ class OJSTask(Task):  # type: ignore[misc]
             if not eta and countdown is None:
                 countdown = self.default_retry_delay
         delay = None if countdown is None else float(countdown)
+        when: Any = _celery_when(delay)
         if eta and not countdown:  # Celery's retry message: a countdown wins over an eta
             # (a datetime or ISO 8601 text, as Celery's retry passes it to apply_async)
-            delay = max(celery_datetime(eta, "eta").timestamp() - time.time(), 0.0)
+            when = celery_datetime(eta, "eta")
+            delay = max(when.timestamp() - time.time(), 0.0)
         requested = RetryRequested(
             exc, delay,
             None if args is None else json_native(list(args)),
             None if kwargs is None else json_native(dict(kwargs)),
+            when,
         )
         if throw:
             raise requested
         pending_retry.set(requested)
-        return Retry(exc=exc, when=_celery_when(delay))
+        return Retry(exc=exc, when=when)
 
     # ------------------------------------------------------------------ running
 
@@ -444,9 +447,8 @@ class OJSTask(Task):  # type: ignore[misc]
             return outcome.value
         exc = celery_exception(outcome)
         if record.job.state == "retryable":  # reported as Celery's own retry reports it
-            delay = outcome.delay if isinstance(outcome, Retried) else None
-            raise Retry(exc=exc, when=_celery_when(delay) if delay is not None
-                        else record.job.next_retry_at)
+            when = outcome.when if isinstance(outcome, Retried) else None
+            raise Retry(exc=exc, when=record.job.next_retry_at if when is None else when)
         if exc is None or isinstance(exc, (Reject, Retry, RetryRequested)):
             raise RuntimeError(str((record.job.error or {}).get("message", "discarded")))
         raise exc

@@ -431,6 +431,10 @@ def test_eta_and_expires_given_as_iso_text_run_and_expire_as_in_celery(env: Env)
     retried = env.app.tasks["e2e.celery_retry_eta_text"].delay(tag)
     assert retried.get(timeout=30) == 1
     assert _runs(env, tag) == ["retries=0", "retries=1"]
+    # as Celery's own retry says it ("Retry at <eta>"), not as the seconds left until it
+    [reason] = [line.split(" ", 1)[1] for line in env.lines("retry_signal")
+                if line.startswith(retried.id)]
+    assert reason.startswith("Retry at 20") and reason.endswith("+00:00"), reason
 
 
 def test_a_countdown_wins_over_an_eta_given_with_it_as_in_celery(env: Env) -> None:
@@ -443,6 +447,8 @@ def test_a_countdown_wins_over_an_eta_given_with_it_as_in_celery(env: Env) -> No
     retried = env.app.tasks["e2e.celery_retry_eta_and_countdown"].delay(tag)
     assert retried.get(timeout=30) == 1
     assert _runs(env, tag) == ["retries=0", "retries=1"]
+    assert [line.split(" ", 1)[1] for line in env.lines("retry_signal")
+            if line.startswith(retried.id)] == ["Retry in 1s"]
 
 
 def test_expires_is_checked_at_a_retry(env: Env) -> None:
