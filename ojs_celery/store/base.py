@@ -174,6 +174,13 @@ class _Remembering:
         self._memory.operation = self._outer
 
 
+def store_message(cause: object, what: str = "") -> str:
+    """A store error's one-line message: what failed (if said), the server's or driver's
+    exception and its text (psycopg's takes two lines), with any secret masked."""
+    said = " ".join(str(cause).split())
+    return mask_secrets(f"job store error: {what}{type(cause).__name__}: {said}")
+
+
 def store_errors(
     is_fault: Callable[[Exception], bool],
     detail: Callable[[Exception], object] = lambda exc: exc,
@@ -196,9 +203,7 @@ def store_errors(
             except Exception as exc:
                 if not is_fault(exc):
                     raise
-                cause = detail(exc)
-                said = " ".join(str(cause).split())  # one line (psycopg's take two)
-                message = mask_secrets(f"job store error: {type(cause).__name__}: {said}")
+                message = store_message(detail(exc))
                 raise (StoreTimeout if is_timeout(exc) else StoreError)(message) from exc
 
         return wrapper

@@ -53,6 +53,7 @@ from .base import (
     encode_job,
     mask_secrets,
     store_errors,
+    store_message,
 )
 from .meta import MetaArea
 from .sql_lane import SqliteLane, unanswered
@@ -450,11 +451,9 @@ class SQLStore(JobStore):
             except sa_exc.DBAPIError as exc:
                 if exc.connection_invalidated or unanswered(exc):
                     raise
-                cause = getattr(exc, "orig", None) or exc
-                said = " ".join(str(cause).split())
-                raise StoreRefused(mask_secrets(
-                    f"job store error: could not create the job store's tables "
-                    f"({self.prefix}_*): {type(cause).__name__}: {said}")) from exc
+                raise StoreRefused(store_message(
+                    getattr(exc, "orig", None) or exc,
+                    f"could not create the job store's tables ({self.prefix}_*): ")) from exc
 
     def _add_missing_columns(self, conn: sa.Connection) -> None:
         """Give a jobs table made by an older version the columns added since (each has a
