@@ -23,23 +23,27 @@ from tests.workers import ROOT, _env, filesystem_config, unique
 
 @pytest.fixture
 def limited_url() -> Iterator[str]:
-    """A login role that may connect and use schema ``public`` but create nothing in it."""
+    """A login role that may connect and use a schema of its own (its whole ``search_path``)
+    but create nothing in it, on any PostgreSQL version (before 15 every role may create in
+    ``public``)."""
     import psycopg
 
     admin_url = services.postgres_url()
-    role, password = f"ojs_limited_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
+    name, password = f"ojs_limited_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
     with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE ROLE "{role}" LOGIN PASSWORD \'{password}\'')
-        admin.execute(f'REVOKE CREATE ON SCHEMA public FROM "{role}"')
-        admin.execute(f'GRANT USAGE ON SCHEMA public TO "{role}"')
+        admin.execute(f'CREATE ROLE "{name}" LOGIN PASSWORD \'{password}\'')
+        admin.execute(f'CREATE SCHEMA "{name}"')
+        admin.execute(f'GRANT USAGE ON SCHEMA "{name}" TO "{name}"')
+        admin.execute(f'ALTER ROLE "{name}" SET search_path = "{name}"')
     parts = urlsplit(admin_url)
     host = parts.netloc.rsplit("@", 1)[-1]
     try:
-        yield urlunsplit(parts._replace(netloc=f"{role}:{password}@{host}"))
+        yield urlunsplit(parts._replace(netloc=f"{name}:{password}@{host}"))
     finally:
         with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'REVOKE ALL ON SCHEMA public FROM "{role}"')
-            admin.execute(f'DROP ROLE "{role}"')
+            admin.execute(f'DROP SCHEMA "{name}" CASCADE')
+            admin.execute(f'DROP OWNED BY "{name}"')
+            admin.execute(f'DROP ROLE "{name}"')
 
 
 def test_an_enqueue_without_create_permission_is_refused_not_uncertain(
