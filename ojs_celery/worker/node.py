@@ -107,8 +107,8 @@ class WorkerNode:
         self.worker_id = current_worker_id()
         self.registry = Registry(runtime, self.worker_id)
         self.started_at = time.time()
-        self.queues: list[str] = [q.name for q in consumer.task_consumer.queues]
-        self._consumed: list[str] = list(self.queues)  # see consumed_queues
+        #: The queues the task consumer listened on when last seen (see consumed_queues).
+        self._consumed: list[str] = [q.name for q in consumer.task_consumer.queues]
         self.time_limits = enforces_time_limits(getattr(consumer.controller, "pool_cls", ""))
         self.state = "running"
         self.state_lock = threading.Lock()
