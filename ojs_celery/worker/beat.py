@@ -31,6 +31,9 @@ class Beater:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._beats = 0
+        #: ``time.monotonic()`` of the last write of this worker's record the store took (the
+        #: registration just before this step started, then each beat)
+        self._last_taken = time.monotonic()
         self._faults = OncePerKind(logger, f"beat of worker {node.worker_id}")
 
     def start(self) -> None:
@@ -75,9 +78,9 @@ class Beater:
         node = self.node
         info = node.info()
         directive, known = node.registry.beat(info)
+        taken, self._last_taken = self._last_taken, time.monotonic()
         if not known:
-            logger.warning("ojs_celery: worker %s is not registered (declared dead while "
-                           "it was frozen or cut off?): registering again", node.worker_id)
+            self._declared_dead(taken)
         for request in ojs_requests():
             self._extend(request, info.last_beat)
         self._beats += 1
@@ -88,6 +91,27 @@ class Beater:
             }, subject=node.worker_id)
         if directive is not None:
             node.directives.apply_soon(directive, "directive")
+
+    def _declared_dead(self, taken: float) -> None:
+        """A beat found this worker's record gone: a sweeper declared it dead. When its last
+        beat reached the store less than ``worker_heartbeat_timeout`` ago (this host's
+        monotonic clock), the worker was not silent that long: the sweeper's wall clock is
+        ahead of this host's (the beats carry this host's time), and it will be declared dead
+        again at every sweep until the clocks agree. Say so, instead of a freeze."""
+        node = self.node
+        timeout = node.settings.worker_heartbeat_timeout
+        silent = time.monotonic() - taken
+        if silent < timeout:
+            logger.error("ojs_celery: worker %s was declared dead although its last beat "
+                         "reached the store %.1fs ago (worker_heartbeat_timeout %.1fs): a "
+                         "sweeper's clock is ahead of this host's by about %.0fs or more "
+                         "(the beats carry this host's time; keep the hosts' clocks "
+                         "synchronised); its running jobs failed with worker_death: "
+                         "registering again", node.worker_id, silent, timeout,
+                         timeout - silent)
+        else:
+            logger.warning("ojs_celery: worker %s is not registered (declared dead while "
+                           "it was frozen or cut off?): registering again", node.worker_id)
 
     def _extend(self, request: Any, now: float) -> None:
         token = token_of(request)
