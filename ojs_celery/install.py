@@ -179,16 +179,18 @@ def _add_sweep_task(app: Celery) -> None:
 
 
 def _add_beat_entry(conf: Any, settings: Settings) -> None:
-    """The sweep's beat entry in Celery's configuration ``conf`` (own queue, expiring within
-    the interval so that a backlog of sweeps never piles up; schedulers that drop ``expires``
-    are covered by :func:`is_stale_sweep`). Added each time Celery (re)configures the app,
-    since a new configuration replaces ``beat_schedule``; so is the sweep queue
-    (:func:`_declare_sweep_queue`)."""
+    """The sweep's beat entry in Celery's configuration ``conf`` (own queue; a backlog of
+    sweeps collapses into one pass in :func:`is_stale_sweep`). Added each time Celery
+    (re)configures the app, since a new configuration replaces ``beat_schedule``; so is the
+    sweep queue (:func:`_declare_sweep_queue`)."""
     schedule = dict(conf.get("beat_schedule") or {})
     schedule["ojs-sweep"] = {
         "task": SWEEP_TASK,
         "schedule": settings.sweep_interval,
-        "options": {"expires": settings.sweep_interval, "queue": settings.sweep_queue},
+        # no ``expires``: Celery would compare it, stamped by beat's clock, with the sweep
+        # worker's, and a worker whose clock is ahead by more than an interval would discard
+        # every sweep (none would ever run); a backlog collapses in :func:`is_stale_sweep`
+        "options": {"queue": settings.sweep_queue},
     }
     conf.beat_schedule = schedule
     _declare_sweep_queue(conf, settings.sweep_queue)
