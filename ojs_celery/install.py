@@ -189,8 +189,11 @@ def _add_beat_entry(conf: Any, settings: Settings) -> None:
         "schedule": settings.sweep_interval,
         # no ``expires``: Celery would compare it, stamped by beat's clock, with the sweep
         # worker's, and a worker whose clock is ahead by more than an interval would discard
-        # every sweep (none would ever run); a backlog collapses in :func:`is_stale_sweep`
-        "options": {"queue": settings.sweep_queue},
+        # every sweep (none would ever run); a backlog collapses in :func:`is_stale_sweep`.
+        # ``expiration`` is the broker's own TTL, kept by its clock: RabbitMQ drops a sweep
+        # nobody took within the interval, so a beat without a sweep worker piles none up
+        # (kombu's Redis transport ignores it).
+        "options": {"queue": settings.sweep_queue, "expiration": settings.sweep_interval},
     }
     conf.beat_schedule = schedule
     _declare_sweep_queue(conf, settings.sweep_queue)

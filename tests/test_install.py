@@ -283,3 +283,34 @@ def test_only_prefork_pools_are_known_to_end_attempts_at_the_hard_limit() -> Non
     assert enforces_time_limits(prefork.TaskPool) and enforces_time_limits(OwnPrefork)
     assert not enforces_time_limits(solo.TaskPool) and not enforces_time_limits(thread.TaskPool)
     assert enforces_time_limits("prefork") and not enforces_time_limits("gevent")
+
+
+def test_a_sweep_nobody_takes_expires_in_rabbitmq_not_by_the_workers_clock(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The beat entry's sweeps carry RabbitMQ's own message TTL (one interval, kept by the
+    broker's clock), so a beat without a sweep worker piles none up, and no Celery ``expires``,
+    which a sweep worker whose clock is ahead of beat's would take as expired for every one."""
+    from tests.services import amqp_url
+
+    queue = unique("sweepttl")
+    app = Celery("sweepttl", broker=amqp_url(), set_as_current=False)
+    app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'ojs.sqlite3'}", "sweep_queue": queue,
+                    "sweep_interval": 0.5}
+    install(app)
+    entry = app.conf.beat_schedule["ojs-sweep"]
+    try:
+        with app.connection_for_write() as conn:
+            channel = conn.default_channel
+            app.tasks[entry["task"]].apply_async(**entry["options"])
+            taken = channel.basic_get(queue, no_ack=True)
+            assert taken is not None and taken.properties["expiration"] == "500"
+            assert taken.headers["expires"] is None
+            app.tasks[entry["task"]].apply_async(**entry["options"])
+            wait_for(lambda: channel.queue_declare(queue, passive=True).message_count == 0, 10,
+                     "RabbitMQ to drop the sweep nobody took")
+    finally:
+        with app.connection_for_write() as conn:
+            conn.default_channel.queue_delete(queue)
+            conn.default_channel.exchange_delete(queue)
+        get_runtime(app).close()
