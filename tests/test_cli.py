@@ -59,6 +59,17 @@ def test_enqueue_from_stdin_then_get(env: Env) -> None:
     assert json.loads(got.stdout)["result"] == 42
 
 
+def test_an_envelope_under_1_mib_as_sent_is_enqueued_and_runs(env: Env) -> None:
+    """The 1 MiB limit is on the envelope as sent: 200,000 numbers written ``1e5`` are about
+    800 kB here, and 1.8 MB in the job's own JSON (``100000.0``)."""
+    text = '{"type":"e2e.tsum","args":[[' + ",".join(["1e5"] * 200_000) + "]]}"
+    assert len(text) < 1024 * 1024
+    out = run(env, "enqueue", "-", stdin=text)
+    assert out.returncode == 0, out.stderr
+    job = env.wait_state(json.loads(out.stdout)["id"], "completed")
+    assert job.result == 2e10
+
+
 def test_invalid_envelope_exits_2_with_every_violation_and_stores_nothing(env: Env) -> None:
     job_id = "01a1fc00-0000-7000-8000-0000000000aa"
     bad = json.dumps({"id": job_id, "type": "Bad-Type", "args": {"not": "a list"},

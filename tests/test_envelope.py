@@ -559,6 +559,24 @@ def test_envelope_over_1_mib_counts_bytes_not_characters() -> None:
     assert paths(json.dumps(env(args=["é" * 600_000]), ensure_ascii=False)) == ["(envelope)"]
 
 
+@pytest.mark.parametrize("encode", [False, True])
+def test_an_envelope_under_1_mib_as_sent_is_accepted_when_its_json_grows(encode: bool) -> None:
+    """The limit is on the envelope as sent: ``1e5`` (3 bytes) is kept as ``100000.0`` (8), so
+    the job's own JSON may be well over 1 MiB, and the envelope is still within the limit."""
+    text = '{"type":"email.send","args":[[' + ",".join(["1e5"] * 200_000) + "]]}"
+    assert len(text) < MAX_ENVELOPE_BYTES
+    job = parse_envelope(text.encode() if encode else text)
+    assert len(job.to_json().encode()) > MAX_ENVELOPE_BYTES * 3 // 2
+    assert job.args == [[100000.0] * 200_000]
+
+
+def test_an_envelope_over_1_mib_as_sent_names_its_size() -> None:
+    text = json.dumps(env(args=["é" * 600_000]), ensure_ascii=False)
+    [(path, rule)] = violations(text)
+    assert path == "(envelope)"
+    assert rule == f"must not exceed 1 MiB (is {len(text.encode())} bytes)"
+
+
 # --------------------------------------------------------------------------- JSON text input
 
 
