@@ -667,7 +667,7 @@ _DECODER = json.JSONDecoder(parse_constant=_not_a_json_number)
 
 def parse_envelope(
     data: dict[str, Any] | str | bytes | Job, *, rules: Rules | None = None,
-    celery_id: bool = False,
+    celery_id: bool = False, sent: int | None = None,
 ) -> Job:
     """Validate client input and return a new job (state unset; system fields ignored).
 
@@ -675,16 +675,18 @@ def parse_envelope(
     violation of a field the envelope's own rules already reject is left out); nothing else
     is touched. ``celery_id``: the id is a task id a Celery caller (``apply_async``, canvas)
     chose, which need not be a UUIDv7; an envelope from outside must carry a UUIDv7 or none.
+    ``sent``: the size in bytes of the text ``data`` was decoded from (an item of a batch given
+    as text), which the 1 MiB limit applies to; text ``data`` is measured itself.
     """
     if isinstance(data, Job):
         data = data.model_dump(mode="json", by_alias=True, exclude_none=True)
-    sent: int | None = None  # the envelope's size as sent, when it came as text
     if isinstance(data, (str, bytes)):
         if len(data) > MAX_ENVELOPE_BYTES:
-            raise InvalidJob([("(envelope)", "must not exceed 1 MiB")])
+            raise InvalidJob([("(envelope)", _OVERSIZED)])
         sent = len(data) if isinstance(data, bytes) else _utf8_size(data)
-        if sent > MAX_ENVELOPE_BYTES:
-            raise InvalidJob([("(envelope)", f"must not exceed 1 MiB (is {sent} bytes)")])
+    if sent is not None and sent > MAX_ENVELOPE_BYTES:
+        raise InvalidJob([("(envelope)", f"{_OVERSIZED} (is {sent} bytes)")])
+    if isinstance(data, (str, bytes)):
         data = decode_json(data)
     if not isinstance(data, dict):
         raise InvalidJob([("(envelope)", "must be a JSON object")])
@@ -729,9 +731,40 @@ def parse_envelope(
     # Text is measured as sent: the job's own JSON may be longer than the text it came from
     # (``1e5`` is written ``100000.0``), and an envelope within 1 MiB as sent is accepted.
     if sent is None and size > MAX_ENVELOPE_BYTES + _SYSTEM_BYTES:
-        raise InvalidJob([("(envelope)", f"must not exceed 1 MiB (is {size - _SYSTEM_BYTES} "
+        raise InvalidJob([("(envelope)", f"{_OVERSIZED} (is {size - _SYSTEM_BYTES} "
                                          "bytes, less the fields the system adds)")])
     return job
+
+
+_OVERSIZED = "must not exceed 1 MiB"
+
+
+def _oversized(exc: InvalidJob) -> bool:
+    """Is one of ``exc``'s violations the envelope's size?"""
+    return any(path == "(envelope)" and rule.startswith(_OVERSIZED)
+               for path, rule in exc.violations)
+
+
+def _item_sizes(text: str | bytes) -> list[int]:
+    """The size in bytes of each item of ``text``, a valid JSON array, as written there."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    sizes: list[int] = []
+    at = _past_space(text, _past_space(text, 0) + 1)  # past the "["
+    while text[at] != "]":
+        _, end = _DECODER.raw_decode(text, at)
+        sizes.append(_utf8_size(text[at:end]))
+        at = _past_space(text, end)
+        if text[at] == ",":
+            at = _past_space(text, at + 1)
+    return sizes
+
+
+def _past_space(text: str, at: int) -> int:
+    """The index of the first character from ``at`` on that is not JSON whitespace."""
+    while text[at] in " \t\n\r":
+        at += 1
+    return at
 
 
 def _utf8_size(text: str) -> int:
@@ -852,10 +885,14 @@ def _utf8_key(key: Any) -> bool:
 
 def parse_batch(data: str | bytes | list[Any], *, rules: Rules | None = None) -> list[Job]:
     """Validate a JSON array (or ``{"jobs": [...]}``) of envelopes; every job must be valid."""
+    text: str | bytes | None = None
+    sizes: list[int] | None = None
     if isinstance(data, (str, bytes)):
         if len(data) > MAX_BATCH_BYTES:
             raise InvalidJob([("(batch)", f"must not exceed {MAX_BATCH_BYTES // 2**20} MiB")])
-        data = decode_json(data, "(batch)")
+        text, data = data, decode_json(data, "(batch)")
+        if not isinstance(data, list):  # items are measured in a top-level array only
+            text = None
     if isinstance(data, dict) and isinstance(data.get("jobs"), list):
         data = data["jobs"]
     if not isinstance(data, list) or not data:
@@ -871,7 +908,15 @@ def parse_batch(data: str | bytes | list[Any], *, rules: Rules | None = None) ->
             violations.append((f"[{index}]", "must be a JSON object"))
             continue
         try:
-            job = parse_envelope(item, rules=rules)
+            try:
+                job = parse_envelope(item, rules=rules)
+            except InvalidJob as exc:
+                # Over 1 MiB as the job writes it: measure the item as sent (in a top-level
+                # array), found in the text only now, since this is rare
+                if text is None or not _oversized(exc):
+                    raise
+                sizes = sizes or _item_sizes(text)
+                job = parse_envelope(item, rules=rules, sent=sizes[index])
         except InvalidJob as exc:
             violations.extend(
                 (f"[{index}]" if path == "(envelope)" else f"[{index}].{path}", rule)

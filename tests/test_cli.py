@@ -70,6 +70,19 @@ def test_an_envelope_under_1_mib_as_sent_is_enqueued_and_runs(env: Env) -> None:
     assert job.result == 2e10
 
 
+def test_a_batch_under_1_mib_an_envelope_as_sent_is_enqueued_and_runs(
+    env: Env, tmp_path: pathlib.Path
+) -> None:
+    """``--batch``: each envelope is measured as it is written in the file."""
+    envelope = '{"type":"e2e.tsum","args":[[' + ",".join(["1e5"] * 200_000) + "]]}"
+    batch = tmp_path / "grows.json"
+    batch.write_text(f"[{envelope},{envelope}]")
+    out = run(env, "enqueue", "--batch", str(batch))
+    assert out.returncode == 0, out.stderr
+    for line in out.stdout.splitlines():
+        assert env.wait_state(json.loads(line)["id"], "completed").result == 2e10
+
+
 def test_invalid_envelope_exits_2_with_every_violation_and_stores_nothing(env: Env) -> None:
     job_id = "01a1fc00-0000-7000-8000-0000000000aa"
     bad = json.dumps({"id": job_id, "type": "Bad-Type", "args": {"not": "a list"},

@@ -570,6 +570,21 @@ def test_an_envelope_under_1_mib_as_sent_is_accepted_when_its_json_grows(encode:
     assert job.args == [[100000.0] * 200_000]
 
 
+@pytest.mark.parametrize("encode", [False, True])
+def test_a_batch_given_as_text_measures_each_envelope_as_sent(encode: bool) -> None:
+    """As for one envelope: each envelope of a batch given as text is measured in that text
+    (here about 800 kB, and 1.8 MB as the job writes it); one over 1 MiB is still named."""
+    grows = '{"type":"email.send","args":[[' + ",".join(["1e5"] * 200_000) + "]]}"
+    text = f" [ {grows} ,\n{json.dumps(env())}, {grows}]"
+    jobs = parse_batch(text.encode() if encode else text)
+    assert [len(job.args[0]) for job in (jobs[0], jobs[2])] == [200_000, 200_000]
+    over = json.dumps(env(args=["x" * MAX_ENVELOPE_BYTES]))
+    with pytest.raises(InvalidJob) as raised:
+        parse_batch(f"[{json.dumps(env())}, {over}]")
+    assert raised.value.violations == [
+        ("[1]", f"must not exceed 1 MiB (is {len(over)} bytes)")]
+
+
 def test_an_envelope_over_1_mib_as_sent_names_its_size() -> None:
     text = json.dumps(env(args=["é" * 600_000]), ensure_ascii=False)
     [(path, rule)] = violations(text)
