@@ -4,14 +4,20 @@ by its own (README: "Clock skew between hosts")."""
 from __future__ import annotations
 
 import pathlib
-import threading
 
 from ojs_celery import enqueue
 from ojs_celery.runtime import get_runtime
-from ojs_celery.sweeper import run_loop
 from tests import services
 from tests.e2eapp import make_app
-from tests.workers import ROOT, Beat, redis_config, running_worker, unique, wait_for
+from tests.workers import (
+    ROOT,
+    Beat,
+    SweepLoop,
+    redis_config,
+    running_worker,
+    unique,
+    wait_for,
+)
 
 SKEWED = str(ROOT / "tests" / "clockskew")
 
@@ -28,9 +34,7 @@ def test_a_worker_whose_clock_is_behind_is_told_why_it_is_declared_dead(
                           "sweep_interval": 0.5})
     app = make_app(config)
     runtime = get_runtime(app)
-    stop = threading.Event()
-    sweeper = threading.Thread(target=run_loop, args=(runtime,), kwargs={"stop": stop.is_set},
-                               daemon=True)
+    sweeper = SweepLoop(runtime)
     env = {"PYTHONPATH": f"{SKEWED}:{ROOT}", "OJS_TEST_CLOCK_SKEW": "-10"}
     try:
         with running_worker(config, tmp_path / "worker.log", concurrency=1,
@@ -46,9 +50,7 @@ def test_a_worker_whose_clock_is_behind_is_told_why_it_is_declared_dead(
                      and found.errors, 20, "the job's attempt to fail")
             assert runtime.store.get(job.id).errors[0]["type"] == "worker_death"
     finally:
-        stop.set()
-        if sweeper.is_alive():
-            sweeper.join(10)
+        sweeper.stop()
         runtime.store.clear()
         runtime.close()
         app.close()

@@ -22,12 +22,13 @@ from kombu import Producer
 from ojs_celery import Job, OJSTask, enqueue, enqueue_batch, get_job, install, parse_envelope
 from ojs_celery.envelope import format_timestamp, from_epoch
 from ojs_celery.runtime import Runtime, get_runtime
-from ojs_celery.sweeper import run_loop, sweep
+from ojs_celery.sweeper import sweep
 from tests import services
 from tests.conftest import start_env
 from tests.e2eapp import make_app
 from tests.test_store_faults import PrivateRedis
 from tests.workers import (
+    SweepLoop,
     Worker,
     forget_redis_names,
     lines,
@@ -154,7 +155,7 @@ class Faulty:
     app: Celery
     runtime: Runtime
     worker: Worker
-    sweeper: threading.Thread
+    sweeper: SweepLoop
 
     def wait_active(self, job_id: str) -> None:
         wait_for(lambda: (found := get_job(job_id, app=self.app)) is not None
@@ -193,16 +194,12 @@ def faulty_setup(redis_server: PrivateRedis, tmp_path: pathlib.Path,
                           "sweep_interval": 0.3})
     app = make_app(config)
     runtime = get_runtime(app)
-    stop = threading.Event()
-    sweeper = threading.Thread(target=run_loop, args=(runtime,), kwargs={"stop": stop.is_set},
-                               daemon=True)
+    sweeper = SweepLoop(runtime)
     try:
         with running_worker(config, tmp_path / "worker.log", concurrency=1) as worker:
             yield Faulty(redis_server, config, app, runtime, worker, sweeper)
     finally:
-        stop.set()
-        if sweeper.is_alive():
-            sweeper.join(10)
+        sweeper.stop()
         runtime.close()
         app.close()
 

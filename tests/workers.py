@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -13,6 +14,8 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from ojs_celery.embedded import embedded_settings
+from ojs_celery.runtime import Runtime
+from ojs_celery.sweeper import run_loop
 from ojs_celery.testing import CeleryProcess
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -209,3 +212,18 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: fl
 def lines(directory: str, name: str) -> list[str]:
     path = pathlib.Path(directory) / name
     return path.read_text().splitlines() if path.exists() else []
+
+
+class SweepLoop(threading.Thread):
+    """A sweep loop in a thread of the test's process (what ``ojs-celery sweep --loop`` runs),
+    started by the test when it wants sweeps; :meth:`stop` ends it."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._stopping = threading.Event()
+        super().__init__(target=run_loop, args=(runtime,),
+                         kwargs={"stop": self._stopping.is_set}, daemon=True)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self.is_alive():
+            self.join(10)
