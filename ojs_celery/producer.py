@@ -149,7 +149,7 @@ def check_serializer(app: Celery) -> None:
     the app's ``task_serializer`` cannot encode in this process (``msgpack`` or ``yaml``
     without its library). Checked before a job is stored: such a job's message could not be
     published here, by the call or by a sweep, and the caller would be told it was taken."""
-    name = app.conf.task_serializer
+    name = compat.celery_setting(app, "task_serializer")
     if name in _WORKING_SERIALIZERS:
         return
     try:
@@ -200,8 +200,8 @@ def publish(
         "expires": None,
         # The app's serializer and compression, the ones check_serializer checks: Celery 5.7's
         # send_task would otherwise take the task's own (README: ignored for OJS messages).
-        "serializer": app.conf.task_serializer,
-        "compression": app.conf.task_compression,
+        "serializer": compat.celery_setting(app, "task_serializer"),
+        "compression": compat.celery_setting(app, "task_compression"),
         "retry": True,
         "retry_policy": PUBLISH_RETRY_POLICY,
     }
