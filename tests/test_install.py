@@ -295,19 +295,23 @@ def test_a_sweep_nobody_takes_expires_in_rabbitmq_not_by_the_workers_clock(
 
     queue = unique("sweepttl")
     app = Celery("sweepttl", broker=amqp_url(), set_as_current=False)
+    # long enough for a loaded machine to read the message before RabbitMQ drops it
     app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'ojs.sqlite3'}", "sweep_queue": queue,
-                    "sweep_interval": 0.5}
+                    "sweep_interval": 5.0}
     install(app)
     entry = app.conf.beat_schedule["ojs-sweep"]
     try:
         with app.connection_for_write() as conn:
             channel = conn.default_channel
             app.tasks[entry["task"]].apply_async(**entry["options"])
-            taken = channel.basic_get(queue, no_ack=True)
-            assert taken is not None and taken.properties["expiration"] == "500"
+            taken = wait_for(lambda: channel.basic_get(queue, no_ack=True), 4,
+                             "the sweep message in its queue")
+            assert taken.properties["expiration"] == "5000"
             assert taken.headers["expires"] is None
             app.tasks[entry["task"]].apply_async(**entry["options"])
-            wait_for(lambda: channel.queue_declare(queue, passive=True).message_count == 0, 10,
+            wait_for(lambda: channel.queue_declare(queue, passive=True).message_count == 1, 4,
+                     "the second sweep message in its queue")
+            wait_for(lambda: channel.queue_declare(queue, passive=True).message_count == 0, 20,
                      "RabbitMQ to drop the sweep nobody took")
     finally:
         with app.connection_for_write() as conn:
