@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from . import compat
-from .envelope import TYPE_PATTERN, Job, field_violations
+from .envelope import _PATTERN_RULES, TYPE_PATTERN, Job, field_violations
 from .lifecycle import DAY, ERRORS_KEPT, Policy
 from .store.base import DEFAULT_TIMEOUT as DEFAULT_STORE_TIMEOUT
 
@@ -144,8 +144,8 @@ class Settings(BaseModel):
         for ojs_type, task_name in value.items():
             if not re.fullmatch(TYPE_PATTERN, ojs_type):
                 raise ValueError(
-                    f"key {ojs_type!r} is not a valid OJS type (dot-separated lowercase "
-                    "segments, each [a-z][a-z0-9_]*)"
+                    f"key {ojs_type!r} is not a valid OJS type (it "
+                    f"{_PATTERN_RULES['type']})"
                 )
             if not isinstance(task_name, str) or not task_name:
                 raise ValueError(f"value for {ojs_type!r} must be a Celery task name")

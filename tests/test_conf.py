@@ -180,6 +180,14 @@ def test_type_map_key_must_be_ojs_type(key: str) -> None:
     assert "ojs.type_map" in message
     assert repr(key) in message
     assert "OJS type" in message
+    # the rule named is the one applied (the envelope's: upper case, - and : allowed)
+    assert "a letter then letters, digits, _, - or :" in message
+    assert "lowercase" not in message
+
+
+def test_type_map_accepts_what_an_envelope_type_accepts() -> None:
+    s = read_settings({"type_map": {"Retry.test.exponential-backoff": "t", "proj:Mail": "m"}})
+    assert set(s.type_map) == {"Retry.test.exponential-backoff", "proj:Mail"}
 
 
 def test_type_map_value_must_be_task_name() -> None:
