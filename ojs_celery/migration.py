@@ -93,12 +93,16 @@ def build_report(app: Celery) -> Report:
             f"task_time_limit): jobs from their Celery callers get the OJS default timeout of "
             f"{settings.default_timeout}s (setting default_timeout): {', '.join(unlimited)}")
     mapped = {task: ojs_type for ojs_type, task in settings.type_map.items()}
+    # each task's warnings name it too, a task not migrated yet included (the report runs
+    # before the switch: "once migrated" it gets the default timeout)
+    unlimited_any = set(unlimited) | {
+        name for name in tasks_without_limit(app, ojs_only=False) if name not in mapped}
     tasks = []
     for name in sorted(app.tasks):
         if name.startswith("celery.") or name == SWEEP_TASK:
             continue
         tasks.append(_task_report(app, app.tasks[name], name, mapped.get(name), driver,
-                                  settings.default_timeout if name in unlimited else None))
+                                  settings.default_timeout if name in unlimited_any else None))
     return Report(tasks, warnings)
 
 

@@ -440,14 +440,15 @@ def celery_semantics_of(task: Task, settings: Settings) -> dict[str, Any] | None
     }
 
 
-def tasks_without_limit(app: Celery) -> list[str]:
+def tasks_without_limit(app: Celery, *, ojs_only: bool = True) -> list[str]:
     """OJS tasks that have no Celery time limit (no task option, no ``task_time_limit``/
-    ``task_soft_time_limit``): their Celery callers' jobs get ``default_timeout``."""
+    ``task_soft_time_limit``): their Celery callers' jobs get ``default_timeout``.
+    ``ojs_only=False``: every task, those not migrated yet too (the migration report)."""
     if _first(app.conf.task_soft_time_limit, app.conf.task_time_limit) is not None:
         return []
     return sorted(
         str(name) for name, task in app.tasks.items()
-        if getattr(task, "__ojs_task__", False)
+        if (not ojs_only or getattr(task, "__ojs_task__", False))
         and _first(task.soft_time_limit, task.time_limit) is None
     )
 

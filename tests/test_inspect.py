@@ -113,6 +113,19 @@ def test_text_output_lists_each_task_and_its_warnings() -> None:
     assert "warning: 1 OJS task(s) have no time limit" in result.stdout
 
 
+def test_a_task_not_migrated_yet_without_a_time_limit_is_named_before_the_switch() -> None:
+    """The report runs before the tasks move (README, migration guide step 2): a plain task
+    without a time limit is named in its warnings, as what it will get once migrated; the
+    app's one line and ``--strict`` stay about OJS tasks."""
+    data = report("redis_app")
+    plain = by_name(data)["plain.report"]
+    assert any("no time limit" in w and "900s" in w for w in plain["warnings"])
+    [unlimited] = [w for w in data["warnings"] if "have no time limit" in w]
+    assert unlimited.endswith(": email.send")
+    text = inspect("redis_app").stdout
+    assert "    warning: once migrated, no time limit under plain Celery" in text
+
+
 def test_strict_fails_a_ci_step_on_warnings_of_the_app_or_an_ojs_task() -> None:
     """``--strict``: exit status 1 when there is something to fix (the report still printed);
     an app without warnings passes."""
