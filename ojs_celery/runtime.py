@@ -179,6 +179,13 @@ class Runtime:
             if _handles(task, name, ojs_type):
                 self._task_names[ojs_type] = str(name)
                 return str(name)
+        named = tasks.get(ojs_type)
+        if named is not None and getattr(named, "__ojs_task__", False):
+            # the task's Celery name, where its ojs_type gives it another OJS type
+            raise UnknownType(
+                f"type: {ojs_type!r} is no OJS type: it is the name of the OJS task whose "
+                f"type is {named.ojs_type!r} (its ojs_type); name that type"
+            )
         raise UnknownType(
             f"type: {ojs_type!r} is not an OJS task (register it with "
             f"@app.task(name={ojs_type!r}, base=OJSTask) or map it in ojs.type_map)"

@@ -13,7 +13,7 @@ from celery import Celery
 from click.testing import CliRunner
 from kombu.exceptions import SerializerNotInstalled
 
-from ojs_celery import DuplicateJob, InvalidJob, cancel, enqueue, enqueue_batch, get_job
+from ojs_celery import DuplicateJob, InvalidJob, OJSTask, cancel, enqueue, enqueue_batch, get_job
 from ojs_celery.api import JobNotFound
 from ojs_celery.cli import EXIT_INVALID, commands
 from ojs_celery.envelope import MAX_BATCH_BYTES, MAX_BATCH_JOBS, MAX_NESTING, new_job_id
@@ -272,3 +272,18 @@ def test_a_task_level_serializer_is_ignored_for_ojs_messages(app: Celery) -> Non
     assert len(sent) == 1, "the job's message was not published"
     assert json.loads(sent[0].read_text())["content-type"] == "application/json"
     assert get_job(job_id, app=app) is not None
+
+
+def test_a_task_name_whose_ojs_type_differs_is_refused_naming_the_type(app: Celery) -> None:
+    """``ojs_type`` overrides the type (README, public API): an envelope naming the task's
+    Celery name instead is refused, and the rule says which type to use rather than to
+    register a task that is registered already."""
+
+    @app.task(name="proj.tasks.mail_out", base=OJSTask, ojs_type="mail.out", shared=False)
+    def mail_out(x: int) -> int:
+        return x
+
+    [(path, rule)] = rejected(app, {"type": "proj.tasks.mail_out", "args": [1]})
+    assert path == "type"
+    assert "'mail.out'" in rule and "register it" not in rule
+    assert enqueue({"type": "mail.out", "args": [1]}, app=app).type == "mail.out"
