@@ -95,8 +95,13 @@ def build_report(app: Celery) -> Report:
     mapped = {task: ojs_type for ojs_type, task in settings.type_map.items()}
     # each task's warnings name it too, a task not migrated yet included (the report runs
     # before the switch: "once migrated" it gets the default timeout)
-    unlimited_any = set(unlimited) | {
-        name for name in tasks_without_limit(app, ojs_only=False) if name not in mapped}
+    unlimited_any = set(tasks_without_limit(app, ojs_only=False))
+    for ojs_type, task_name in settings.type_map.items():
+        target = app.tasks.get(task_name)
+        if target is not None and not getattr(target, "__ojs_task__", False):
+            warnings.append(
+                f"ojs.type_map: {ojs_type!r} maps to {task_name!r}, which is not an OJS task "
+                "(base=OJSTask): envelopes of that type are refused")
     tasks = []
     for name in sorted(app.tasks):
         if name.startswith("celery.") or name == SWEEP_TASK:
@@ -114,7 +119,7 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
     is_ojs = bool(getattr(task, "__ojs_task__", False))
     ojs_type = (getattr(task, "ojs_type", None) or name) if is_ojs else mapped_type
     queue = _routed_queue(app, name)
-    report = TaskReport(name=name, ojs=is_ojs or mapped_type is not None, ojs_type=ojs_type,
+    report = TaskReport(name=name, ojs=is_ojs, ojs_type=ojs_type,
                         queue=queue, ojs_queue=ojs_queue_of(app, queue) if is_ojs else None)
     envelope = report.envelope
     settings = get_runtime(app).settings

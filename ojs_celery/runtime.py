@@ -169,9 +169,17 @@ class Runtime:
         invoke an arbitrary Celery task.
         """
         mapped = self.settings.type_map.get(ojs_type)
-        if mapped is not None:
-            return mapped
         tasks = self.app.tasks
+        if mapped is not None:
+            target = tasks.get(mapped)
+            if target is not None and not getattr(target, "__ojs_task__", False):
+                # a plain task would run the message and never write the job's outcome: the
+                # job would stay available, and the redispatch backstop run the task again
+                raise UnknownType(
+                    f"type: {ojs_type!r} maps to {mapped!r} (ojs.type_map), which is not an "
+                    "OJS task: give it base=OJSTask"
+                )
+            return mapped
         known = self._task_names.get(ojs_type)
         if known is not None and _handles(tasks.get(known), known, ojs_type):
             return known  # the first match found before is still the first (tasks only append)

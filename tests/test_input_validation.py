@@ -287,3 +287,18 @@ def test_a_task_name_whose_ojs_type_differs_is_refused_naming_the_type(app: Cele
     assert path == "type"
     assert "'mail.out'" in rule and "register it" not in rule
     assert enqueue({"type": "mail.out", "args": [1]}, app=app).type == "mail.out"
+
+
+def test_a_type_map_entry_naming_a_plain_task_is_refused(tmp_path: pathlib.Path) -> None:
+    """``type_map`` maps a type to an OJS task (README, settings). A plain task would run the
+    message but never write the job's outcome: the job would stay ``available`` and the
+    redispatch backstop would run the task again and again. So the envelope is refused, naming
+    the entry, while an entry naming an OJS task is accepted."""
+    config = filesystem_config(tmp_path)
+    config["ojs"] = {**config["ojs"],
+                     "type_map": {"legacy.plain": "e2e.plain", "legacy.add": "e2e.add"}}
+    app = make_app(config)
+    [(path, rule)] = rejected(app, {"type": "legacy.plain", "args": [1]})
+    assert path == "type"
+    assert "'e2e.plain'" in rule and "type_map" in rule and "base=OJSTask" in rule
+    assert enqueue({"type": "legacy.add", "args": [1, 2]}, app=app).type == "legacy.add"

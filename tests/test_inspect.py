@@ -44,8 +44,9 @@ def test_every_registered_task_with_its_type_queue_and_envelope() -> None:
     assert charge["envelope"]["retry"]["max_interval"] == "PT60S"
     assert charge["envelope"]["retry"]["x_celery_autoretry_for"] == ["GatewayError"]
     assert "expires_at" in charge["envelope"]
-    assert tasks["maintenance.cleanup"]["ojs"] and \
-        tasks["maintenance.cleanup"]["ojs_type"] == "legacy.cleanup"  # type_map
+    # a type_map entry naming a plain task: its type, but no OJS task until base=OJSTask
+    assert not tasks["maintenance.cleanup"]["ojs"] and \
+        tasks["maintenance.cleanup"]["ojs_type"] == "legacy.cleanup"
     assert not tasks["plain.report"]["ojs"] and tasks["plain.report"]["ojs_type"] is None
     assert tasks["email.send"]["queue"] == "celery"
     assert tasks["email.send"]["ojs_queue"] == "default"
@@ -84,6 +85,8 @@ def test_warnings_name_what_works_against_ojs() -> None:
     assert any("'threads'" in w for w in data["warnings"])
     assert any("task_serializer is pickle" in w for w in data["warnings"])
     assert any("accept_content" in w for w in data["warnings"])
+    assert any(w.startswith("ojs.type_map: 'legacy.cleanup' maps to 'maintenance.cleanup', "
+                            "which is not an OJS task") for w in data["warnings"])
 
 
 def test_rabbitmq_consumer_timeout_from_the_queue_or_the_default() -> None:
