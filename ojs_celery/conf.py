@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from . import compat
-from .envelope import _PATTERN_RULES, TYPE_PATTERN, Job, field_violations
+from .envelope import PATTERN_RULES, TYPE_PATTERN, Job, field_violations
 from .lifecycle import DAY, ERRORS_KEPT, Policy
 from .store.base import DEFAULT_TIMEOUT as DEFAULT_STORE_TIMEOUT
 
@@ -145,7 +145,7 @@ class Settings(BaseModel):
             if not re.fullmatch(TYPE_PATTERN, ojs_type):
                 raise ValueError(
                     f"key {ojs_type!r} is not a valid OJS type (it "
-                    f"{_PATTERN_RULES['type']})"
+                    f"{PATTERN_RULES['type']})"
                 )
             if not isinstance(task_name, str) or not task_name:
                 raise ValueError(f"value for {ojs_type!r} must be a Celery task name")

@@ -443,7 +443,8 @@ def _path(loc: tuple[int | str, ...], root: str = "") -> str:
     return text or "(envelope)"
 
 
-_PATTERN_RULES = {
+#: What a field's pattern asks, in words: the rule an envelope's error and a setting's name.
+PATTERN_RULES = {
     "type": "must be dot-separated segments, each a letter then letters, digits, _, - or : "
             "(e.g. email.send)",
     "queue": "must match [A-Za-z0-9][A-Za-z0-9_:.-]* (letters, digits, _, :, dots and hyphens)",
@@ -480,8 +481,8 @@ def field_violations(
             message = unknown
         elif item["type"] == "literal_error" and loc == ("specversion",):
             message = f'must be "{SPEC_VERSION}"'
-        elif item["type"] == "string_pattern_mismatch" and loc and loc[-1] in _PATTERN_RULES:
-            message = _PATTERN_RULES[str(loc[-1])]
+        elif item["type"] == "string_pattern_mismatch" and loc and loc[-1] in PATTERN_RULES:
+            message = PATTERN_RULES[str(loc[-1])]
         found.append((_path(loc, root), message))
     return found
 
