@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -582,6 +583,65 @@ def test_postgres_connections_carry_libpq_limits_from_store_timeout(pg_prefix: s
     finally:
         store.close()
         named.close()
+
+
+def test_postgres_a_call_that_waits_on_a_lock_fails_within_the_store_timeout(
+    pg_prefix: str,
+) -> None:
+    """Another session holds a lock on the jobs table (a migration's ``ALTER TABLE``, a
+    ``LOCK TABLE`` left open in psql): the server answers nothing while a statement waits for
+    it, so libpq's limits never fire. Every store call (a read, the insert and the
+    compare-and-set of the lane) fails with StoreError within a few ``store_timeout`` instead
+    of waiting as long as the lock is held (before: for ever), and works once it is released.
+    A ``statement_timeout`` the URL (or the role, the database) sets is kept, 0 (none) too."""
+    import psycopg
+
+    timeout = 1.0
+    store = open_store(postgres_url(), policy=Policy(), prefix=pg_prefix, timeout=timeout)
+    url = sa.make_url(postgres_url()).update_query_dict({"options": "-c statement_timeout=0"})
+    own = open_store(url.render_as_string(hide_password=False), policy=Policy(),
+                     prefix=pg_prefix, timeout=timeout)
+    assert isinstance(store, SQLStore) and isinstance(own, SQLStore)
+    locker = psycopg.connect(postgres_url(), autocommit=True)
+    lock = threading.Lock()
+
+    def release() -> None:  # the lock's end, if a store call waits for it (before the fix)
+        with lock:
+            if not locker.closed:
+                locker.close()
+
+    ender = threading.Timer(25, release)
+    try:
+        job = new_job()
+        store.create(job)  # the pool's and the lane's sessions exist before the lock
+        record = store.get_record(job.id)
+        with own.engine.connect() as conn:
+            assert conn.exec_driver_sql("SHOW statement_timeout").scalar() == "0"
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("SHOW statement_timeout").scalar() == "1s"
+        locker.execute("BEGIN")
+        locker.execute(f'LOCK TABLE "{pg_prefix}_jobs" IN ACCESS EXCLUSIVE MODE')
+        ender.start()
+        calls: dict[str, Callable[[], object]] = {
+            "get": lambda: store.get(job.id),
+            "create": lambda: store.create(new_job()),
+            "start (fast lane)": lambda: store.start(job.id, 1, "w1", hint=record),
+        }
+        for name, call in calls.items():
+            started = time.monotonic()
+            with pytest.raises(StoreError) as info:
+                call()
+            took = time.monotonic() - started
+            assert took < 3 * timeout + 3, (name, took)
+            assert "statement timeout" in str(info.value), (name, str(info.value))
+            assert "\n" not in str(info.value), name
+        release()
+        assert store.start(job.id, 1, "w1").applied
+    finally:
+        ender.cancel()
+        release()
+        store.close()
+        own.close()
 
 
 def test_an_enqueue_the_store_refuses_leaves_no_outbox_entry_to_clear(

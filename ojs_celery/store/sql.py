@@ -138,6 +138,12 @@ def _unanswered_after(timeout: float, given: Mapping[str, object], driver: str) 
     return {name: value for name, value in wanted.items() if name not in given}
 
 
+def _milliseconds(timeout: float) -> int:
+    """``store_timeout`` as PostgreSQL's ``statement_timeout`` (whole milliseconds, never 0,
+    which would mean no limit)."""
+    return max(1, round(timeout * 1000))
+
+
 def _libpq_version(driver: str) -> int:
     """The libpq the driver runs on, as ``PQlibVersion`` gives it (120000 for 12.0); 0 if it
     cannot say."""
@@ -418,19 +424,27 @@ class SQLStore(JobStore):
             self.url, isolation_level="AUTOCOMMIT",
             connect_args=(_unanswered_after(self.timeout, self.url.query, driver)
                           if driver in _LIBPQ_DRIVERS else {}))
+        # A statement waiting for a lock another session holds gets no answer, and libpq's
+        # limits above never end that wait (the server answers TCP): the server cancels it
+        # after store_timeout, unless the server's configuration, the database, the role or
+        # the URL sets a limit of its own (0, none, included).
+        statements = [f"SELECT set_config('statement_timeout', '{_milliseconds(self.timeout)}', "
+                      "false) FROM pg_settings WHERE name = 'statement_timeout' "
+                      "AND source = 'default'"]
         if self.synchronous_commit is not None:
-            statement = f"SET synchronous_commit = {self.synchronous_commit}"  # a literal
+            statements.append(f"SET synchronous_commit = {self.synchronous_commit}")  # literal
 
-            def on_connect(dbapi_connection: Any, _record: Any) -> None:
-                cursor = dbapi_connection.cursor()
-                try:
+        def on_connect(dbapi_connection: Any, _record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            try:
+                for statement in statements:
                     cursor.execute(statement)
-                finally:
-                    cursor.close()
-                if not dbapi_connection.autocommit:  # kept: a rollback would undo it
-                    dbapi_connection.commit()
+            finally:
+                cursor.close()
+            if not dbapi_connection.autocommit:  # kept: a rollback would undo them
+                dbapi_connection.commit()
 
-            event.listen(engine, "connect", on_connect)
+        event.listen(engine, "connect", on_connect)
         return engine
 
     def _create_tables(self, engine: Engine) -> None:
