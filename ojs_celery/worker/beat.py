@@ -79,7 +79,11 @@ class Beater:
         info = node.info()
         directive, known = node.registry.beat(info)
         taken, self._last_taken = self._last_taken, time.monotonic()
-        if not known:
+        if not node.registered:  # its registration failed at start: no record to find yet
+            node.registered = True
+            logger.warning("ojs_celery: worker %s registered at its first beat that reached "
+                           "the store (queues %s)", node.worker_id, info.queues)
+        elif not known:
             self._declared_dead(taken)
         for request in ojs_requests():
             self._extend(request, info.last_beat)

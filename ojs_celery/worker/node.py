@@ -113,6 +113,8 @@ class WorkerNode:
         self.state = "running"
         self.state_lock = threading.Lock()
         self.left = False  # deregistered: set once, under state_lock
+        #: The store took this worker's record once (at start, else at a beat since).
+        self.registered = False
 
     def consumed_queues(self) -> list[str]:
         """The names of the queues the worker's task consumer listens on now (``add_consumer``

@@ -36,11 +36,14 @@ class RegistrationStep(bootsteps.StartStopStep):  # type: ignore[misc]
         except Exception as exc:  # any store fault: the next beat registers it
             logger.warning("ojs_celery: could not register worker %s (will retry with the "
                            "next beat): %r", node.worker_id, exc)
+        else:
+            node.registered = True
+            logger.info("ojs_celery: worker %s registered (queues %s)", node.worker_id,
+                        info.queues)
         node.runtime.bus.emit("worker.started", {
             "worker_id": node.worker_id, "queues": info.queues,
             "concurrency": info.concurrency, "hostname": info.hostname, "pid": info.pid,
         }, subject=node.worker_id)
-        logger.info("ojs_celery: worker %s registered (queues %s)", node.worker_id, info.queues)
         _check_broker(runtime)
 
     def stop(self, parent: Any) -> None:

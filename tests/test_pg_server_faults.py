@@ -1,0 +1,62 @@
+"""Faults of a whole PostgreSQL server behind a PostgreSQL job store, made on a server of the
+test's own (:class:`tests.pgserver.PrivatePostgres`): stopped, restarted. Real ``celery
+worker`` subprocesses on the shared Redis broker."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+
+from ojs_celery import enqueue
+from ojs_celery.runtime import get_runtime
+from tests import services
+from tests.e2eapp import make_app
+from tests.pgserver import PrivatePostgres
+from tests.workers import Worker, forget_redis_names, redis_config, unique, wait_for
+
+
+@pytest.fixture
+def pg_server() -> Iterator[PrivatePostgres]:
+    server = PrivatePostgres()
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+def test_a_worker_that_starts_while_the_store_is_down_registers_at_its_first_beat(
+    pg_server: PrivatePostgres, tmp_path: pathlib.Path
+) -> None:
+    """The store is down when a worker starts (a database restart during a deploy, every
+    connection slot taken): its registration fails and the first beat that reaches the store
+    registers it. That beat finds no record, as a beat of a worker declared dead does, but
+    this worker was never registered: it says it registered now, not that a sweeper declared
+    it dead because the hosts' clocks disagree (an ERROR that sent operators to NTP)."""
+    config = redis_config(tmp_path, services.redis_url())
+    config["ojs"] = {"store_url": pg_server.url, "store_prefix": unique("t"),
+                     "heartbeat_interval": 0.5}
+    app = make_app(config)
+    runtime = get_runtime(app)
+    runtime.store.ping()  # the tables, made while the server is up
+    pg_server.stop()
+    runtime.store.close()  # this process's sessions: new ones once the server is back
+    worker = Worker(config, tmp_path / "worker.log", concurrency=1)
+    try:
+        worker.wait_ready()
+        assert "could not register worker" in worker.log()
+        pg_server.start()
+        wait_for(lambda: runtime.store.workers.all(), 20, "the worker to register")
+        job = enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+        wait_for(lambda: runtime.store.get(job.id).state == "completed", 20, "the job")
+        log = worker.log()
+        assert "declared dead" not in log, log[-3000:]
+        assert "clock is ahead" not in log, log[-3000:]
+        assert "registered at its first beat" in log, log[-3000:]
+    finally:
+        worker.stop()
+        runtime.store.clear()
+        runtime.close()
+        app.close()
+        forget_redis_names(config["broker_url"], [config["queue"], config["event_exchange"]])
