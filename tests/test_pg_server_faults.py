@@ -10,7 +10,10 @@ from collections.abc import Iterator
 import pytest
 
 from ojs_celery import enqueue
+from ojs_celery.envelope import Job
+from ojs_celery.lifecycle import Policy
 from ojs_celery.runtime import get_runtime
+from ojs_celery.store import WorkerInfo, open_store
 from tests import services
 from tests.e2eapp import make_app
 from tests.pgserver import PrivatePostgres
@@ -24,6 +27,32 @@ def pg_server() -> Iterator[PrivatePostgres]:
         yield server
     finally:
         server.destroy()
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_after_a_server_restart_no_call_fails_on_a_session_of_before(
+    pg_server: PrivatePostgres, mode: str
+) -> None:
+    """The server restarted (a minor upgrade, a crash) and is up again: every session the
+    store's pool kept from before was ended by it. The first call of each kind (a read, a
+    cancel, the worker registry) works on a new session, as the lane's writes always did,
+    instead of failing once in each process with the session's end ("terminating connection
+    due to administrator command")."""
+    store = open_store(pg_server.url, policy=Policy(), prefix=unique("t"))
+    try:
+        jobs = [Job.model_validate({"type": "e2e.add", "args": [n, 1]}) for n in range(3)]
+        for job in jobs:
+            store.create(job)
+        store.workers.save(WorkerInfo(worker_id="w1", hostname="h", pid=1, last_beat=1.0))
+        assert store.get(jobs[0].id) is not None  # the pool's sessions, before the restart
+        pg_server.stop(mode)
+        pg_server.start()
+        assert store.get(jobs[0].id) is not None
+        assert store.cancel(jobs[1].id).applied
+        assert [worker.worker_id for worker in store.workers.all()] == ["w1"]
+        assert store.get_records([job.id for job in jobs])[2] is not None
+    finally:
+        store.close()
 
 
 def test_a_worker_that_starts_while_the_store_is_down_registers_at_its_first_beat(

@@ -26,6 +26,7 @@ import contextlib
 import json
 import math
 import os
+import select
 import sqlite3
 import threading
 import zlib
@@ -136,6 +137,20 @@ def _unanswered_after(timeout: float, given: Mapping[str, object], driver: str) 
     if _libpq_version(driver) >= 120000:
         wanted["tcp_user_timeout"] = seconds * 1000
     return {name: value for name, value in wanted.items() if name not in given}
+
+
+def _not_ended(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+    """A pooled PostgreSQL session that the server ended while it waited in the pool (a
+    restart, a failover, ``pg_terminate_backend``, an idle timeout) is not handed out: an idle
+    session has nothing to read unless the server said goodbye or closed it, as the lane
+    checks its own (:func:`.pg_lane._readable`). The pool then replaces every session it kept
+    from before (SQLAlchemy's ``InvalidatePoolError``), without a round trip per checkout."""
+    try:
+        ended = bool(select.select([dbapi_connection.fileno()], [], [], 0)[0])
+    except Exception:  # closed already: no descriptor
+        ended = True
+    if ended:
+        raise sa_exc.InvalidatePoolError("the server ended this session")
 
 
 def _milliseconds(timeout: float) -> int:
@@ -445,6 +460,8 @@ class SQLStore(JobStore):
                 dbapi_connection.commit()
 
         event.listen(engine, "connect", on_connect)
+        if driver in _LIBPQ_DRIVERS:  # their connections give their socket (fileno)
+            event.listen(engine, "checkout", _not_ended)
         return engine
 
     def _create_tables(self, engine: Engine) -> None:
