@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ojs_celery import enqueue
+from ojs_celery import StoreError, enqueue
 from ojs_celery.envelope import Job
 from ojs_celery.lifecycle import Policy
 from ojs_celery.runtime import get_runtime
@@ -17,7 +17,14 @@ from ojs_celery.store import WorkerInfo, open_store
 from tests import services
 from tests.e2eapp import make_app
 from tests.pgserver import PrivatePostgres
-from tests.workers import Worker, forget_redis_names, redis_config, unique, wait_for
+from tests.workers import (
+    Worker,
+    filesystem_config,
+    forget_redis_names,
+    redis_config,
+    unique,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -89,3 +96,50 @@ def test_a_worker_that_starts_while_the_store_is_down_registers_at_its_first_bea
         runtime.close()
         app.close()
         forget_redis_names(config["broker_url"], [config["queue"], config["event_exchange"]])
+
+
+def test_an_enqueue_with_every_connection_slot_taken_says_the_store_refused_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Every connection slot of the server is taken (``max_connections``; other clients'
+    idle sessions): PostgreSQL refuses each new session, so nothing of an enqueue was sent.
+    Its error says the store refused the connection, as for a server that is down, not that
+    the store "failed during the write", and names the server's reason; once the slots are
+    free the same app enqueues."""
+    import psycopg
+
+    server = PrivatePostgres({"max_connections": "6"})  # 3 slots left by the superusers'
+    hogs: list[psycopg.Connection[object]] = []
+    try:
+        with psycopg.connect(server.url, autocommit=True) as admin:
+            admin.execute("CREATE ROLE app LOGIN")
+            admin.execute("GRANT ALL ON SCHEMA public TO app")
+        url = server.url.replace("postgres@", "app@", 1)
+        config = filesystem_config(tmp_path)
+        config["ojs"] = {**config["ojs"], "store_url": url, "events": False}
+        app = make_app(config)
+        runtime = get_runtime(app)
+        try:
+            runtime.store.ping()  # its tables
+            runtime.store.close()
+            while True:
+                try:
+                    hogs.append(psycopg.connect(url))
+                except psycopg.OperationalError:
+                    break
+            with pytest.raises(StoreError) as refused:
+                enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+            said = str(refused.value)
+            assert "the job store refused the connection" in said, said
+            assert "connection slots are reserved" in said and "\n" not in said, said
+            while hogs:
+                hogs.pop().close()
+            job = enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+            assert runtime.store.get(job.id) is not None
+        finally:
+            runtime.close()
+            app.close()
+    finally:
+        for hog in hogs:
+            hog.close()
+        server.destroy()

@@ -64,6 +64,12 @@ class StoreTimeout(StoreError):
     long again, so a call that settles a lost reply does not."""
 
 
+#: libpq's words for a session it could not open, whatever the server's reason (down, starting
+#: up or shutting down, every connection slot taken): ``connection to server at "host", port
+#: 5432 failed: FATAL: ...`` (``on socket "..."`` for a unix socket).
+_NOT_CONNECTED = re.compile(r"connection to server (?:at|on socket) .*? failed:")
+
+
 class StoreUncertain(StoreError):
     """The store failed during an insert and could not be asked afterwards whether the insert
     was done: the job may or may not be stored. (A refused connection cannot tell either: an
@@ -89,7 +95,8 @@ class StoreUncertain(StoreError):
             return (f"a batch of {self.batch} jobs, the first {self.job_id}: the job store "
                     f"failed during the write{said}; the batch may or may not be stored, all "
                     "of it or none (look up its first job)")
-        if "refused" in self.error.lower():  # the usual case: the store was down all along
+        if "refused" in self.error.lower() or _NOT_CONNECTED.search(self.error):
+            # the usual case: the store was down all along (or refused every new session)
             return (f"job {self.job_id}: the job store refused the connection{said}; if it was "
                     "down all along the job is not stored, but it may be if it went down "
                     "during the write (enqueue the same envelope again with this id once the "
