@@ -7,7 +7,7 @@ per job (the start and the outcome). The lane keeps one psycopg 3 connection per
 (made by the store's pool, so in autocommit mode and with the connection settings the pool
 applies, then detached from it), prepares the statements on it once, and sends each write with
 libpq's asynchronous calls: ``enqueue`` publishes the job's message while the server commits
-its insert, as the Redis store does. Replies are waited for in ``select`` (libpq's blocking
+its insert, as the Redis store does. Replies are waited for in ``poll`` (libpq's blocking
 calls would hold the GIL for the whole commit).
 
 The lane never changes what a write does, only how it travels and when its reply is read. A
@@ -21,14 +21,13 @@ checks out its own.
 
 from __future__ import annotations
 
-import select
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from psycopg import pq
 
 from .base import StoreError
-from .sql_lane import DetachedLane, unanswered
+from .sql_lane import DetachedLane, ready, unanswered
 
 __all__ = ["PgLane", "text_param", "text_params"]
 
@@ -143,9 +142,11 @@ class PgLane(DetachedLane):
             pgconn = self._raw.pgconn
             if pgconn.status == pq.ConnStatus.OK and \
                     pgconn.transaction_status == pq.TransactionStatus.IDLE and \
-                    not _readable(pgconn.socket):
+                    not ready(pgconn.socket, timeout=0):
                 return pgconn
-            self._drop()  # something arrived unasked: the server ended the session (or worse)
+            # something arrived unasked: the server ended the session (a restart, an
+            # administrator's pg_terminate_backend, an idle timeout), or worse
+            self._drop()
         connection = self._detached()
         try:
             pgconn = connection.pgconn
@@ -184,28 +185,24 @@ class PgLane(DetachedLane):
 
 def _flush(pgconn: Any) -> None:
     """Send what libpq buffered (psycopg keeps its connections non-blocking), waiting in
-    ``select``, which lets other threads run, never in libpq, which holds the GIL."""
+    :func:`.sql_lane.ready`, which lets other threads run, never in libpq, which holds the
+    GIL."""
     while pgconn.flush():
-        select.select([], [pgconn.socket], [])
+        ready(pgconn.socket, write=True)
 
 
 def _results(pgconn: Any) -> Iterator[Any]:
-    """The results of the command sent, each waited for in ``select`` (see :func:`_flush`)."""
+    """The results of the command sent, each waited for in ``poll`` (see :func:`_flush`)."""
     while True:
         pgconn.consume_input()
         while pgconn.is_busy():
-            select.select([pgconn.socket], [], [])
+            ready(pgconn.socket)
             pgconn.consume_input()
         result = pgconn.get_result()
         if result is None:
             return
         yield result
 
-
-def _readable(fd: int) -> bool:
-    """An idle connection with something to read was ended by the server (a restart, an
-    administrator's ``pg_terminate_backend``, an idle timeout): never send into it."""
-    return bool(select.select([fd], [], [], 0)[0])
 
 
 def _message(result: Any) -> str:

@@ -26,7 +26,6 @@ import contextlib
 import json
 import math
 import os
-import select
 import sqlite3
 import threading
 import zlib
@@ -57,7 +56,7 @@ from .base import (
     store_message,
 )
 from .meta import MetaArea
-from .sql_lane import SqliteLane, unanswered
+from .sql_lane import SqliteLane, ready, unanswered
 from .sql_lane import fits as sqlite_lane_fits
 from .workers import WorkerInfo, WorkerRegistry
 
@@ -143,10 +142,10 @@ def _not_ended(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
     """A pooled PostgreSQL session that the server ended while it waited in the pool (a
     restart, a failover, ``pg_terminate_backend``, an idle timeout) is not handed out: an idle
     session has nothing to read unless the server said goodbye or closed it, as the lane
-    checks its own (:func:`.pg_lane._readable`). The pool then replaces every session it kept
-    from before (SQLAlchemy's ``InvalidatePoolError``), without a round trip per checkout."""
+    checks its own. The pool then replaces every session it kept from before (SQLAlchemy's
+    ``InvalidatePoolError``), without a round trip per checkout."""
     try:
-        ended = bool(select.select([dbapi_connection.fileno()], [], [], 0)[0])
+        ended = ready(dbapi_connection.fileno(), timeout=0)
     except Exception:  # closed already: no descriptor
         ended = True
     if ended:

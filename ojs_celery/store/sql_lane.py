@@ -15,6 +15,7 @@ closing it) and makes its own.
 
 from __future__ import annotations
 
+import select
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
@@ -24,7 +25,21 @@ from sqlalchemy.engine import URL
 
 from ..forking import forget_in_children
 
-__all__ = ["DetachedLane", "SqliteLane", "fits", "unanswered"]
+__all__ = ["DetachedLane", "SqliteLane", "fits", "ready", "unanswered"]
+
+
+def ready(fd: int, *, write: bool = False, timeout: float | None = None) -> bool:
+    """Whether the socket ``fd`` has something to read (with ``write``: room to write) within
+    ``timeout`` seconds (None: wait until it has; 0: look only). A socket the server closed
+    counts as readable. ``poll``, not ``select``: ``select`` refuses a descriptor numbered 1024
+    or more, which a process with many files open (a busy web server) is given."""
+    if not hasattr(select, "poll"):  # Windows, whose select has no such limit
+        wanted: list[int] = [fd]
+        found = select.select([] if write else wanted, wanted if write else [], [], timeout)
+        return bool(found[0] or found[1])
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT if write else select.POLLIN)
+    return bool(poller.poll(None if timeout is None else timeout * 1000))
 
 
 def unanswered(exc: BaseException) -> bool:
