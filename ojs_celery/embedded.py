@@ -10,6 +10,7 @@ in a module-level dict: there is no per-app registry).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 from typing import Any
@@ -36,7 +37,12 @@ class Channel(filesystem.Channel):
                 handle.write(str_to_bytes(dumps(payload)))  # type: ignore[no-untyped-call]
             os.replace(temporary, final)
         except OSError as exc:
-            raise ChannelError(f"Cannot add file {final!r} to directory") from exc
+            # a write that failed midway (the disk full) leaves no part of a file behind: kept,
+            # each failed publish would hold its part of the space that ran out, for good
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise ChannelError(f"Cannot add file {final!r} to directory: "
+                               f"{exc.strerror or exc}") from exc
 
 
 class Transport(filesystem.Transport):

@@ -1,0 +1,61 @@
+"""The embedded default (``ojsfs://`` broker, SQLite files) when its disk misbehaves: full,
+or at a path that a URL would read otherwise. The full disk is a small tmpfs of the test's own;
+where mounting is not permitted (not root, a container without the capability), those tests
+skip."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+from kombu import Connection, Exchange, Producer, Queue
+from kombu.exceptions import ChannelError, OperationalError
+
+from ojs_celery.embedded import embedded_settings
+
+
+@contextlib.contextmanager
+def small_disk(path: pathlib.Path, size: str = "256k") -> Iterator[pathlib.Path]:
+    """A tmpfs of ``size`` mounted on ``path`` for the block, unmounted after it."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(folder: pathlib.Path) -> None:
+    """Write to ``folder`` until its disk is full (a hidden file, which no queue reads)."""
+    with contextlib.suppress(OSError), open(folder / ".filler", "wb", buffering=0) as handle:
+        while True:
+            handle.write(b"\0" * 4096)
+
+
+def test_a_publish_to_a_full_disk_names_the_cause_and_leaves_no_part_of_a_file(
+        tmp_path: pathlib.Path) -> None:
+    settings = embedded_settings(tmp_path / "ojs")
+    broker = pathlib.Path(settings["broker_transport_options"]["data_folder_out"])
+    with small_disk(broker):
+        fill(broker)
+        queue = Queue("disk", Exchange("disk"), "disk")
+        with Connection(settings["broker_url"],
+                        transport_options=settings["broker_transport_options"]) as connection:
+            producer = Producer(connection.channel())
+            queue(producer.channel).declare()
+            full = "No space left on device"
+            for _ in range(3):
+                with pytest.raises((ChannelError, OperationalError), match=full):
+                    producer.publish({"payload": "x" * 20000}, exchange=queue.exchange,
+                                     routing_key="disk", retry=False)
+        # each failed publish took no space: nothing but the filler is left in the folder
+        assert sorted(p.name for p in broker.iterdir()) == [".filler"]
