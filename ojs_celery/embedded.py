@@ -14,6 +14,7 @@ import contextlib
 import os
 import pathlib
 from typing import Any
+from urllib.parse import quote
 
 from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, filesystem
@@ -73,7 +74,14 @@ def embedded_settings(directory: str | os.PathLike[str]) -> dict[str, Any]:
             "control_folder": str(base / "control"),
             "polling_interval": 0.1,
         },
-        "result_backend": f"db+sqlite:///{base / 'results.sqlite3'}",
+        "result_backend": f"db+{sqlite_url(base / 'results.sqlite3')}",
         "broker_connection_retry_on_startup": True,
-        "ojs": {"store_url": f"sqlite:///{base / 'store.sqlite3'}"},
+        "ojs": {"store_url": sqlite_url(base / "store.sqlite3")},
     }
+
+
+def sqlite_url(path: pathlib.Path) -> str:
+    """The SQLite URL of the file ``path``, percent-encoded: SQLAlchemy decodes a URL's path
+    and ends it at a ``?`` or ``#``, so a folder named ``a%41`` or ``a?b`` written as it is
+    would put the database at another file (``aA``, ``a``) or fail to open it."""
+    return "sqlite:///" + quote(str(path), safe="/")

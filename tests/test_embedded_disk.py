@@ -59,3 +59,28 @@ def test_a_publish_to_a_full_disk_names_the_cause_and_leaves_no_part_of_a_file(
                                      routing_key="disk", retry=False)
         # each failed publish took no space: nothing but the filler is left in the folder
         assert sorted(p.name for p in broker.iterdir()) == [".filler"]
+
+
+@pytest.mark.parametrize("name", ["with space ünï", "percent%41", "query?x=1", "hash#1"])
+def test_the_sqlite_files_are_in_the_folder_whatever_its_name(
+        tmp_path: pathlib.Path, name: str) -> None:
+    """A folder's name is not a URL: its ``%``, ``?`` and ``#`` are characters of the path,
+    and the job store and the results live in that folder, not at a file the URL names."""
+    from sqlalchemy.engine import make_url
+
+    from ojs_celery import enqueue, get_job
+    from tests.e2eapp import make_app
+    from tests.workers import filesystem_config
+
+    base = tmp_path / name / "ojs"
+    config = filesystem_config(base)
+    settings = embedded_settings(base)
+    assert make_url(settings["ojs"]["store_url"]).database == str(base / "store.sqlite3")
+    assert make_url(settings["result_backend"][len("db+"):]).database == str(
+        base / "results.sqlite3")
+    app = make_app(config)
+    job = enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+    assert get_job(job.id, app=app) is not None
+    app.backend.store_result(job.id, 3, "SUCCESS")
+    assert {"store.sqlite3", "results.sqlite3"} <= {p.name for p in base.iterdir()}
+    assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["ojs"]  # nothing beside it
