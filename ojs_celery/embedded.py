@@ -6,28 +6,195 @@ folder in between may read it half-written: the message is then lost (it shows a
 ever see whole messages. :func:`register_transport` makes it kombu's ``ojsfs://`` transport; it
 runs in ``install(app)`` and :func:`embedded_settings`, not at import (kombu keeps its aliases
 in a module-level dict: there is no per-app registry).
+
+kombu's consumer also takes a message by moving its file to the system's temporary folder and
+deleting it once read, before the task has run: a worker killed (SIGKILL, the machine's power)
+after taking messages lost them, and the jobs waited for the sweeper's redispatch backstop (an
+hour by default); where that folder is on another file system (a tmpfs ``/tmp``) the move is a
+copy, which two consumers may make of one file at once. :class:`Channel` takes a message by
+renaming its file into a claim folder of its own process, in the broker folder
+(``.claimed/<owner>/``, locked with ``flock`` for the process's life), and deletes it when the
+message is acknowledged; a message rejected with requeue or restored at shutdown is written
+back. A consumer puts the files of a claim folder whose lock is free (its process is gone)
+back into the broker folder, under their own names (so in their order), at its start and then
+every :data:`RESTORE_INTERVAL` seconds: what a killed worker had taken is delivered again, and
+fencing drops a copy of a job that ran meanwhile.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pathlib
+import threading
+import time
+import uuid
+from queue import Empty
 from typing import Any
 from urllib.parse import quote
 
 from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, filesystem
-from kombu.utils.encoding import str_to_bytes
-from kombu.utils.json import dumps
+from kombu.utils.encoding import bytes_to_str, str_to_bytes
+from kombu.utils.json import dumps, loads
 
 from . import compat
 
 SCHEME = "ojsfs"
 
 
+#: The folder, in the broker folder, of every consumer process's claimed messages (a name
+#: kombu's filesystem transport never takes for a message: no queue is named ``claimed``).
+CLAIMS = ".claimed"
+#: Seconds between a consumer's looks for the claims of processes that are gone.
+RESTORE_INTERVAL = 2.0
+
+_claims_lock = threading.Lock()
+#: (pid, broker folder) -> this process's claim folder there (its lock file stays open).
+_own_claims: dict[tuple[int, str], str] = {}
+#: broker folder -> when this process looks for the claims of processes gone next.
+_next_restore: dict[str, float] = {}
+
+
+def _claim_folder(folder: str) -> str:
+    """This process's claim folder in the broker folder ``folder``: made at its first use,
+    with a lock file that the process holds (``flock``) until it ends. The lock is taken before
+    the lock file gets its name, so no consumer ever sees it free while its owner lives."""
+    key = (os.getpid(), folder)
+    with _claims_lock:
+        own = _own_claims.get(key)
+        if own is None:
+            claims = os.path.join(folder, CLAIMS)
+            os.makedirs(claims, exist_ok=True)
+            own = os.path.join(claims, f"{os.getpid()}-{uuid.uuid4().hex}")
+            os.mkdir(own)
+            temporary = f"{own}.locking"
+            descriptor = os.open(temporary, os.O_RDWR | os.O_CREAT, 0o600)  # never closed
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            os.rename(temporary, f"{own}.lock")
+            _own_claims[key] = own
+        return own
+
+
+def restore_claims(folder: str) -> int:
+    """Put back into the broker folder ``folder`` the messages of every claim folder whose
+    owner is gone (its lock is free), under their own names; the number put back."""
+    claims = os.path.join(folder, CLAIMS)
+    try:
+        entries = os.listdir(claims)
+    except FileNotFoundError:
+        return 0
+    restored = 0
+    for entry in entries:
+        if not entry.endswith(".lock"):
+            continue
+        lock_file = os.path.join(claims, entry)
+        owner = lock_file[:-len(".lock")]
+        try:
+            descriptor = os.open(lock_file, os.O_RDWR)
+        except FileNotFoundError:  # another consumer restored it just now
+            continue
+        try:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # its process lives (this process's own included)
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                for name in os.listdir(owner):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.rename(os.path.join(owner, name), os.path.join(folder, name))
+                        restored += 1
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(owner)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_file)
+        finally:
+            os.close(descriptor)
+    return restored
+
+
 class Channel(filesystem.Channel):
-    """Filesystem channel whose writes are atomic (temp file + rename)."""
+    """Filesystem channel whose writes are atomic (temp file + rename) and whose messages stay
+    on disk, claimed, until they are acknowledged (see the module's docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._claimed: dict[str, str] = {}  # delivery tag -> its claimed file
+        self._no_ack_queues: set[str] = set()
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def _get(self, queue: Any, timeout: Any = None) -> Any:
+        folder = self.data_folder_in
+        now = time.monotonic()
+        if now >= _next_restore.get(folder, 0.0):
+            _next_restore[folder] = now + RESTORE_INTERVAL
+            restore_claims(folder)
+        own = _claim_folder(folder)
+        wanted = f"{queue}.msg"
+        for name in sorted(os.listdir(folder)):
+            if name.partition(".")[2] != wanted:
+                continue
+            claimed = os.path.join(own, name)
+            try:
+                os.rename(os.path.join(folder, name), claimed)
+            except FileNotFoundError:  # another consumer took it
+                continue
+            except OSError as exc:
+                raise ChannelError(f"Cannot take file {name!r} from {folder!r}: "
+                                   f"{exc.strerror or exc}") from exc
+            try:
+                with open(claimed, "rb") as handle:
+                    message = loads(bytes_to_str(handle.read()))  # type: ignore[no-untyped-call]
+            except OSError as exc:
+                raise ChannelError(f"Cannot read file {claimed!r} from queue: "
+                                   f"{exc.strerror or exc}") from exc
+            tag = message.get("properties", {}).get("delivery_tag")
+            if queue in self._no_ack_queues or tag is None:
+                self._release(claimed)
+            else:
+                self._claimed[tag] = claimed
+            return message
+        raise Empty()
+
+    def _release(self, claimed: str | None) -> None:
+        if claimed is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(claimed)
+
+    def basic_consume(self, queue: Any, no_ack: Any, *args: Any, **kwargs: Any) -> Any:
+        if no_ack:  # nothing acknowledges what this queue delivers: no claim is kept
+            self._no_ack_queues.add(queue)
+        return super().basic_consume(  # type: ignore[no-untyped-call]
+            queue, no_ack, *args, **kwargs)
+
+    def basic_get(self, queue: Any, no_ack: bool = False, **kwargs: Any) -> Any:
+        message = super().basic_get(  # type: ignore[no-untyped-call]
+            queue, no_ack=no_ack, **kwargs)
+        if message is not None and no_ack:
+            self._release(self._claimed.pop(message.delivery_tag, None))
+        return message
+
+    def basic_ack(self, delivery_tag: Any, multiple: bool = False) -> None:
+        super().basic_ack(delivery_tag, multiple=multiple)  # type: ignore[no-untyped-call]
+        self._release(self._claimed.pop(delivery_tag, None))
+
+    def basic_reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        # with requeue, the message is written back first (:meth:`_restore`)
+        super().basic_reject(delivery_tag, requeue=requeue)  # type: ignore[no-untyped-call]
+        self._release(self._claimed.pop(delivery_tag, None))
+
+    def _restore(self, message: Any) -> None:
+        """Write the message back (a reject with requeue, the unacknowledged ones at the
+        channel's close), then drop its claim; a claim whose write failed stays, for the
+        restore after this process ends."""
+        claimed = self._claimed.pop(message.delivery_tag, None)
+        try:
+            super()._restore(message)  # type: ignore[no-untyped-call]
+        except BaseException:
+            if claimed is not None:
+                self._claimed[message.delivery_tag] = claimed
+            raise
+        self._release(claimed)
 
     def _put(self, queue: Any, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         name, temporary_name = compat.filesystem_message_names(queue)

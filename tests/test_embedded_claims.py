@@ -1,0 +1,98 @@
+"""The ``ojsfs://`` transport keeps a message on disk, claimed, until it is acknowledged: a
+consumer killed after taking messages does not lose them (kombu's filesystem transport deleted
+a message once read, before its task ran, and a killed worker's jobs waited for the sweeper's
+hourly redispatch)."""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from kombu import Connection, Exchange, Producer, Queue
+
+from ojs_celery.embedded import CLAIMS, embedded_settings
+from tests.workers import ROOT, unique, wait_for
+
+
+def new_queue() -> str:
+    """A queue name of the test's own: kombu's virtual transports remember the bindings made
+    in a process whatever the folder (a second test's declare of the same name writes none)."""
+    return unique("claims")
+
+CONSUMER = textwrap.dedent("""
+    import sys, time
+    from kombu import Connection
+    from ojs_celery.embedded import embedded_settings
+    settings = embedded_settings(sys.argv[1])
+    with Connection(settings["broker_url"],
+                    transport_options=settings["broker_transport_options"]) as connection:
+        message = connection.channel().basic_get(sys.argv[2])  # taken, never acknowledged
+        print(message.payload if message is not None else None, flush=True)
+        time.sleep(120)
+""")
+
+
+@contextmanager
+def channel(settings: dict[str, Any]) -> Iterator[Any]:
+    with Connection(settings["broker_url"],
+                    transport_options=settings["broker_transport_options"]) as connection:
+        yield connection.channel()
+
+
+def publish(settings: dict[str, Any], name: str, body: dict[str, Any]) -> None:
+    with channel(settings) as chan:
+        queue = Queue(name, Exchange(name), name)
+        queue(chan).declare()
+        Producer(chan).publish(body, exchange=queue.exchange, routing_key=name, retry=False)
+
+
+def claimed(settings: dict[str, Any]) -> list[str]:
+    """The message files in every claim folder."""
+    claims = pathlib.Path(settings["broker_transport_options"]["data_folder_in"]) / CLAIMS
+    return sorted(p.name for p in claims.glob("*/*.msg"))
+
+
+def test_a_message_a_killed_consumer_took_is_delivered_again(tmp_path: pathlib.Path) -> None:
+    settings = embedded_settings(tmp_path / "ojs")
+    queue = new_queue()
+    publish(settings, queue, {"n": 1})
+    consumer = subprocess.Popen([sys.executable, "-c", CONSUMER, str(tmp_path / "ojs"), queue],
+                                cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert consumer.stdout is not None
+        assert consumer.stdout.readline().strip() == "{'n': 1}"
+        with channel(settings) as chan:  # while its consumer lives, nobody else gets it
+            assert chan.basic_get(queue) is None
+    finally:
+        consumer.send_signal(signal.SIGKILL)
+        consumer.wait(10)
+
+    with channel(settings) as chan:
+        message = wait_for(lambda: chan.basic_get(queue), 10, "the killed consumer's message")
+        assert message.payload == {"n": 1}
+        assert claimed(settings) != []  # claimed again, by this process now
+        message.ack()
+        assert claimed(settings) == []
+        assert chan.basic_get(queue) is None  # once
+
+
+def test_acknowledged_rejected_and_unacknowledged_gets_leave_no_claim(
+        tmp_path: pathlib.Path) -> None:
+    settings = embedded_settings(tmp_path / "ojs")
+    queue = new_queue()
+    publish(settings, queue, {"n": 2})
+    with channel(settings) as chan:
+        message = chan.basic_get(queue)
+        assert message.payload == {"n": 2} and len(claimed(settings)) == 1
+        message.reject(requeue=True)  # back in the queue, not claimed
+        assert claimed(settings) == []
+        again = chan.basic_get(queue, no_ack=True)
+        assert again.payload == {"n": 2}
+        assert claimed(settings) == []
+        assert chan.basic_get(queue) is None
