@@ -114,6 +114,19 @@ def restore_claims(folder: str) -> int:
     return restored
 
 
+def _bindings(file: Any, text: bytes) -> list[Any]:
+    """An exchange file's bindings (none in an empty one); a file that is no JSON table (one
+    that kombu's unlocked first bind broke) is named, with what to do, in a ChannelError."""
+    if not text.strip():
+        return []
+    try:
+        return [filesystem.exchange_queue_t(*binding)
+                for binding in loads(bytes_to_str(text))]  # type: ignore[no-untyped-call]
+    except (ValueError, TypeError) as exc:
+        raise ChannelError(f"Cannot read {file}: not a table of bindings ({exc}); remove the "
+                           "file and restart the workers, which bind their queues again") from exc
+
+
 class Channel(filesystem.Channel):
     """Filesystem channel whose writes are atomic (temp file + rename) and whose messages stay
     on disk, claimed, until they are acknowledged (see the module's docstring)."""
@@ -122,6 +135,42 @@ class Channel(filesystem.Channel):
         self._claimed: dict[str, str] = {}  # delivery tag -> its claimed file
         self._no_ack_queues: set[str] = set()
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def get_table(self, exchange: Any) -> list[Any]:
+        """The exchange's bindings, read under a shared lock; an empty file (a first bind
+        between its creation and its write) has none."""
+        file = self._exchange_file(exchange)  # type: ignore[no-untyped-call]
+        try:
+            with open(file, "rb") as handle:
+                fcntl.flock(handle, fcntl.LOCK_SH)
+                text = handle.read()
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise ChannelError(f"Cannot open {file}: {exc.strerror or exc}") from exc
+        return _bindings(file, text)
+
+    def _queue_bind(self, exchange: Any, routing_key: Any, pattern: Any, queue: Any) -> None:
+        """Add the binding to the exchange's file under an exclusive lock taken before the
+        file is read or written. kombu's own opens a file that does not exist yet with
+        truncation before it locks it: two processes binding at once (two workers started
+        together, each binding its remote-control queue) each wrote over the other's table,
+        which lost a binding or left a file of broken JSON that every later publish to the
+        exchange failed on."""
+        file = self._exchange_file(exchange)  # type: ignore[no-untyped-call]
+        binding = filesystem.exchange_queue_t(routing_key or "", pattern or "", queue or "")
+        try:
+            self.control_folder.mkdir(exist_ok=True)
+            with open(os.open(file, os.O_RDWR | os.O_CREAT, 0o644), "r+b") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed
+                table = _bindings(file, handle.read())
+                if binding not in table:
+                    table.insert(0, binding)
+                    handle.seek(0)
+                    handle.truncate()
+                    handle.write(str_to_bytes(dumps(table)))  # type: ignore[no-untyped-call]
+        except OSError as exc:
+            raise ChannelError(f"Cannot open {file}: {exc.strerror or exc}") from exc
 
     def _get(self, queue: Any, timeout: Any = None) -> Any:
         folder = self.data_folder_in
