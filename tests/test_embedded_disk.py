@@ -84,3 +84,47 @@ def test_the_sqlite_files_are_in_the_folder_whatever_its_name(
     app.backend.store_result(job.id, 3, "SUCCESS")
     assert {"store.sqlite3", "results.sqlite3"} <= {p.name for p in base.iterdir()}
     assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["ojs"]  # nothing beside it
+
+
+def test_a_job_stored_after_the_sqlite_file_was_deleted_is_in_the_file_others_read(
+        tmp_path: pathlib.Path) -> None:
+    """SQLite goes on writing to a file deleted while it is open: a store that kept its
+    connections would report jobs stored that no other process, and no later one, can read.
+    A process whose file was deleted opens the path again (here the folder is still there,
+    so a new file gets the tables); an enqueue either fails or stores where others read."""
+    from ojs_celery import enqueue, enqueue_batch
+    from ojs_celery.store import StoreError
+    from ojs_celery.store.sql import SQLStore
+    from tests.e2eapp import make_app
+    from tests.workers import filesystem_config
+
+    config = filesystem_config(tmp_path / "ojs")
+    app = make_app(config)
+    enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)  # the file is open in this process
+    store_file = pathlib.Path(make_url_database(config["ojs"]["store_url"]))
+    for leftover in store_file.parent.glob(store_file.name + "*"):
+        leftover.unlink()  # the database, its WAL and shared-memory files: a clean-up
+    stored = []
+    for call in range(3):  # single inserts (the lane), then a batch (the engine)
+        try:
+            if call < 2:
+                stored.append(enqueue({"type": "e2e.add", "args": [call, 1]}, app=app).id)
+            else:
+                stored += [job.id for job in enqueue_batch(
+                    [{"type": "e2e.add", "args": [n, 2]} for n in range(3)], app=app)]
+        except StoreError:
+            pass
+    assert stored, "no enqueue succeeded after the file was made again"
+    reader = SQLStore(config["ojs"]["store_url"])  # another process's view of the path
+    try:
+        assert [job_id for job_id in stored if reader.get(job_id) is None] == []
+    finally:
+        reader.close()
+
+
+def make_url_database(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    database = make_url(url).database
+    assert database is not None
+    return database

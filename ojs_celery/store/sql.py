@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import sqlite3
@@ -67,6 +68,8 @@ __all__ = ["SQLMetaArea", "SQLStore", "SQLWorkerRegistry", "normalise_url"]
 
 #: The values of PostgreSQL's ``synchronous_commit`` (the setting ``store_synchronous_commit``).
 _SYNCHRONOUS_COMMIT = ("on", "off", "local", "remote_write", "remote_apply")
+logger = logging.getLogger(__name__)
+
 #: SQLite waits this long for another process's write lock before giving up.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -171,6 +174,26 @@ def _libpq_version(driver: str) -> int:
         return int(psycopg2.extensions.libpq_version())
     except Exception:
         return 0
+
+
+def sqlite_file(url: URL) -> str | None:
+    """The absolute path of a SQLite URL's file (None: in memory, or a ``file:`` URI)."""
+    database = url.database or ""
+    if database in ("", ":memory:") or database.startswith("file:") or "uri" in url.query:
+        return None
+    return os.path.abspath(database)
+
+
+def file_identity(path: str | None) -> tuple[int, int] | None:
+    """The file at ``path`` as the file system knows it (device, inode); None if none is
+    there."""
+    if path is None:
+        return None
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return (found.st_dev, found.st_ino)
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -287,6 +310,10 @@ class SQLStore(JobStore):
         #: server's): set when a connection is made, so the insert lane's has it too.
         self.synchronous_commit = synchronous_commit
         self._shared_connection = self._sqlite and self.url.database in (None, "", ":memory:")
+        #: The SQLite file (None: another database), and its identity when this process's
+        #: connections opened it (see :meth:`_file_replaced`).
+        self._file = sqlite_file(self.url) if self._sqlite else None
+        self._file_opened: tuple[int, int] | None = None
         self.metadata = build_metadata(prefix)
         self._engine: Engine | None = None
         self._ready = False
@@ -393,7 +420,8 @@ class SQLStore(JobStore):
         self._lane_cas = f"ojs_celery_cas_{self.prefix}"
         statements = {self._lane_insert: insert, self._lane_cas: cas}
         if self._sqlite:
-            return SqliteLane(lambda: self.engine.raw_connection(), statements)
+            return SqliteLane(lambda: self.engine.raw_connection(), statements,
+                              identity=lambda: file_identity(self._file))
         from .pg_lane import PgLane
 
         return PgLane(lambda: self.engine.raw_connection(), statements)
@@ -401,10 +429,17 @@ class SQLStore(JobStore):
     @property
     def engine(self) -> Engine:
         """The engine for this process, with the tables created (first use does both)."""
-        if self._ready and self._pid == os.getpid():
+        if self._ready and self._pid == os.getpid() and not self._file_replaced():
             assert self._engine is not None
             return self._engine
         return self._setup()
+
+    def _file_replaced(self) -> bool:
+        """Whether the SQLite file is not the one this process's connections opened: deleted
+        (its folder removed, a cleaner of temporary files) or replaced. SQLite goes on writing
+        to a file that is deleted while it is open, so without this check every job stored
+        after it would be written where no other process, and no later one, ever reads it."""
+        return self._file_opened is not None and file_identity(self._file) != self._file_opened
 
     def _setup(self) -> Engine:
         pid = os.getpid()
@@ -416,10 +451,18 @@ class SQLStore(JobStore):
                 self._engine.dispose(close=False)
             self._pid = pid
         with self._lock:
+            if self._engine is not None and self._file_replaced():
+                # the deleted file's connections go; the path is opened again (a missing
+                # folder fails there, a new file gets the tables)
+                logger.warning("ojs_celery: the job store's SQLite file %s was deleted or "
+                            "replaced while this process used it: opening it again", self._file)
+                self._engine.dispose()
+                self._engine, self._ready, self._file_opened = None, False, None
             if self._engine is None:
                 self._engine = self._create_engine()
             if not self._ready:
                 self._create_tables(self._engine)
+                self._file_opened = file_identity(self._file)
                 self._ready = True
             return self._engine
 

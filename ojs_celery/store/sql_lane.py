@@ -110,10 +110,16 @@ class SqliteLane(DetachedLane):
     Only for a file on the standard driver (:func:`fits`), where every connection of the pool
     sees the same database and may be used from any thread."""
 
-    def __init__(self, connect: Callable[[], Any], statements: dict[str, str]) -> None:
-        """``statements``: each statement's name and text, with ``?`` parameters."""
+    def __init__(self, connect: Callable[[], Any], statements: dict[str, str],
+                 identity: Callable[[], Any] | None = None) -> None:
+        """``statements``: each statement's name and text, with ``?`` parameters;
+        ``identity``: the database file's identity now (its device and inode), which must
+        still be the one the connection opened (a deleted file is not written to: the
+        connection is made again, through the store, which opens the path anew)."""
         super().__init__(connect)
         self._statements = statements
+        self._identity = identity
+        self._opened: Any = None
 
     def send(self, name: str, values: Sequence[Any]) -> Callable[[], int] | None:
         """Run statement ``name`` with ``values``; return the function that gives the number
@@ -150,9 +156,11 @@ class SqliteLane(DetachedLane):
         (an error of the database, or an exception such as a time limit between two
         statements) drops the connection, and with it any transaction left open: the next
         write never runs inside a transaction that is not its own."""
-        if self._raw is None or self._raw.in_transaction:
+        if (self._raw is None or self._raw.in_transaction
+                or (self._identity is not None and self._identity() != self._opened)):
             self._drop()
             self._raw = self._detached()
+            self._opened = self._identity() if self._identity is not None else None
         try:
             return work(self._raw)
         except BaseException:
