@@ -115,6 +115,9 @@ def main() -> int:
                   f"errors=[{errors}]")
             ok = ok and job.terminal
         return 0 if ok else 1
+    except KeyboardInterrupt:  # Ctrl-C: one line, and the same clean-up as at the end
+        print("\ninterrupted: stopping the worker and removing the demo's folder", flush=True)
+        return 130
     finally:
         worker.send_signal(signal.SIGTERM)
         try:

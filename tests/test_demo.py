@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 
-from tests.workers import ROOT
+from tests.workers import ROOT, wait_for
 
 
 def test_demo_shows_completion_timeout_and_retries_then_ends() -> None:
@@ -31,3 +33,30 @@ def test_demo_shows_completion_timeout_and_retries_then_ends() -> None:
     assert "no OJS sweep has completed" not in done.stderr
     found = re.search(r"SQLite store in (\S+)\)", out)
     assert found is not None and not pathlib.Path(found.group(1)).exists()  # nothing left
+
+
+def test_the_demo_interrupted_with_ctrl_c_says_so_in_a_line_and_leaves_nothing() -> None:
+    """Ctrl-C reaches the whole foreground group: the demo and its worker."""
+    demo = subprocess.Popen([sys.executable, "examples/demo.py"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    assert demo.stdout is not None
+    seen = []
+    for line in demo.stdout:  # interrupted once its jobs are enqueued, while they run
+        seen.append(line)
+        if "job.started" in line:
+            break
+    os.killpg(demo.pid, signal.SIGINT)
+    out, err = demo.communicate(timeout=60)
+    out = "".join(seen) + out
+    assert demo.returncode == 130, out + err
+    assert "interrupted" in out and "KeyboardInterrupt" not in err, out + err
+    found = re.search(r"SQLite store in (\S+)\)", out)
+    assert found is not None and not pathlib.Path(found.group(1)).exists()
+
+
+    def session_left() -> bool:  # a killed pool process may be a zombie for a moment
+        return subprocess.run(["ps", "-o", "pid=", "-g", str(demo.pid)], capture_output=True,
+                              text=True).stdout.split() == []
+
+    wait_for(session_left, 15, "the demo's processes to end")
