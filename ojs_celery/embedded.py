@@ -53,6 +53,8 @@ RESTORE_INTERVAL = 2.0
 _claims_lock = threading.Lock()
 #: (pid, broker folder) -> this process's claim folder there (its lock file stays open).
 _own_claims: dict[tuple[int, str], str] = {}
+#: The descriptors of this process's lock files (one per broker folder it consumes from).
+_lock_descriptors: dict[tuple[int, str], int] = {}
 #: broker folder -> when this process looks for the claims of processes gone next.
 _next_restore: dict[str, float] = {}
 
@@ -74,7 +76,23 @@ def _claim_folder(folder: str) -> str:
             fcntl.flock(descriptor, fcntl.LOCK_EX)
             os.rename(temporary, f"{own}.lock")
             _own_claims[key] = own
+            _lock_descriptors[key] = descriptor
         return own
+
+
+def _forget_parent_claims() -> None:
+    """In a forked child (a prefork pool process, the embedded beat): close the parent's lock
+    files. A lock lasts while any process has its file open, so a pool process that outlived
+    its killed worker by a while would have kept the worker's messages claimed meanwhile."""
+    global _claims_lock
+    _claims_lock = threading.Lock()  # another thread of the parent may have held it
+    for key in [key for key in _lock_descriptors if key[0] != os.getpid()]:
+        with contextlib.suppress(OSError):
+            os.close(_lock_descriptors.pop(key))
+        _own_claims.pop(key, None)
+
+
+os.register_at_fork(after_in_child=_forget_parent_claims)
 
 
 def restore_claims(folder: str) -> int:

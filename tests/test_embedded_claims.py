@@ -5,6 +5,8 @@ hourly redispatch)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pathlib
 import signal
 import subprocess
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 from kombu import Connection, Exchange, Producer, Queue
 
 from ojs_celery.embedded import CLAIMS, embedded_settings
@@ -26,14 +29,17 @@ def new_queue() -> str:
     return unique("claims")
 
 CONSUMER = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from kombu import Connection
     from ojs_celery.embedded import embedded_settings
     settings = embedded_settings(sys.argv[1])
     with Connection(settings["broker_url"],
                     transport_options=settings["broker_transport_options"]) as connection:
         message = connection.channel().basic_get(sys.argv[2])  # taken, never acknowledged
-        print(message.payload if message is not None else None, flush=True)
+        # a forked child (as a prefork pool process) that outlives its parent: --fork
+        child = os.fork() if "--fork" in sys.argv else None
+        if child != 0:
+            print(message.payload if message is not None else None, child, flush=True)
         time.sleep(120)
 """)
 
@@ -58,21 +64,37 @@ def claimed(settings: dict[str, Any]) -> list[str]:
     return sorted(p.name for p in claims.glob("*/*.msg"))
 
 
-def test_a_message_a_killed_consumer_took_is_delivered_again(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("fork", [False, True], ids=["alone", "with-a-forked-child"])
+def test_a_message_a_killed_consumer_took_is_delivered_again(
+        tmp_path: pathlib.Path, fork: bool) -> None:
+    """With a forked child still running (a pool process that has not yet noticed its
+    worker is gone), the killed consumer's messages are delivered again all the same."""
     settings = embedded_settings(tmp_path / "ojs")
     queue = new_queue()
     publish(settings, queue, {"n": 1})
-    consumer = subprocess.Popen([sys.executable, "-c", CONSUMER, str(tmp_path / "ojs"), queue],
-                                cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    consumer = subprocess.Popen(
+        [sys.executable, "-c", CONSUMER, str(tmp_path / "ojs"), queue, *(["--fork"] * fork)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child = None
     try:
         assert consumer.stdout is not None
-        assert consumer.stdout.readline().strip() == "{'n': 1}"
+        payload, _, child_pid = consumer.stdout.readline().strip().rpartition(" ")
+        assert payload == "{'n': 1}"
+        child = int(child_pid) if fork else None
         with channel(settings) as chan:  # while its consumer lives, nobody else gets it
             assert chan.basic_get(queue) is None
     finally:
         consumer.send_signal(signal.SIGKILL)
         consumer.wait(10)
+    try:
+        delivered_again(settings, queue)
+    finally:
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
+
+def delivered_again(settings: dict[str, Any], queue: str) -> None:
     with channel(settings) as chan:
         message = wait_for(lambda: chan.basic_get(queue), 10, "the killed consumer's message")
         assert message.payload == {"n": 1}
