@@ -66,9 +66,10 @@ if TYPE_CHECKING:
 
 __all__ = ["SQLMetaArea", "SQLStore", "SQLWorkerRegistry", "normalise_url"]
 
+logger = logging.getLogger(__name__)
+
 #: The values of PostgreSQL's ``synchronous_commit`` (the setting ``store_synchronous_commit``).
 _SYNCHRONOUS_COMMIT = ("on", "off", "local", "remote_write", "remote_apply")
-logger = logging.getLogger(__name__)
 
 #: SQLite waits this long for another process's write lock before giving up.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -455,7 +456,8 @@ class SQLStore(JobStore):
                 # the deleted file's connections go; the path is opened again (a missing
                 # folder fails there, a new file gets the tables)
                 logger.warning("ojs_celery: the job store's SQLite file %s was deleted or "
-                            "replaced while this process used it: opening it again", self._file)
+                               "replaced while this process used it: opening it again",
+                               self._file)
                 self._engine.dispose()
                 self._engine, self._ready, self._file_opened = None, False, None
             if self._engine is None:
