@@ -54,7 +54,6 @@ def test_the_demo_interrupted_with_ctrl_c_says_so_in_a_line_and_leaves_nothing()
     found = re.search(r"SQLite store in (\S+)\)", out)
     assert found is not None and not pathlib.Path(found.group(1)).exists()
 
-
     def session_left() -> bool:  # a killed pool process may be a zombie for a moment
         return subprocess.run(["ps", "-o", "pid=", "-g", str(demo.pid)], capture_output=True,
                               text=True).stdout.split() == []
