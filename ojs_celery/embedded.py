@@ -80,6 +80,44 @@ def _claim_folder(folder: str) -> str:
         return own
 
 
+def _forget_claim_folder(folder: str, own: str) -> None:
+    """Forget this process's claim folder ``own`` in the broker folder ``folder``, which is
+    gone (removed with the broker folder, or by a cleaner of old files): the next claim makes a
+    new one. Nothing if another thread of the process did so already."""
+    key = (os.getpid(), folder)
+    with _claims_lock:
+        if _own_claims.get(key) != own:
+            return
+        del _own_claims[key]
+        descriptor = _lock_descriptors.pop(key)
+        with contextlib.suppress(OSError):
+            os.unlink(f"{own}.lock")
+        with contextlib.suppress(OSError):
+            os.close(descriptor)
+
+
+def _take(folder: str, name: str) -> str | None:
+    """Move the message file ``name`` of the broker folder ``folder`` into this process's claim
+    folder; its path there, or None if another consumer took it first."""
+    for _ in range(2):
+        own = _claim_folder(folder)
+        claimed = os.path.join(own, name)
+        try:
+            os.rename(os.path.join(folder, name), claimed)
+        except FileNotFoundError:
+            if os.path.isdir(own):  # another consumer took it
+                return None
+            # the claim folder is gone, not the message: every message would be skipped for
+            # ever as taken by another consumer
+            _forget_claim_folder(folder, own)
+            continue
+        except OSError as exc:
+            raise ChannelError(f"Cannot take file {name!r} from {folder!r}: "
+                               f"{exc.strerror or exc}") from exc
+        return claimed
+    return None
+
+
 def _forget_parent_claims() -> None:
     """In a forked child (a prefork pool process, the embedded beat): close the parent's lock
     files. A lock lasts while any process has its file open, so a pool process that outlived
@@ -103,12 +141,18 @@ def restore_claims(folder: str) -> int:
         entries = os.listdir(claims)
     except FileNotFoundError:
         return 0
+    with _claims_lock:  # never this process's own, whatever the lock says: where flock
+        # locks for the whole process (NFS emulates it with fcntl's locks), the process's own
+        # second open of its lock file takes it at once
+        mine = {own for (pid, _), own in _own_claims.items() if pid == os.getpid()}
     restored = 0
     for entry in entries:
         if not entry.endswith(".lock"):
             continue
         lock_file = os.path.join(claims, entry)
         owner = lock_file[:-len(".lock")]
+        if owner in mine:
+            continue
         try:
             descriptor = os.open(lock_file, os.O_RDWR)
         except FileNotFoundError:  # another consumer restored it just now
@@ -196,19 +240,13 @@ class Channel(filesystem.Channel):
         if now >= _next_restore.get(folder, 0.0):
             _next_restore[folder] = now + RESTORE_INTERVAL
             restore_claims(folder)
-        own = _claim_folder(folder)
         wanted = f"{queue}.msg"
         for name in sorted(os.listdir(folder)):
             if name.partition(".")[2] != wanted:
                 continue
-            claimed = os.path.join(own, name)
-            try:
-                os.rename(os.path.join(folder, name), claimed)
-            except FileNotFoundError:  # another consumer took it
+            claimed = _take(folder, name)
+            if claimed is None:  # another consumer took it
                 continue
-            except OSError as exc:
-                raise ChannelError(f"Cannot take file {name!r} from {folder!r}: "
-                                   f"{exc.strerror or exc}") from exc
             try:
                 with open(claimed, "rb") as handle:
                     message = loads(bytes_to_str(handle.read()))  # type: ignore[no-untyped-call]

@@ -6,12 +6,15 @@ hourly redispatch)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,6 +22,7 @@ from typing import Any
 import pytest
 from kombu import Connection, Exchange, Producer, Queue
 
+from ojs_celery import embedded
 from ojs_celery.embedded import CLAIMS, embedded_settings
 from tests.workers import ROOT, unique, wait_for
 
@@ -118,3 +122,45 @@ def test_acknowledged_rejected_and_unacknowledged_gets_leave_no_claim(
         assert again.payload == {"n": 2}
         assert claimed(settings) == []
         assert chan.basic_get(queue) is None
+
+
+def test_a_consumer_whose_claim_folder_was_removed_takes_messages_again(
+        tmp_path: pathlib.Path) -> None:
+    """The claim folder removed under a running consumer (the broker folder removed and made
+    again, a cleaner of old files): its next messages are taken all the same, into a new claim
+    folder, instead of being skipped for ever as "taken by another consumer"."""
+    settings = embedded_settings(tmp_path / "ojs")
+    queue = new_queue()
+    broker = pathlib.Path(settings["broker_transport_options"]["data_folder_in"])
+    with channel(settings) as chan:
+        publish(settings, queue, {"n": 1})
+        chan.basic_get(queue).ack()  # the claim folder is made
+        shutil.rmtree(broker / CLAIMS)
+        publish(settings, queue, {"n": 2})
+        message = chan.basic_get(queue)
+        assert message is not None and message.payload == {"n": 2}
+        assert len(claimed(settings)) == 1  # claimed again, in a new folder
+        message.ack()
+        assert claimed(settings) == [] and chan.basic_get(queue) is None
+
+
+def test_a_consumer_never_restores_its_own_claims(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ``flock`` locks for the whole process (NFS emulates it with ``fcntl`` locks,
+    which a process's second open of its own lock file takes at once), a consumer's look for
+    the claims of processes gone must not put back the messages it holds itself: they would
+    be delivered to a second consumer while the first runs them."""
+    monkeypatch.setattr(embedded, "fcntl", types.SimpleNamespace(
+        LOCK_EX=fcntl.LOCK_EX, LOCK_SH=fcntl.LOCK_SH, LOCK_NB=fcntl.LOCK_NB,
+        flock=fcntl.lockf))  # lockf: POSIX record locks, the process's own, as on NFS
+    settings = embedded_settings(tmp_path / "ojs")
+    queue = new_queue()
+    publish(settings, queue, {"n": 1})
+    with channel(settings) as chan:
+        message = chan.basic_get(queue)
+        assert message.payload == {"n": 1}
+        assert embedded.restore_claims(
+            settings["broker_transport_options"]["data_folder_in"]) == 0
+        assert len(claimed(settings)) == 1
+        message.ack()
+        assert claimed(settings) == [] and chan.basic_get(queue) is None
