@@ -11,8 +11,12 @@ import sys
 import textwrap
 import time
 
+import pytest
+from kombu import Connection, Exchange, Producer, Queue
+from kombu.transport import filesystem
+
 from ojs_celery.embedded import embedded_settings
-from tests.workers import ROOT
+from tests.workers import ROOT, unique
 
 EXCHANGES = 150
 
@@ -53,3 +57,24 @@ def test_queues_bound_at_once_by_two_processes_are_all_in_a_whole_table(
         if queues != [f"a-{n}", f"bbbbbbbbbbbbbbbbbbbb-{n}"]:
             broken[n] = text
     assert broken == {}, f"{len(broken)} of {EXCHANGES} tables lost a binding or broke"
+
+
+def test_queues_bind_and_publish_on_kombus_without_an_exchange_file_helper(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kombu 5.4 to 5.6 (supported) give the filesystem channel no ``_exchange_file``: the
+    exchange's file is ``control/<exchange>.exchange``, which declares and publishes find all
+    the same (they failed with AttributeError)."""
+    monkeypatch.delattr(filesystem.Channel, "_exchange_file", raising=False)
+    settings = embedded_settings(tmp_path / "ojs")
+    with Connection(settings["broker_url"],
+                    transport_options=settings["broker_transport_options"]) as connection:
+        channel = connection.channel()
+        queue = Queue(unique("bind"), Exchange(unique("bindx")))
+        queue(channel).declare()
+        Producer(channel).publish({"n": 1}, exchange=queue.exchange,
+                                  routing_key=queue.routing_key, retry=False)
+        message = channel.basic_get(queue.name)
+        assert message is not None and message.payload == {"n": 1}
+        message.ack()
+    control = pathlib.Path(settings["broker_transport_options"]["control_folder"])
+    assert (control / f"{queue.exchange.name}.exchange").is_file()
