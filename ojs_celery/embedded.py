@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import pathlib
 import threading
@@ -43,10 +44,14 @@ from . import compat
 
 SCHEME = "ojsfs"
 
+logger = logging.getLogger(__name__)
+
 
 #: The folder, in the broker folder, of every consumer process's claimed messages (a name
 #: kombu's filesystem transport never takes for a message: no queue is named ``claimed``).
 CLAIMS = ".claimed"
+#: The folder, in the broker folder, where a message file that is no message is set aside.
+UNREADABLE = ".unreadable"
 #: Seconds between a consumer's looks for the claims of processes that are gone.
 RESTORE_INTERVAL = 2.0
 
@@ -116,6 +121,36 @@ def _take(folder: str, name: str) -> str | None:
                                f"{exc.strerror or exc}") from exc
         return claimed
     return None
+
+
+def _message(text: bytes) -> dict[str, Any] | None:
+    """The message a file holds; None if it holds none (empty or cut short, which a power
+    loss may leave, or written by something else)."""
+    try:
+        message = loads(bytes_to_str(text))  # type: ignore[no-untyped-call]
+    except ValueError:  # a UnicodeDecodeError too
+        return None
+    if not isinstance(message, dict) or not isinstance(message.get("properties", {}), dict):
+        return None
+    return message
+
+
+def _set_aside(folder: str, claimed: str, name: str) -> None:
+    """Move a claimed file that is no message to the broker folder's :data:`UNREADABLE`
+    folder, and say so. Raised instead, it stopped the consumer (a Celery worker: "Unrecoverable
+    error"), and claimed, it came back at every start: no message after it ever ran."""
+    aside = os.path.join(folder, UNREADABLE)
+    try:
+        os.makedirs(aside, exist_ok=True)
+        os.rename(claimed, os.path.join(aside, name))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(claimed)
+        logger.error("ojs_celery: message file %s in %s is no message; could not set it "
+                     "aside (%s): deleted it", name, folder, exc.strerror or exc)
+        return
+    logger.error("ojs_celery: message file %s in %s is no message (empty, cut short or "
+                 "written by something else): moved it to %s", name, folder, aside)
 
 
 def _forget_parent_claims() -> None:
@@ -257,10 +292,14 @@ class Channel(filesystem.Channel):
                 continue
             try:
                 with open(claimed, "rb") as handle:
-                    message = loads(bytes_to_str(handle.read()))  # type: ignore[no-untyped-call]
+                    text = handle.read()
             except OSError as exc:
                 raise ChannelError(f"Cannot read file {claimed!r} from queue: "
                                    f"{exc.strerror or exc}") from exc
+            message = _message(text)
+            if message is None:
+                _set_aside(folder, claimed, name)
+                continue
             tag = message.get("properties", {}).get("delivery_tag")
             if queue in self._no_ack_queues or tag is None:
                 self._release(claimed)

@@ -164,3 +164,26 @@ def test_a_consumer_never_restores_its_own_claims(
         assert len(claimed(settings)) == 1
         message.ack()
         assert claimed(settings) == [] and chan.basic_get(queue) is None
+
+
+@pytest.mark.parametrize("content", [b"", b"{\"body\": ", b"[1, 2]", b"\xff\xfe"],
+                         ids=["empty", "cut", "no-message", "no-text"])
+def test_an_unreadable_message_file_is_set_aside_and_the_next_message_delivered(
+        tmp_path: pathlib.Path, content: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    """A message file that is no message (empty or cut short after a power loss, written by
+    something else) is moved to ``.unreadable/`` with an error logged: it made every consumer
+    that took it fail (a Celery worker stops with "Unrecoverable error: JSONDecodeError"), and
+    claimed, it came back at each start, so that no message after it ever ran."""
+    settings = embedded_settings(tmp_path / "ojs")
+    queue = new_queue()
+    broker = pathlib.Path(settings["broker_transport_options"]["data_folder_in"])
+    publish(settings, queue, {"n": 1})
+    (broker / f"0_bad.{queue}.msg").write_bytes(content)  # sorts first
+    with channel(settings) as chan:
+        message = chan.basic_get(queue)
+        assert message is not None and message.payload == {"n": 1}
+        message.ack()
+        assert chan.basic_get(queue) is None
+    assert claimed(settings) == []
+    assert [p.name for p in (broker / embedded.UNREADABLE).iterdir()] == [f"0_bad.{queue}.msg"]
+    assert f"0_bad.{queue}.msg" in caplog.text
