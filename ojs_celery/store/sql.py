@@ -430,9 +430,10 @@ class SQLStore(JobStore):
     @property
     def engine(self) -> Engine:
         """The engine for this process, with the tables created (first use does both)."""
-        if self._ready and self._pid == os.getpid() and not self._file_replaced():
-            assert self._engine is not None
-            return self._engine
+        engine = self._engine  # read once: another thread's _setup may replace it meanwhile
+        if engine is not None and self._ready and self._pid == os.getpid() \
+                and not self._file_replaced():
+            return engine
         return self._setup()
 
     def _file_replaced(self) -> bool:

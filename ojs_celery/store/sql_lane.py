@@ -33,10 +33,6 @@ def ready(fd: int, *, write: bool = False, timeout: float | None = None) -> bool
     ``timeout`` seconds (None: wait until it has; 0: look only). A socket the server closed
     counts as readable. ``poll``, not ``select``: ``select`` refuses a descriptor numbered 1024
     or more, which a process with many files open (a busy web server) is given."""
-    if not hasattr(select, "poll"):  # Windows, whose select has no such limit
-        wanted: list[int] = [fd]
-        found = select.select([] if write else wanted, wanted if write else [], [], timeout)
-        return bool(found[0] or found[1])
     poller = select.poll()
     poller.register(fd, select.POLLOUT if write else select.POLLIN)
     return bool(poller.poll(None if timeout is None else timeout * 1000))
@@ -159,8 +155,11 @@ class SqliteLane(DetachedLane):
         if (self._raw is None or self._raw.in_transaction
                 or (self._identity is not None and self._identity() != self._opened)):
             self._drop()
+            # the file's identity before the connection opens it: a file replaced in between
+            # then differs at the next write, which opens it again
+            opened = self._identity() if self._identity is not None else None
             self._raw = self._detached()
-            self._opened = self._identity() if self._identity is not None else None
+            self._opened = opened
         try:
             return work(self._raw)
         except BaseException:
