@@ -155,11 +155,8 @@ class SqliteLane(DetachedLane):
         if (self._raw is None or self._raw.in_transaction
                 or (self._identity is not None and self._identity() != self._opened)):
             self._drop()
-            # the file's identity before the connection opens it: a file replaced in between
-            # then differs at the next write, which opens it again
-            opened = self._identity() if self._identity is not None else None
-            self._raw = self._detached()
-            self._opened = opened
+            self._raw = self._detached()  # it may create the file: its identity comes after
+            self._opened = self._identity() if self._identity is not None else None
         try:
             return work(self._raw)
         except BaseException:
