@@ -62,6 +62,10 @@ _own_claims: dict[tuple[int, str], str] = {}
 _lock_descriptors: dict[tuple[int, str], int] = {}
 #: broker folder -> when this process looks for the claims of processes gone next.
 _next_restore: dict[str, float] = {}
+#: delivery tag -> its claimed file, for every channel of this process: kombu may acknowledge
+#: or reject a message on another channel than the one that took it (its transport sends a
+#: message for a cancelled consumer back with the first channel it has).
+_claimed: dict[str, str] = {}
 
 
 def _claim_folder(folder: str) -> str:
@@ -159,6 +163,7 @@ def _forget_parent_claims() -> None:
     its killed worker by a while would have kept the worker's messages claimed meanwhile."""
     global _claims_lock
     _claims_lock = threading.Lock()  # another thread of the parent may have held it
+    _claimed.clear()  # the parent's to acknowledge, not this process's
     for key in [key for key in _lock_descriptors if key[0] != os.getpid()]:
         with contextlib.suppress(OSError):
             os.close(_lock_descriptors.pop(key))
@@ -229,7 +234,6 @@ class Channel(filesystem.Channel):
     on disk, claimed, until they are acknowledged (see the module's docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._claimed: dict[str, str] = {}  # delivery tag -> its claimed file
         self._no_ack_queues: set[str] = set()
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
 
@@ -304,7 +308,7 @@ class Channel(filesystem.Channel):
             if queue in self._no_ack_queues or tag is None:
                 self._release(claimed)
             else:
-                self._claimed[tag] = claimed
+                _claimed[tag] = claimed
             return message
         raise Empty()
 
@@ -323,28 +327,28 @@ class Channel(filesystem.Channel):
         message = super().basic_get(  # type: ignore[no-untyped-call]
             queue, no_ack=no_ack, **kwargs)
         if message is not None and no_ack:
-            self._release(self._claimed.pop(message.delivery_tag, None))
+            self._release(_claimed.pop(message.delivery_tag, None))
         return message
 
     def basic_ack(self, delivery_tag: Any, multiple: bool = False) -> None:
         super().basic_ack(delivery_tag, multiple=multiple)  # type: ignore[no-untyped-call]
-        self._release(self._claimed.pop(delivery_tag, None))
+        self._release(_claimed.pop(delivery_tag, None))
 
     def basic_reject(self, delivery_tag: Any, requeue: bool = False) -> None:
         # with requeue, the message is written back first (:meth:`_restore`)
         super().basic_reject(delivery_tag, requeue=requeue)  # type: ignore[no-untyped-call]
-        self._release(self._claimed.pop(delivery_tag, None))
+        self._release(_claimed.pop(delivery_tag, None))
 
     def _restore(self, message: Any) -> None:
         """Write the message back (a reject with requeue, the unacknowledged ones at the
         channel's close), then drop its claim; a claim whose write failed stays, for the
         restore after this process ends."""
-        claimed = self._claimed.pop(message.delivery_tag, None)
+        claimed = _claimed.pop(message.delivery_tag, None)
         try:
             super()._restore(message)  # type: ignore[no-untyped-call]
         except BaseException:
             if claimed is not None:
-                self._claimed[message.delivery_tag] = claimed
+                _claimed[message.delivery_tag] = claimed
             raise
         self._release(claimed)
 

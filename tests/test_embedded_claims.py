@@ -187,3 +187,26 @@ def test_an_unreadable_message_file_is_set_aside_and_the_next_message_delivered(
     assert claimed(settings) == []
     assert [p.name for p in (broker / embedded.UNREADABLE).iterdir()] == [f"0_bad.{queue}.msg"]
     assert f"0_bad.{queue}.msg" in caplog.text
+
+
+def test_a_message_rejected_on_another_channel_than_the_one_that_took_it_leaves_no_claim(
+        tmp_path: pathlib.Path) -> None:
+    """kombu's transport sends a message that arrives for a queue nobody consumes any more (a
+    worker's quiet or drain cancels its task consumer while messages are on their way) back
+    with the first channel it has, not the one that took it: the claim goes all the same, and
+    the message is delivered once more, not again after the process ends."""
+    settings = embedded_settings(tmp_path / "ojs")
+    queue = new_queue()
+    publish(settings, queue, {"n": 3})
+    with Connection(settings["broker_url"],
+                    transport_options=settings["broker_transport_options"]) as connection:
+        first = connection.channel()
+        second = connection.channel()
+        raw = second._get(queue)  # taken by the second channel, as its consumer's poll does
+        assert len(claimed(settings)) == 1
+        connection.transport._reject_inbound_message(raw)  # kombu's path, on `first`
+        assert claimed(settings) == []
+        again = first.basic_get(queue)
+        assert again is not None and again.payload == {"n": 3}
+        again.ack()
+        assert claimed(settings) == [] and first.basic_get(queue) is None
