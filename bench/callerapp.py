@@ -24,7 +24,7 @@ import redis
 from celery import Celery, signals
 
 from ojs_celery import OJSTask, install
-from ojs_celery.embedded import SCHEME, register_transport
+from ojs_celery.ojsfs import SCHEME, register_transport
 
 TASK_NAME = "caller.task"
 

@@ -15,9 +15,9 @@ from kombu import entity
 from . import compat, control
 from .callers import wrap_send_task
 from .conf import Settings
-from .embedded import register_transport
 from .identity import assign_worker_id, note_worker
 from .logs import quiet_worker_logs
+from .ojsfs import register_transport
 from .producer import warn_default_timeouts
 from .request import cancel_revoked
 from .runtime import Runtime, attach, get_runtime

@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 from kombu import Connection, Exchange, Producer, Queue
 
-from ojs_celery import embedded
-from ojs_celery.embedded import CLAIMS, embedded_settings
+from ojs_celery import ojsfs
+from ojs_celery.embedded import embedded_settings
+from ojs_celery.ojsfs import CLAIMS
 from tests.workers import ROOT, unique, wait_for
 
 
@@ -150,7 +151,7 @@ def test_a_consumer_never_restores_its_own_claims(
     which a process's second open of its own lock file takes at once), a consumer's look for
     the claims of processes gone must not put back the messages it holds itself: they would
     be delivered to a second consumer while the first runs them."""
-    monkeypatch.setattr(embedded, "fcntl", types.SimpleNamespace(
+    monkeypatch.setattr(ojsfs, "fcntl", types.SimpleNamespace(
         LOCK_EX=fcntl.LOCK_EX, LOCK_SH=fcntl.LOCK_SH, LOCK_NB=fcntl.LOCK_NB,
         flock=fcntl.lockf))  # lockf: POSIX record locks, the process's own, as on NFS
     settings = embedded_settings(tmp_path / "ojs")
@@ -159,7 +160,7 @@ def test_a_consumer_never_restores_its_own_claims(
     with channel(settings) as chan:
         message = chan.basic_get(queue)
         assert message.payload == {"n": 1}
-        assert embedded.restore_claims(
+        assert ojsfs.restore_claims(
             settings["broker_transport_options"]["data_folder_in"]) == 0
         assert len(claimed(settings)) == 1
         message.ack()
@@ -185,7 +186,7 @@ def test_an_unreadable_message_file_is_set_aside_and_the_next_message_delivered(
         message.ack()
         assert chan.basic_get(queue) is None
     assert claimed(settings) == []
-    assert [p.name for p in (broker / embedded.UNREADABLE).iterdir()] == [f"0_bad.{queue}.msg"]
+    assert [p.name for p in (broker / ojsfs.UNREADABLE).iterdir()] == [f"0_bad.{queue}.msg"]
     assert f"0_bad.{queue}.msg" in caplog.text
 
 

@@ -1,0 +1,377 @@
+"""``ojsfs://``: kombu's filesystem transport with atomic writes and claimed messages, the
+embedded default's broker (:mod:`ojs_celery.embedded`).
+
+kombu's filesystem transport writes a message file in place, and a consumer that lists the
+folder in between may read it half-written: the message is then lost (it shows as a JSON error).
+:class:`Transport` writes to a temporary name and renames, which is atomic, so consumers only
+ever see whole messages. :func:`register_transport` makes it kombu's ``ojsfs://`` transport; it
+runs in ``install(app)`` and :func:`embedded_settings`, not at import (kombu keeps its aliases
+in a module-level dict: there is no per-app registry).
+
+kombu's consumer also takes a message by moving its file to the system's temporary folder and
+deleting it once read, before the task has run: a worker killed (SIGKILL, the machine's power)
+after taking messages lost them, and the jobs waited for the sweeper's redispatch backstop (an
+hour by default); where that folder is on another file system (a tmpfs ``/tmp``) the move is a
+copy, which two consumers may make of one file at once. :class:`Channel` takes a message by
+renaming its file into a claim folder of its own process, in the broker folder
+(``.claimed/<owner>/``, locked with ``flock`` for the process's life), and deletes it when the
+message is acknowledged; a message rejected with requeue or restored at shutdown is written
+back. A consumer puts the files of a claim folder whose lock is free (its process is gone)
+back into the broker folder, under their own names (so in their order), at its start and then
+every :data:`RESTORE_INTERVAL` seconds: what a killed worker had taken is delivered again, and
+fencing drops a copy of a job that ran meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+import time
+import uuid
+from queue import Empty
+from typing import Any
+
+from kombu.exceptions import ChannelError
+from kombu.transport import TRANSPORT_ALIASES, filesystem
+from kombu.utils.encoding import bytes_to_str, str_to_bytes
+from kombu.utils.json import dumps, loads
+
+from . import compat
+
+SCHEME = "ojsfs"
+
+logger = logging.getLogger(__name__)
+
+
+#: The folder, in the broker folder, of every consumer process's claimed messages (a name
+#: kombu's filesystem transport never takes for a message: no queue is named ``claimed``).
+CLAIMS = ".claimed"
+#: The folder, in the broker folder, where a message file that is no message is set aside.
+UNREADABLE = ".unreadable"
+#: Seconds between a consumer's looks for the claims of processes that are gone.
+RESTORE_INTERVAL = 2.0
+
+_claims_lock = threading.Lock()
+#: (pid, broker folder) -> this process's claim folder there (its lock file stays open).
+_own_claims: dict[tuple[int, str], str] = {}
+#: The descriptors of this process's lock files (one per broker folder it consumes from).
+_lock_descriptors: dict[tuple[int, str], int] = {}
+#: broker folder -> when this process looks for the claims of processes gone next.
+_next_restore: dict[str, float] = {}
+#: delivery tag -> its claimed file, for every channel of this process: kombu may acknowledge
+#: or reject a message on another channel than the one that took it (its transport sends a
+#: message for a cancelled consumer back with the first channel it has).
+_claimed: dict[str, str] = {}
+
+
+def _claim_folder(folder: str) -> str:
+    """This process's claim folder in the broker folder ``folder``: made at its first use,
+    with a lock file that the process holds (``flock``) until it ends. The lock is taken before
+    the lock file gets its name, so no consumer ever sees it free while its owner lives."""
+    key = (os.getpid(), folder)
+    with _claims_lock:
+        own = _own_claims.get(key)
+        if own is None:
+            claims = os.path.join(folder, CLAIMS)
+            os.makedirs(claims, exist_ok=True)
+            own = os.path.join(claims, f"{os.getpid()}-{uuid.uuid4().hex}")
+            os.mkdir(own)
+            temporary = f"{own}.locking"
+            descriptor = os.open(temporary, os.O_RDWR | os.O_CREAT, 0o600)  # never closed
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            os.rename(temporary, f"{own}.lock")
+            _own_claims[key] = own
+            _lock_descriptors[key] = descriptor
+        return own
+
+
+def _forget_claim_folder(folder: str, own: str) -> None:
+    """Forget this process's claim folder ``own`` in the broker folder ``folder``, which is
+    gone (removed with the broker folder, or by a cleaner of old files): the next claim makes a
+    new one. Nothing if another thread of the process did so already."""
+    key = (os.getpid(), folder)
+    with _claims_lock:
+        if _own_claims.get(key) != own:
+            return
+        del _own_claims[key]
+        descriptor = _lock_descriptors.pop(key)
+        with contextlib.suppress(OSError):
+            os.unlink(f"{own}.lock")
+        with contextlib.suppress(OSError):
+            os.close(descriptor)
+
+
+def _take(folder: str, name: str) -> str | None:
+    """Move the message file ``name`` of the broker folder ``folder`` into this process's claim
+    folder; its path there, or None if another consumer took it first."""
+    for _ in range(2):
+        own = _claim_folder(folder)
+        claimed = os.path.join(own, name)
+        try:
+            os.rename(os.path.join(folder, name), claimed)
+        except FileNotFoundError:
+            if os.path.isdir(own):  # another consumer took it
+                return None
+            # the claim folder is gone, not the message: every message would be skipped for
+            # ever as taken by another consumer
+            _forget_claim_folder(folder, own)
+            continue
+        except OSError as exc:
+            raise ChannelError(f"Cannot take file {name!r} from {folder!r}: "
+                               f"{exc.strerror or exc}") from exc
+        return claimed
+    return None
+
+
+def _message(text: bytes) -> dict[str, Any] | None:
+    """The message a file holds; None if it holds none (empty or cut short, which a power
+    loss may leave, or written by something else)."""
+    try:
+        message = loads(bytes_to_str(text))  # type: ignore[no-untyped-call]
+    except ValueError:  # a UnicodeDecodeError too
+        return None
+    if not isinstance(message, dict) or not isinstance(message.get("properties", {}), dict):
+        return None
+    return message
+
+
+def _set_aside(folder: str, claimed: str, name: str) -> None:
+    """Move a claimed file that is no message to the broker folder's :data:`UNREADABLE`
+    folder, and say so. Raised instead, it stopped the consumer (a Celery worker: "Unrecoverable
+    error"), and claimed, it came back at every start: no message after it ever ran."""
+    aside = os.path.join(folder, UNREADABLE)
+    try:
+        os.makedirs(aside, exist_ok=True)
+        os.rename(claimed, os.path.join(aside, name))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(claimed)
+        logger.error("ojs_celery: message file %s in %s is no message; could not set it "
+                     "aside (%s): deleted it", name, folder, exc.strerror or exc)
+        return
+    logger.error("ojs_celery: message file %s in %s is no message (empty, cut short or "
+                 "written by something else): moved it to %s", name, folder, aside)
+
+
+def _forget_parent_claims() -> None:
+    """In a forked child (a prefork pool process, the embedded beat): close the parent's lock
+    files. A lock lasts while any process has its file open, so a pool process that outlived
+    its killed worker by a while would have kept the worker's messages claimed meanwhile."""
+    global _claims_lock
+    _claims_lock = threading.Lock()  # another thread of the parent may have held it
+    _claimed.clear()  # the parent's to acknowledge, not this process's
+    for key in [key for key in _lock_descriptors if key[0] != os.getpid()]:
+        with contextlib.suppress(OSError):
+            os.close(_lock_descriptors.pop(key))
+        _own_claims.pop(key, None)
+
+
+os.register_at_fork(after_in_child=_forget_parent_claims)
+
+
+def restore_claims(folder: str) -> int:
+    """Put back into the broker folder ``folder`` the messages of every claim folder whose
+    owner is gone (its lock is free), under their own names; the number put back."""
+    claims = os.path.join(folder, CLAIMS)
+    try:
+        entries = os.listdir(claims)
+    except FileNotFoundError:
+        return 0
+    with _claims_lock:  # never this process's own, whatever the lock says: where flock
+        # locks for the whole process (NFS emulates it with fcntl's locks), the process's own
+        # second open of its lock file takes it at once
+        mine = {own for (pid, _), own in _own_claims.items() if pid == os.getpid()}
+    restored = 0
+    for entry in entries:
+        if not entry.endswith(".lock"):
+            continue
+        lock_file = os.path.join(claims, entry)
+        owner = lock_file[:-len(".lock")]
+        if owner in mine:
+            continue
+        try:
+            descriptor = os.open(lock_file, os.O_RDWR)
+        except FileNotFoundError:  # another consumer restored it just now
+            continue
+        try:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # its process lives (this process's own included)
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                for name in os.listdir(owner):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.rename(os.path.join(owner, name), os.path.join(folder, name))
+                        restored += 1
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(owner)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_file)
+        finally:
+            os.close(descriptor)
+    return restored
+
+
+def _bindings(file: Any, text: bytes) -> list[Any]:
+    """An exchange file's bindings (none in an empty one); a file that is no JSON table (one
+    that kombu's unlocked first bind broke) is named, with what to do, in a ChannelError."""
+    if not text.strip():
+        return []
+    try:
+        return [filesystem.exchange_queue_t(*binding)
+                for binding in loads(bytes_to_str(text))]  # type: ignore[no-untyped-call]
+    except (ValueError, TypeError) as exc:
+        raise ChannelError(f"Cannot read {file}: not a table of bindings ({exc}); remove the "
+                           "file and restart the workers, which bind their queues again") from exc
+
+
+class Channel(filesystem.Channel):
+    """Filesystem channel whose writes are atomic (temp file + rename) and whose messages stay
+    on disk, claimed, until they are acknowledged (see the module's docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._no_ack_queues: set[str] = set()
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def _table_file(self, exchange: Any) -> Any:
+        """The exchange's file: kombu 5.7's ``_exchange_file`` (which refuses a name that
+        would leave the folder); kombu 5.4 to 5.6 have none and name it in place."""
+        helper = getattr(super(), "_exchange_file", None)
+        if helper is not None:
+            return helper(exchange)
+        return self.control_folder / f"{exchange}.exchange"
+
+    def get_table(self, exchange: Any) -> list[Any]:
+        """The exchange's bindings, read under a shared lock; an empty file (a first bind
+        between its creation and its write) has none."""
+        file = self._table_file(exchange)
+        try:
+            with open(file, "rb") as handle:
+                fcntl.flock(handle, fcntl.LOCK_SH)
+                text = handle.read()
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise ChannelError(f"Cannot open {file}: {exc.strerror or exc}") from exc
+        return _bindings(file, text)
+
+    def _queue_bind(self, exchange: Any, routing_key: Any, pattern: Any, queue: Any) -> None:
+        """Add the binding to the exchange's file under an exclusive lock taken before the
+        file is read or written. kombu's own opens a file that does not exist yet with
+        truncation before it locks it: two processes binding at once (two workers started
+        together, each binding its remote-control queue) each wrote over the other's table,
+        which lost a binding or left a file of broken JSON that every later publish to the
+        exchange failed on."""
+        file = self._table_file(exchange)
+        binding = filesystem.exchange_queue_t(routing_key or "", pattern or "", queue or "")
+        try:
+            self.control_folder.mkdir(exist_ok=True)
+            with open(os.open(file, os.O_RDWR | os.O_CREAT, 0o644), "r+b") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed
+                table = _bindings(file, handle.read())
+                if binding not in table:
+                    table.insert(0, binding)
+                    handle.seek(0)
+                    handle.truncate()
+                    handle.write(str_to_bytes(dumps(table)))  # type: ignore[no-untyped-call]
+        except OSError as exc:
+            raise ChannelError(f"Cannot open {file}: {exc.strerror or exc}") from exc
+
+    def _get(self, queue: Any, timeout: Any = None) -> Any:
+        folder = self.data_folder_in
+        now = time.monotonic()
+        if now >= _next_restore.get(folder, 0.0):
+            _next_restore[folder] = now + RESTORE_INTERVAL
+            restore_claims(folder)
+        wanted = f"{queue}.msg"
+        for name in sorted(os.listdir(folder)):
+            if name.partition(".")[2] != wanted:
+                continue
+            claimed = _take(folder, name)
+            if claimed is None:  # another consumer took it
+                continue
+            try:
+                with open(claimed, "rb") as handle:
+                    text = handle.read()
+            except OSError as exc:
+                raise ChannelError(f"Cannot read file {claimed!r} from queue: "
+                                   f"{exc.strerror or exc}") from exc
+            message = _message(text)
+            if message is None:
+                _set_aside(folder, claimed, name)
+                continue
+            tag = message.get("properties", {}).get("delivery_tag")
+            if queue in self._no_ack_queues or tag is None:
+                self._release(claimed)
+            else:
+                _claimed[tag] = claimed
+            return message
+        raise Empty()
+
+    def _release(self, claimed: str | None) -> None:
+        if claimed is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(claimed)
+
+    def basic_consume(self, queue: Any, no_ack: Any, *args: Any, **kwargs: Any) -> Any:
+        if no_ack:  # nothing acknowledges what this queue delivers: no claim is kept
+            self._no_ack_queues.add(queue)
+        return super().basic_consume(  # type: ignore[no-untyped-call]
+            queue, no_ack, *args, **kwargs)
+
+    def basic_get(self, queue: Any, no_ack: bool = False, **kwargs: Any) -> Any:
+        message = super().basic_get(  # type: ignore[no-untyped-call]
+            queue, no_ack=no_ack, **kwargs)
+        if message is not None and no_ack:
+            self._release(_claimed.pop(message.delivery_tag, None))
+        return message
+
+    def basic_ack(self, delivery_tag: Any, multiple: bool = False) -> None:
+        super().basic_ack(delivery_tag, multiple=multiple)  # type: ignore[no-untyped-call]
+        self._release(_claimed.pop(delivery_tag, None))
+
+    def basic_reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        # with requeue, the message is written back first (:meth:`_restore`)
+        super().basic_reject(delivery_tag, requeue=requeue)  # type: ignore[no-untyped-call]
+        self._release(_claimed.pop(delivery_tag, None))
+
+    def _restore(self, message: Any) -> None:
+        """Write the message back (a reject with requeue, the unacknowledged ones at the
+        channel's close), then drop its claim; a claim whose write failed stays, for the
+        restore after this process ends."""
+        claimed = _claimed.pop(message.delivery_tag, None)
+        try:
+            super()._restore(message)  # type: ignore[no-untyped-call]
+        except BaseException:
+            if claimed is not None:
+                _claimed[message.delivery_tag] = claimed
+            raise
+        self._release(claimed)
+
+    def _put(self, queue: Any, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        name, temporary_name = compat.filesystem_message_names(queue)
+        final = os.path.join(self.data_folder_out, name)
+        temporary = os.path.join(self.data_folder_out, temporary_name)
+        try:
+            with open(temporary, "wb") as handle:
+                handle.write(str_to_bytes(dumps(payload)))  # type: ignore[no-untyped-call]
+            os.replace(temporary, final)
+        except OSError as exc:
+            # a write that failed midway (the disk full) leaves no part of a file behind: kept,
+            # each failed publish would hold its part of the space that ran out, for good
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise ChannelError(f"Cannot add file {final!r} to directory: "
+                               f"{exc.strerror or exc}") from exc
+
+
+class Transport(filesystem.Transport):
+    Channel = Channel
+
+
+def register_transport() -> None:
+    """Make ``ojsfs://`` URLs use :class:`Transport` in this process (idempotent)."""
+    TRANSPORT_ALIASES[SCHEME] = f"{__name__}:Transport"
