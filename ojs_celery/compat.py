@@ -220,6 +220,16 @@ def filesystem_message_names(queue: str) -> tuple[str, str]:
     return f"{unique}.{queue}.msg", f".{unique}.tmp"
 
 
+def filesystem_exchange_file(channel: Any, exchange: str) -> Any:
+    """The file of an exchange's bindings for kombu's filesystem ``channel``: kombu 5.7's
+    ``_exchange_file`` (which refuses a name that would leave the folder); kombu 5.4 to 5.6
+    have none and name it in place, in the control folder."""
+    helper = getattr(channel, "_exchange_file", None)
+    if helper is not None:
+        return helper(exchange)
+    return channel.control_folder / f"{exchange}.exchange"
+
+
 # --- redis-py ---------------------------------------------------------------------------------
 
 

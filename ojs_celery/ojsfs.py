@@ -236,18 +236,10 @@ class Channel(filesystem.Channel):
         self._no_ack_queues: set[str] = set()
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
 
-    def _table_file(self, exchange: Any) -> Any:
-        """The exchange's file: kombu 5.7's ``_exchange_file`` (which refuses a name that
-        would leave the folder); kombu 5.4 to 5.6 have none and name it in place."""
-        helper = getattr(super(), "_exchange_file", None)
-        if helper is not None:
-            return helper(exchange)
-        return self.control_folder / f"{exchange}.exchange"
-
     def get_table(self, exchange: Any) -> list[Any]:
         """The exchange's bindings, read under a shared lock; an empty file (a first bind
         between its creation and its write) has none."""
-        file = self._table_file(exchange)
+        file = compat.filesystem_exchange_file(self, exchange)
         try:
             with open(file, "rb") as handle:
                 fcntl.flock(handle, fcntl.LOCK_SH)
@@ -265,7 +257,7 @@ class Channel(filesystem.Channel):
         together, each binding its remote-control queue) each wrote over the other's table,
         which lost a binding or left a file of broken JSON that every later publish to the
         exchange failed on."""
-        file = self._table_file(exchange)
+        file = compat.filesystem_exchange_file(self, exchange)
         binding = filesystem.exchange_queue_t(routing_key or "", pattern or "", queue or "")
         try:
             self.control_folder.mkdir(exist_ok=True)
