@@ -32,8 +32,9 @@ class Beater:
         self._thread: threading.Thread | None = None
         self._beats = 0
         #: ``time.monotonic()`` of the last write of this worker's record the store took (the
-        #: registration just before this step started, then each beat)
-        self._last_taken = time.monotonic()
+        #: registration just before this step started, then each beat); None: none yet (its
+        #: registration failed)
+        self._last_taken: float | None = time.monotonic() if node.registered else None
         self._faults = OncePerKind(logger, f"beat of worker {node.worker_id}")
 
     def start(self) -> None:
@@ -79,8 +80,7 @@ class Beater:
         info = node.info()
         directive, known = node.registry.beat(info)
         taken, self._last_taken = self._last_taken, time.monotonic()
-        if not node.registered:  # its registration failed at start: no record to find yet
-            node.registered = True
+        if taken is None:  # its registration failed at start: no record to find yet
             logger.warning("ojs_celery: worker %s registered at its first beat that reached "
                            "the store (queues %s)", node.worker_id, info.queues)
         elif not known:

@@ -113,7 +113,7 @@ class WorkerNode:
         self.state = "running"
         self.state_lock = threading.Lock()
         self.left = False  # deregistered: set once, under state_lock
-        #: The store took this worker's record once (at start, else at a beat since).
+        #: The store took this worker's record at start (else its first beat registers it).
         self.registered = False
 
     def consumed_queues(self) -> list[str]:
