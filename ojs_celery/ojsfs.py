@@ -55,10 +55,9 @@ UNREADABLE = ".unreadable"
 RESTORE_INTERVAL = 2.0
 
 _claims_lock = threading.Lock()
-#: (pid, broker folder) -> this process's claim folder there (its lock file stays open).
-_own_claims: dict[tuple[int, str], str] = {}
-#: The descriptors of this process's lock files (one per broker folder it consumes from).
-_lock_descriptors: dict[tuple[int, str], int] = {}
+#: broker folder -> this process's claim folder there and the descriptor of its lock file,
+#: which stays open (a forked child forgets its parent's: :func:`_forget_parent_claims`).
+_own_claims: dict[str, tuple[str, int]] = {}
 #: broker folder -> when this process looks for the claims of processes gone next.
 _next_restore: dict[str, float] = {}
 #: delivery tag -> its claimed file, for every channel of this process: kombu may acknowledge
@@ -71,10 +70,9 @@ def _claim_folder(folder: str) -> str:
     """This process's claim folder in the broker folder ``folder``: made at its first use,
     with a lock file that the process holds (``flock``) until it ends. The lock is taken before
     the lock file gets its name, so no consumer ever sees it free while its owner lives."""
-    key = (os.getpid(), folder)
     with _claims_lock:
-        own = _own_claims.get(key)
-        if own is None:
+        found = _own_claims.get(folder)
+        if found is None:
             claims = os.path.join(folder, CLAIMS)
             os.makedirs(claims, exist_ok=True)
             own = os.path.join(claims, f"{os.getpid()}-{uuid.uuid4().hex}")
@@ -83,25 +81,23 @@ def _claim_folder(folder: str) -> str:
             descriptor = os.open(temporary, os.O_RDWR | os.O_CREAT, 0o600)  # never closed
             fcntl.flock(descriptor, fcntl.LOCK_EX)
             os.rename(temporary, f"{own}.lock")
-            _own_claims[key] = own
-            _lock_descriptors[key] = descriptor
-        return own
+            found = _own_claims[folder] = (own, descriptor)
+        return found[0]
 
 
 def _forget_claim_folder(folder: str, own: str) -> None:
     """Forget this process's claim folder ``own`` in the broker folder ``folder``, which is
     gone (removed with the broker folder, or by a cleaner of old files): the next claim makes a
     new one. Nothing if another thread of the process did so already."""
-    key = (os.getpid(), folder)
     with _claims_lock:
-        if _own_claims.get(key) != own:
+        found = _own_claims.get(folder)
+        if found is None or found[0] != own:
             return
-        del _own_claims[key]
-        descriptor = _lock_descriptors.pop(key)
+        del _own_claims[folder]
         with contextlib.suppress(OSError):
             os.unlink(f"{own}.lock")
         with contextlib.suppress(OSError):
-            os.close(descriptor)
+            os.close(found[1])
 
 
 def _take(folder: str, name: str) -> str | None:
@@ -163,10 +159,10 @@ def _forget_parent_claims() -> None:
     global _claims_lock
     _claims_lock = threading.Lock()  # another thread of the parent may have held it
     _claimed.clear()  # the parent's to acknowledge, not this process's
-    for key in [key for key in _lock_descriptors if key[0] != os.getpid()]:
+    for _, descriptor in _own_claims.values():
         with contextlib.suppress(OSError):
-            os.close(_lock_descriptors.pop(key))
-        _own_claims.pop(key, None)
+            os.close(descriptor)
+    _own_claims.clear()
 
 
 os.register_at_fork(after_in_child=_forget_parent_claims)
@@ -183,7 +179,7 @@ def restore_claims(folder: str) -> int:
     with _claims_lock:  # never this process's own, whatever the lock says: where flock
         # locks for the whole process (NFS emulates it with fcntl's locks), the process's own
         # second open of its lock file takes it at once
-        mine = {own for (pid, _), own in _own_claims.items() if pid == os.getpid()}
+        mine = {own for own, _ in _own_claims.values()}
     restored = 0
     for entry in entries:
         if not entry.endswith(".lock"):
