@@ -2,10 +2,15 @@
 
     .venv/bin/python bench/chaos.py                          # 3000 jobs, 180 s of chaos
     .venv/bin/python bench/chaos.py --duration 60 --jobs 600
+    .venv/bin/python bench/chaos.py --store postgres       # the job store in PostgreSQL
 
 Not part of the test suite. Needs ``redis-server`` on the PATH: the script starts a PRIVATE
 one on a free port (AOF with ``appendfsync always`` in a temp dir, so a restart loses no
 acknowledged write), used as broker, result backend and job store, and stops it at the end.
+With ``--store postgres`` the job store is a PRIVATE PostgreSQL server instead (``initdb`` in
+a temp dir, as ``tests/pgserver.py`` makes for the tests), so the path where the record and the
+message are two writes (the outbox, orphan messages) is soaked too, and the chaos also restarts
+PostgreSQL (a fast shutdown or a crash) and ends its client sessions.
 
 What runs: ``--workers`` (3) ``celery worker`` subprocesses (prefork, concurrency 2) of
 ``bench/chaosapp.py`` and two ``ojs-celery sweep --loop`` processes. A producer thread in this
@@ -20,7 +25,9 @@ process group, or only its main process so that orphaned pool children go on), S
 worker for 1 to 12 s (longer than the worker heartbeat timeout of 6 s: it is declared dead while
 it sleeps, and finds its late outcomes rejected), a SIGTERM deploy (the worker drains, a new one
 starts when it has left), a Redis restart (SIGTERM, down 0 to 3 s, started again on the same
-port and dir), and ``CLIENT KILL TYPE normal`` (every client connection cut). A killed worker is
+port and dir), and ``CLIENT KILL TYPE normal`` (every client connection cut); with
+``--store postgres`` also a PostgreSQL restart (``pg_ctl stop -m fast`` or ``-m immediate``,
+down 0 to 3 s) and ``pg_terminate_backend`` of every client session. A killed worker is
 replaced at once. Then every worker is resumed and the system drains, with the sweepers
 running, until every job has ended or none has ended for ``--drain`` (60) seconds; then every
 process is killed and the checks run on what the store and the journals hold.
@@ -61,6 +68,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 import redis
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent
@@ -141,6 +149,41 @@ class RedisServer:
         self.log.close()
 
 
+class PostgresStore:
+    """The job store's private PostgreSQL server (``--store postgres``), with the chaos it
+    takes: restarts and ended sessions."""
+
+    def __init__(self) -> None:
+        sys.path.insert(0, str(ROOT))
+        from tests.pgserver import PrivatePostgres  # the tests' private server, reused
+
+        self.server = PrivatePostgres({"max_connections": "300"})
+        self.url = self.server.url
+
+    def restart(self, rng: random.Random) -> str:
+        mode = rng.choice(["fast", "immediate"])
+        down = rng.uniform(0.0, 3.0)
+        self.server.stop(mode)
+        time.sleep(down)
+        self.server.start()
+        return f"postgres restart ({mode}, down {down:.1f}s)"
+
+    def cut(self) -> str:
+        with psycopg.connect(self.url, autocommit=True) as admin:
+            ended = admin.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()").fetchone()
+        return f"pg_terminate_backend ({ended[0] if ended else 0} sessions)"
+
+    def stored_ids(self, prefix: str) -> set[str]:
+        with psycopg.connect(self.url) as client:
+            rows = client.execute(f"SELECT id FROM {prefix}_jobs").fetchall()
+        return {str(row[0]) for row in rows}
+
+    def close(self) -> None:
+        self.server.destroy()
+
+
 @dataclass
 class Proc:
     """A worker or sweeper subprocess in its own process group."""
@@ -171,6 +214,8 @@ class Tally:
     deploys: int = 0
     restarts: int = 0
     cuts: int = 0
+    pg_restarts: int = 0
+    pg_cuts: int = 0
     enqueue_errors: Counter[str] = field(default_factory=Counter)
 
 
@@ -320,9 +365,12 @@ class Producer(threading.Thread):
 # ---------------------------------------------------------------------------------- chaos
 
 
-def chaos_step(cluster: Cluster, server: RedisServer, rng: random.Random, tally: Tally,
-               actions: list[str]) -> None:
-    action = rng.choice(["kill", "kill", "stop", "stop", "deploy", "restart", "cut", "cut"])
+def chaos_step(cluster: Cluster, server: RedisServer, store: PostgresStore | None,
+               rng: random.Random, tally: Tally, actions: list[str]) -> None:
+    choices = ["kill", "kill", "stop", "stop", "deploy", "restart", "cut", "cut"]
+    if store is not None:
+        choices += ["pg-restart", "pg-cut"]
+    action = rng.choice(choices)
     running = cluster.running()
     if action in ("kill", "stop", "deploy") and not running:
         action = "cut"
@@ -356,6 +404,16 @@ def chaos_step(cluster: Cluster, server: RedisServer, rng: random.Random, tally:
         server.start()
         tally.restarts += 1
         actions.append(f"redis restart (down {down:.1f}s)")
+    elif action == "pg-restart" and store is not None:
+        actions.append(store.restart(rng))
+        tally.pg_restarts += 1
+    elif action == "pg-cut" and store is not None:
+        try:
+            actions.append(store.cut())
+        except psycopg.Error as exc:
+            actions.append(f"session cut failed: {exc}")
+            return
+        tally.pg_cuts += 1
     else:
         try:
             client = redis.Redis.from_url(server.url, socket_timeout=5)
@@ -444,8 +502,8 @@ def describe(job_id: str, record: Any, journals: Journals, logs: Logs) -> str:
     return "\n".join(lines)
 
 
-def check(app: Any, accepted: dict[str, int], directory: pathlib.Path, client: redis.Redis,
-          prefix: str) -> tuple[dict[str, int], list[str]]:
+def check(app: Any, accepted: dict[str, int], directory: pathlib.Path,
+          stored: set[str]) -> tuple[dict[str, int], list[str]]:
     journals = read_journals(directory)
     logs = Logs(directory)
     counts: Counter[str] = Counter()
@@ -477,7 +535,7 @@ def check(app: Any, accepted: dict[str, int], directory: pathlib.Path, client: r
             problems.append(f"handler ran {len(runs)} times for attempt {attempt}\n"
                             + describe(job_id, records.get(job_id), journals, logs))
     ran = {job_id for job_id, _ in journals.runs}
-    phantoms = (stored_ids(client, prefix) | ran) - set(accepted)
+    phantoms = (stored | ran) - set(accepted)
     for job_id in sorted(phantoms):
         counts["phantom"] += 1
         problems.append("a job no enqueue returned (stored or run)\n"
@@ -521,6 +579,8 @@ def main() -> int:
                              "ended for this many seconds")
     parser.add_argument("--redispatch-after", type=float, default=None,
                         help="ojs.redispatch_after (default: the library's, an hour)")
+    parser.add_argument("--store", choices=("redis", "postgres"), default="redis",
+                        help="the job store: the broker's Redis, or a private PostgreSQL")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the temp dir")
     options = parser.parse_args()
@@ -532,15 +592,23 @@ def main() -> int:
     (directory / "redis").mkdir()
     server = RedisServer(directory / "redis", free_port())
     server.start()
+    try:
+        store = PostgresStore() if options.store == "postgres" else None
+    except BaseException:
+        server.close()
+        raise
     prefix = "chaos"
     ojs: dict[str, Any] = {
-        "store_url": server.url, "store_prefix": prefix, "heartbeat_interval": 1.0,
+        "store_url": store.url if store is not None else server.url,
+        "store_prefix": prefix, "heartbeat_interval": 1.0,
         "worker_heartbeat_timeout": HEARTBEAT_TIMEOUT, "sweep_interval": 1.0,
         "shutdown_grace_period": 8.0, "shutdown_cancel_window": 2.0}
     if options.redispatch_after is not None:
         ojs["redispatch_after"] = options.redispatch_after
     config = {"redis_url": server.url, "queue": "chaos", "dir": str(directory), "ojs": ojs}
-    say(f"seed {seed}, redis on port {server.port}, files in {directory}")
+    say(f"seed {seed}, redis on port {server.port}"
+        + (f", postgres on port {store.server.port}" if store is not None else "")
+        + f", files in {directory}")
     cluster = Cluster(directory, config, workers)
     tally = Tally()
     actions: list[str] = []
@@ -559,7 +627,7 @@ def main() -> int:
             cluster.tend()
             if time.monotonic() >= next_action:
                 if draining_count(cluster) == 0 or rng.random() < 0.5:
-                    chaos_step(cluster, server, rng, tally, actions)
+                    chaos_step(cluster, server, store, rng, tally, actions)
                     say(actions[-1])
                     actions[-1] = f"{time.strftime('%H:%M:%S')} {actions[-1]}"
                 next_action = time.monotonic() + rng.uniform(1.0, 3.0)
@@ -580,9 +648,13 @@ def main() -> int:
             time.sleep(2.0)
         say(f"drained for {time.monotonic() - drain_began:.0f}s, {len(left)} not ended")
         cluster.kill_everything()  # nothing may change while the journals and store are read
-        client = redis.Redis.from_url(server.url)
-        counts, problems = check(app, producer.accepted, directory, client, prefix)
-        client.close()
+        if store is not None:
+            stored = store.stored_ids(prefix)
+        else:
+            client = redis.Redis.from_url(server.url)
+            stored = stored_ids(client, prefix)
+            client.close()
+        counts, problems = check(app, producer.accepted, directory, stored)
         (directory / "problems.txt").write_text("\n".join(problems) + "\n")
         for problem in problems[:30]:
             print(problem, file=sys.stderr)
@@ -597,7 +669,10 @@ def main() -> int:
               f"{counts.get('double', 0)} double runs, {counts.get('bad', 0)} bad ends, "
               f"{counts.get('phantom', 0)} phantoms, {tally.kills} kills, "
               f"{tally.stops} stops, {tally.deploys} deploys, {tally.restarts} redis restarts, "
-              f"{tally.cuts} connection cuts in {chaos_seconds:.0f}s "
+              f"{tally.cuts} connection cuts"
+              + (f", {tally.pg_restarts} postgres restarts, {tally.pg_cuts} session cuts"
+                 if store is not None else "")
+              + f" in {chaos_seconds:.0f}s "
               f"(enqueue retries: {errors or 'none'}; sweeps applied: {applied or 'none'}; "
               f"seed {seed})", flush=True)
         (directory / "actions.txt").write_text("\n".join(actions) + "\n")
@@ -606,6 +681,8 @@ def main() -> int:
     finally:
         cluster.kill_everything()
         server.close()
+        if store is not None:
+            store.close()
         if failed or options.keep:
             say(f"files kept in {directory}")
         else:
