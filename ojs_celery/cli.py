@@ -29,8 +29,7 @@ from .envelope import (
     MAX_ENVELOPE_BYTES,
     DuplicateJob,
     InvalidJob,
-    format_timestamp,
-    from_epoch,
+    format_epoch,
     utf8_safe,
 )
 from .events import listen
@@ -277,7 +276,7 @@ def _worker_rows(app: Celery) -> list[dict[str, Any]]:
             "nodename": info.nodename, "state": info.state,
             "directive": store.meta.pending_directive(info.worker_id),
             "queues": info.queues, "concurrency": info.concurrency, "labels": info.labels,
-            "started_at": format_timestamp(from_epoch(info.started_at)) if info.started_at
+            "started_at": format_epoch(info.started_at) if info.started_at
             else None,
             "heartbeat_timeout": info.heartbeat_timeout or None,
             "active_jobs": len(info.active_job_ids),

@@ -35,7 +35,7 @@ from pydantic import (
 from pydantic import JsonValue as JsonValue  # explicit re-export: the package's JSON type
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
-from .entropy import random_bytes
+from .entropy import random_hex
 
 SPEC_VERSION: Final = "1.0"
 MAX_ENVELOPE_BYTES = 1024 * 1024
@@ -150,9 +150,8 @@ class DuplicateJob(InvalidJob):
         self.args = (job_id, path)  # what rebuilds it (see InvalidJob)
 
 
-#: The version (7) and variant (0b10) bits of a UUIDv7, and the random bits they replace.
-_UUID7_MARK: Final = 0x7 << 76 | 0b10 << 62
-_UUID7_KEEP: Final = ~(0xF << 76 | 0b11 << 62)
+#: A UUIDv7's variant digit (0b10 then two random bits) for a random hex digit.
+_UUID7_VARIANT: Final = {digit: "89ab"[index % 4] for index, digit in enumerate("0123456789abcdef")}
 
 
 def could_be_job_id(text: str) -> bool:
@@ -164,10 +163,12 @@ def could_be_job_id(text: str) -> bool:
 def new_job_id() -> str:
     """A fresh lowercase UUIDv7 (time-ordered, as OJS recommends): RFC 9562's 48-bit Unix
     milliseconds, then random bits. Made here because it is on every job's and every event's
-    path and the ``uuid`` module has no version 7 before Python 3.14."""
-    value = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(random_bytes(10), "big")
-    text = f"{value & _UUID7_KEEP | _UUID7_MARK:032x}"
-    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+    path and the ``uuid`` module has no version 7 before Python 3.14. Built as text: the
+    version digit 7, 74 random bits from 19 random hex digits (one of them, two bits of it,
+    in the variant digit), about half the cost of the same UUID made as an integer."""
+    stamp = f"{time.time_ns() // 1_000_000:012x}"
+    bits = random_hex(19)
+    return f"{stamp[:8]}-{stamp[8:]}-7{bits[:3]}-{_UUID7_VARIANT[bits[3]]}{bits[4:7]}-{bits[7:]}"
 
 
 def utcnow() -> datetime:
@@ -183,6 +184,28 @@ def format_timestamp(value: datetime) -> str:
     other offsets kept), so that events and errors quote a job's times as its JSON does."""
     text = value.isoformat()
     return text[:-6] + "Z" if text.endswith("+00:00") else text
+
+
+#: The last whole second :func:`format_epoch` formatted, and its text up to the seconds.
+_last_second: tuple[int, str] = (-1, "")
+
+
+def format_epoch(seconds: float) -> str:
+    """``format_timestamp(from_epoch(seconds))``, the same text (microseconds rounded half to
+    even as ``datetime`` rounds them, none when zero), without a ``datetime`` per call: every
+    event's time is one, and the date and time up to the second are formatted once a second."""
+    global _last_second
+    whole = math.floor(seconds)
+    micro = round((seconds - whole) * 1e6)
+    if micro >= 1_000_000:
+        whole, micro = whole + 1, micro - 1_000_000
+    cached, prefix = _last_second
+    if cached != whole:
+        t = time.gmtime(whole)
+        prefix = (f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}"
+                  f"T{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}")
+        _last_second = (whole, prefix)
+    return f"{prefix}.{micro:06d}Z" if micro else prefix + "Z"
 
 
 @functools.lru_cache(maxsize=256)

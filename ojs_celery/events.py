@@ -21,7 +21,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 
 from . import signals
 from .batching import Batcher
-from .envelope import format_timestamp, from_epoch, new_job_id, utcnow
+from .envelope import format_epoch, new_job_id
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def make_event(type_: str, data: dict[str, Any], subject: str | None, source: st
         "id": "evt_" + new_job_id(),
         "type": type_,
         "source": source,
-        "time": format_timestamp(utcnow() if at is None else from_epoch(at)),
+        "time": format_epoch(time.time() if at is None else at),
         "datacontenttype": "application/json",
         "data": data,
     }

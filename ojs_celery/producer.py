@@ -32,6 +32,7 @@ from .envelope import (
     CELERY_OPTIONS_FIELD,
     InvalidJob,
     Job,
+    format_epoch,
     format_timestamp,
     from_epoch,
     utf8_violations,
@@ -422,7 +423,7 @@ def celery_expires_at(task: Task, options: dict[str, Any], now: float) -> str | 
         return None
     if isinstance(expires, (date, str)):  # a datetime is a date
         return format_timestamp(celery_datetime(expires, "expires"))
-    return format_timestamp(from_epoch(now + float(expires)))
+    return format_epoch(now + float(expires))
 
 
 def celery_semantics_of(task: Task, settings: Settings) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from ojs_celery import enqueue
-from ojs_celery.envelope import format_timestamp, from_epoch, parse_envelope
+from ojs_celery.envelope import format_epoch, parse_envelope
 from ojs_celery.runtime import get_runtime
 from ojs_celery.sweeper import MAX_BACKOFF
 from tests.conftest import Env, start_env
@@ -84,7 +84,7 @@ def test_total_timeout_holds_across_attempts_and_backoffs(env: Env) -> None:
 def test_scheduled_job_beyond_the_horizon_is_published_when_due(env: Env) -> None:
     due = time.time() + 3
     job = enqueue({"type": "e2e.add", "args": [2, 2], "scheduled_at":
-                   format_timestamp(from_epoch(due))}, app=env.app)
+                   format_epoch(due)}, app=env.app)
     assert job.state == "scheduled"
     done = env.wait_state(job.id, "completed", timeout=3 + INTERVAL + SLACK + 2)
     assert done.started_at is not None

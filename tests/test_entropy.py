@@ -1,4 +1,4 @@
-"""The block-read random bytes behind write nonces and ids: never handed out twice, not even
+"""The block-read random hex digits behind write nonces and ids: never handed out twice, not even
 across a fork (a child that reused its parent's block would repeat its nonces)."""
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ def test_values_are_distinct_across_blocks_and_threads() -> None:
 
 
 def test_a_forked_child_does_not_repeat_its_parents_bytes() -> None:
-    entropy.random_bytes(8)  # the parent holds a block with bytes left in it
+    entropy.random_hex(16)  # the parent holds a block with digits left in it
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
-        os.write(write, entropy.random_bytes(32))
+        os.write(write, entropy.random_hex(64).encode())
         os._exit(0)
     os.close(write)
-    child = os.read(read, 32)
+    child = os.read(read, 64).decode()
     os.close(read)
     os.waitpid(pid, 0)
-    assert len(child) == 32
-    assert child != entropy.random_bytes(32)
+    assert len(child) == 64
+    assert child != entropy.random_hex(64)

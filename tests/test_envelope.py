@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -17,7 +18,10 @@ from ojs_celery.envelope import (
     InvalidJob,
     Job,
     RetryPolicy,
+    format_epoch,
     format_timestamp,
+    from_epoch,
+    new_job_id,
     parse_batch,
     parse_duration,
     parse_envelope,
@@ -184,6 +188,13 @@ def test_id_generated_as_uuid7_when_absent() -> None:
     assert len({parse_envelope(env()).id for _ in range(1000)}) == 1000
 
 
+def test_new_ids_use_every_variant_digit() -> None:
+    """The variant digit is 0b10 and two random bits: all four of 8, 9, a and b occur."""
+    ids = [new_job_id() for _ in range(400)]
+    assert {job_id[19] for job_id in ids} == set("89ab")
+    assert len({job_id[24:] for job_id in ids}) == 400
+
+
 def test_id_kept_when_given() -> None:
     assert parse_envelope(env(id=UUID7)).id == UUID7
 
@@ -299,6 +310,18 @@ def test_timestamps_quoted_as_the_job_writes_them(sent: str) -> None:
     assert job.scheduled_at is not None
     written = json.loads(job.model_dump_json())["scheduled_at"]
     assert format_timestamp(job.scheduled_at) == written == job.to_dict()["scheduled_at"]
+
+
+def test_epoch_seconds_formatted_as_their_datetime() -> None:
+    """format_epoch (events' and errors' times) writes what format_timestamp writes for the
+    same seconds as a datetime: the rounding of microseconds, a second's carry, none when zero."""
+    rng = random.Random(7)
+    samples = [rng.uniform(0, 4e9) for _ in range(20000)] + [rng.uniform(1.7e9, 1.7e9 + 5)
+                                                               for _ in range(2000)]
+    edges = [0.0, 1.0, 1700000000.0, 1700000000.5, 1700000000.0000005, 1700000000.0000015,
+             1700000000.9999995, 1700000000.9999999, 1799999999.999999, time.time()]
+    for seconds in samples + edges:
+        assert format_epoch(seconds) == format_timestamp(from_epoch(seconds)), seconds
 
 
 @pytest.mark.parametrize("field", ["scheduled_at", "expires_at"])

@@ -23,6 +23,7 @@ from ..envelope import (
     JsonValue,
     RetryPolicy,
     State,
+    format_epoch,
     format_timestamp,
     from_epoch,
 )
@@ -391,7 +392,7 @@ def _history_entry(error: dict[str, JsonValue], attempt: int, now: float) -> dic
     code = error.get("code") or error_code(str(error.get("type")))
     entry: dict[str, JsonValue] = {**error, "code": code}
     entry["attempt"] = attempt
-    entry["occurred_at"] = format_timestamp(from_epoch(now))
+    entry["occurred_at"] = format_epoch(now)
     return entry
 
 
@@ -555,7 +556,7 @@ def heartbeat(
             current["progress"] = max(value, float(current.get("progress", 0.0)))  # type: ignore[arg-type]
         if data is not None:
             current["data"] = data
-        current["updated_at"] = format_timestamp(from_epoch(now))
+        current["updated_at"] = format_epoch(now)
         j.progress = current
     if checkpoint is not None:
         j.last_checkpoint = checkpoint
@@ -808,7 +809,7 @@ def extend(record: Record, token: int, worker_id: str, now: float, *, stall: boo
         j = done.record.job
         done.events.append(("job.heartbeat", _base(
             j, worker_id=worker_id, attempt=j.attempt,
-            visible_until=format_timestamp(from_epoch(now + j.visibility_timeout)))))
+            visible_until=format_epoch(now + j.visibility_timeout))))
     return done
 
 

@@ -32,7 +32,7 @@ from typing import Any, ParamSpec, TypeVar
 from pydantic_core import PydanticSerializationError
 
 from .. import lifecycle
-from ..entropy import random_bytes
+from ..entropy import random_hex
 from ..envelope import Job, JsonValue
 from ..lifecycle import Policy, Record, Transition
 from .meta import MetaArea
@@ -52,7 +52,7 @@ NewRow = tuple[Record, dict[str, float | None]]
 
 def new_nonce() -> str:
     """A write nonce: 8 random bytes, unguessable and unique in practice (no round trip)."""
-    return random_bytes(8).hex()
+    return random_hex(16)
 
 
 class StoreError(RuntimeError):
