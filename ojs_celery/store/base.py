@@ -108,9 +108,12 @@ class StoreUncertain(StoreError):
 
 
 class StoreRefused(StoreError):
-    """The store refused what has to come before any write (a SQL store's tables could not be
-    made: no permission, a read-only session): nothing was sent that could store a job, so the
-    write that needed it is not uncertain."""
+    """Nothing was stored, for certain: the store refused what has to come before any write (a
+    SQL store's tables could not be made: no permission, a read-only session), or answered the
+    write itself with an error that rolled it back (PostgreSQL cancelling a statement that
+    waited past ``statement_timeout`` or ``lock_timeout`` for a lock another session holds).
+    So the write is not uncertain, and no read is sent to settle it: under a lock that read
+    would wait as long again."""
 
 
 class DuplicateJob(ValueError):
@@ -526,7 +529,8 @@ class JobStore(ABC):
         the record is read again, and if it carries that write's nonce the write is done and
         its transition returned; a second failure is raised. A write that got no answer in
         time (:class:`StoreTimeout`) is raised at once; inside :meth:`remembering` it is also
-        remembered, since the store may still run it (see there).
+        remembered, since the store may still run it (see there). A write the store refused
+        (:class:`StoreRefused`: rolled back) is raised at once and not remembered.
         """
         key = self._remembered_as(job_id)
         lost = self._unsettled_take(key) if key is not None else {}
@@ -578,6 +582,8 @@ class JobStore(ABC):
                 new.version = record.version + 1
                 lost[new.nonce] = transition
                 raise  # not answering: a read to settle it would wait as long again
+            except StoreRefused:
+                raise  # rolled back: nothing to settle, and trying again at once would wait
             except StoreError:
                 if failed:
                     raise

@@ -12,21 +12,25 @@ calls would hold the GIL for the whole commit).
 
 The lane never changes what a write does, only how it travels and when its reply is read. A
 thread that finds the lane taken, or a connection that cannot send, takes the ordinary path. A
-reply that is an error, or a connection lost after the write was sent, is a
-:class:`StoreError`, which the store settles as any lost reply (an insert by reading the
-record's origin, :meth:`~.base.JobStore.begin_create`; a compare-and-set by looking for its
-nonce, :meth:`~.base.JobStore.apply`). A forked child forgets its parent's connection and
+reply that is the server's error is a :class:`StoreError` caused by psycopg's exception for it,
+which the store turns into :class:`~.base.StoreRefused` (rolled back: nothing to settle, see
+``SQLStore._refused``); a connection lost after the write was sent is a :class:`StoreError`
+that the store settles as any lost reply (an insert by reading the record's origin,
+:meth:`~.base.JobStore.begin_create`; a compare-and-set by looking for its nonce,
+:meth:`~.base.JobStore.apply`). A forked child forgets its parent's connection and
 checks out its own.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from psycopg import errors as psycopg_errors
 from psycopg import pq
 
-from .base import StoreError
+from .base import StoreError, store_message
 from .sql_lane import DetachedLane, ready, unanswered
 
 __all__ = ["PgLane", "text_param", "text_params"]
@@ -166,18 +170,24 @@ class PgLane(DetachedLane):
     def _rows(self, pgconn: Any) -> int:
         rows: int | None = None
         error: str | None = None
+        refusal: Any = None  # an error result of the server's (FATAL_ERROR: any severity)
         try:
             for result in _results(pgconn):
                 if result.status == pq.ExecStatus.COMMAND_OK:
                     rows = int(result.command_tuples or 0)
                 else:
                     error = _message(result)
+                    if result.status == pq.ExecStatus.FATAL_ERROR and refusal is None:
+                        refusal = result
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         if pgconn.status != pq.ConnStatus.OK:
             self._drop()
             raise StoreError(f"job store error: connection lost after a write was sent "
                              f"({error or 'no reply'})")
+        if refusal is not None:  # the server's own error: the driver's exception says it
+            driver_error = psycopg_errors.error_from_result(refusal, encoding=_encoding(pgconn))
+            raise StoreError(store_message(driver_error)) from driver_error
         if error is not None or rows is None:
             raise StoreError(f"job store error: {error or 'no reply to a write'}")
         return rows
@@ -203,6 +213,15 @@ def _results(pgconn: Any) -> Iterator[Any]:
             return
         yield result
 
+
+
+def _encoding(pgconn: Any) -> str:
+    """The connection's client encoding as Python names it (for the server's messages)."""
+    name = bytes(pgconn.parameter_status(b"client_encoding") or b"UTF8").decode()
+    try:
+        return codecs.lookup(name).name  # UTF8, LATIN1...; SQL_ASCII has no codec
+    except LookupError:
+        return "utf-8"
 
 
 def _message(result: Any) -> str:

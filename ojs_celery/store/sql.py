@@ -57,7 +57,7 @@ from .base import (
     store_message,
 )
 from .meta import MetaArea
-from .sql_lane import SqliteLane, ready, unanswered
+from .sql_lane import SqliteLane, ready, rolled_back, unanswered
 from .sql_lane import fits as sqlite_lane_fits
 from .workers import WorkerInfo, WorkerRegistry
 
@@ -317,6 +317,9 @@ class SQLStore(JobStore):
         self._file_opened: tuple[int, int] | None = None
         self.metadata = build_metadata(prefix)
         self._engine: Engine | None = None
+        #: PostgreSQL: the ``statement_timeout`` the last session made had (``10s``; ``0``:
+        #: none), as the server says it, for the message of a statement it cancels.
+        self._statement_timeout: str | None = None
         self._ready = False
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -488,9 +491,12 @@ class SQLStore(JobStore):
         # limits above never end that wait (the server answers TCP): the server cancels it
         # after store_timeout, unless the server's configuration, the database, the role or
         # the URL sets a limit of its own (0, none, included).
-        statements = [f"SELECT set_config('statement_timeout', '{_milliseconds(self.timeout)}', "
-                      "false) FROM pg_settings WHERE name = 'statement_timeout' "
-                      "AND source = 'default'"]
+        # The first statement answers with the limit in effect, for the message of a statement
+        # it cancels (see _refused).
+        statements = ["SELECT coalesce((SELECT set_config('statement_timeout', "
+                      f"'{_milliseconds(self.timeout)}', false) FROM pg_settings "
+                      "WHERE name = 'statement_timeout' AND source = 'default'), "
+                      "current_setting('statement_timeout'))"]
         if self.synchronous_commit is not None:
             statements.append(f"SET synchronous_commit = {self.synchronous_commit}")  # literal
 
@@ -499,6 +505,9 @@ class SQLStore(JobStore):
             try:
                 for statement in statements:
                     cursor.execute(statement)
+                    if statement is statements[0]:
+                        row = cursor.fetchone()
+                        self._statement_timeout = str(row[0]) if row else None
             finally:
                 cursor.close()
             if not dbapi_connection.autocommit:  # kept: a rollback would undo them
@@ -606,7 +615,7 @@ class SQLStore(JobStore):
         values["id"] = record.job.id
         values["version"] = 1
         try:
-            with self.engine.connect() as conn:
+            with self._refusals(), self.engine.connect() as conn:
                 return conn.execute(self._insert_job, values).rowcount == 1
         except sa_exc.IntegrityError:
             return False
@@ -628,8 +637,13 @@ class SQLStore(JobStore):
         if answer is None:
             inserted = self._insert(record, deadlines)
             return lambda: inserted
-        reply = answer  # a StoreError from it is settled by begin_create (origin read back)
-        return lambda: reply() == 1
+        reply = answer  # a lost reply is settled by begin_create (origin read back)
+
+        def confirm() -> bool:
+            with self._refusals():  # an error reply is not settled: nothing was stored
+                return reply() == 1
+
+        return confirm
 
     @_wrap_errors
     def _insert_many(self, rows: Sequence[NewRow]) -> str | None:
@@ -647,7 +661,7 @@ class SQLStore(JobStore):
                     with self.engine.connect() as conn:
                         conn.execute(sa.insert(self.job_table).values(values))
                 else:
-                    with self._transaction() as conn:
+                    with self._refusals(), self._transaction() as conn:
                         conn.execute(self._insert_new_job, values)
                 return None
             except sa_exc.IntegrityError:
@@ -685,12 +699,13 @@ class SQLStore(JobStore):
     @_wrap_errors
     def _cas(self, record: Record, previous: Record, deadlines: dict[str, float | None]) -> bool:
         values = self._cas_values(record, previous, deadlines)
-        if self._lane is not None:
-            answer = self._lane.send(self._lane_cas, self._lane_cas_row(values))
-            if answer is not None:
-                return answer() == 1
-        with self.engine.connect() as conn:
-            return conn.execute(self._update_job, values).rowcount == 1
+        with self._refusals():
+            if self._lane is not None:
+                answer = self._lane.send(self._lane_cas, self._lane_cas_row(values))
+                if answer is not None:
+                    return answer() == 1
+            with self.engine.connect() as conn:
+                return conn.execute(self._update_job, values).rowcount == 1
 
     def _lane_cas_row(self, values: dict[str, Any]) -> list[Any]:
         """:meth:`_cas_values` in the order of the lane's compare-and-set parameters."""
@@ -716,16 +731,59 @@ class SQLStore(JobStore):
         results = [False] * len(writes)
         order = sorted(range(len(writes)), key=lambda i: writes[i][0].job.id)
         values = [self._cas_values(*writes[index]) for index in order]
-        if self._lane is not None:
-            answer = self._lane.send_many(self._lane_cas, [self._lane_cas_row(v) for v in values])
-            if answer is not None:
-                for index, rows in zip(order, answer(), strict=True):
-                    results[index] = rows == 1
-                return results
-        with self._transaction() as conn:
-            for index, row in zip(order, values, strict=True):
-                results[index] = conn.execute(self._update_job, row).rowcount == 1
+        with self._refusals():
+            if self._lane is not None:
+                answer = self._lane.send_many(self._lane_cas,
+                                              [self._lane_cas_row(v) for v in values])
+                if answer is not None:
+                    for index, rows in zip(order, answer(), strict=True):
+                        results[index] = rows == 1
+                    return results
+            with self._transaction() as conn:
+                for index, row in zip(order, values, strict=True):
+                    results[index] = conn.execute(self._update_job, row).rowcount == 1
         return results
+
+    @contextlib.contextmanager
+    def _refusals(self) -> Iterator[None]:
+        """Around a write (an insert, a batch, a compare-and-set): the server's error reply
+        that rolled it back leaves as :class:`StoreRefused` (see :meth:`_refused`); anything
+        else as it came."""
+        try:
+            yield
+        except Exception as exc:
+            refused = self._refused(exc)
+            if refused is None:
+                raise
+            # the driver's error as its cause (the lane's StoreError carries psycopg's)
+            raise refused from (exc.__cause__ if isinstance(exc, StoreError) else exc)
+
+    def _refused(self, exc: Exception) -> StoreRefused | None:
+        """A write's error that says, for certain, that nothing of it was stored (PostgreSQL's
+        error reply, which rolls the write's transaction back: :func:`.sql_lane.rolled_back`)
+        as :class:`StoreRefused`, its message saying why; None for any other (a lost reply
+        may hide a commit, and is settled by reading)."""
+        sqlstate = rolled_back(exc)
+        if sqlstate is None or self._sqlite or isinstance(exc, sa_exc.IntegrityError):
+            return None  # an integrity error is the write's own answer: a taken id
+        cause: Any = getattr(exc, "orig", None) or exc.__cause__ or exc
+        said = str(cause)
+        if sqlstate == "57014" and "statement timeout" in said:
+            limit = self._statement_timeout or f"{self.timeout:g}s"
+            why = (f"the server cancelled the write after the session's statement_timeout "
+                   f"({limit}): it waited that long, most likely for a lock another session "
+                   "holds (a LOCK TABLE, a migration's ALTER TABLE), else on a server too busy "
+                   "to run it")
+        elif sqlstate == "55P03":
+            why = ("the server cancelled the write: a lock another session holds (a LOCK "
+                   "TABLE, a migration's ALTER TABLE) was not granted within the session's "
+                   "lock_timeout")
+        elif sqlstate == "57014":
+            why = "the write was cancelled (pg_cancel_backend, or its client)"
+        else:
+            why = "the server refused the write"
+        return StoreRefused(f"{store_message(cause)}: {why}; the write was rolled back, "
+                            "nothing of it is stored (safe to try again)")
 
     @_wrap_errors
     def _ack_dispatch_many(self, acks: Sequence[tuple[str, int]]) -> list[bool]:

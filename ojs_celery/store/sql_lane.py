@@ -25,7 +25,7 @@ from sqlalchemy.engine import URL
 
 from ..forking import forget_in_children
 
-__all__ = ["DetachedLane", "SqliteLane", "fits", "ready", "unanswered"]
+__all__ = ["DetachedLane", "SqliteLane", "fits", "ready", "rolled_back", "unanswered"]
 
 
 def ready(fd: int, *, write: bool = False, timeout: float | None = None) -> bool:
@@ -43,6 +43,24 @@ def unanswered(exc: BaseException) -> bool:
     expired", is libpq's in every psycopg version; SQLAlchemy's error keeps it as ``orig``):
     asking again at once would only wait as long again."""
     return "timeout expired" in str(getattr(exc, "orig", None) or exc)
+
+
+def rolled_back(exc: BaseException) -> str | None:
+    """The SQLSTATE of a PostgreSQL error reply of severity ERROR in ``exc`` (the driver's
+    exception, SQLAlchemy's wrapping one as ``orig``, or a :class:`~.base.StoreError` raised
+    from it), else None. An ERROR ends the statement's transaction with a rollback, whether it
+    is one autocommit statement, a pipeline up to its sync or a ``BEGIN`` ... ``COMMIT``
+    block (an ERROR to ``COMMIT`` itself included): the server commits after the statement's
+    work and after its ``statement_timeout`` is disarmed, and a failure once the commit is
+    written is a PANIC, not an ERROR. A cancel that arrives while a commit waits for a
+    synchronous standby is a WARNING, the commit done. So the write was not done, for certain.
+    A FATAL (a session terminated by an administrator) may come after a commit: not this."""
+    for found in (exc, getattr(exc, "orig", None), exc.__cause__):
+        sqlstate = getattr(found, "sqlstate", None) or getattr(found, "pgcode", None)
+        severity = getattr(getattr(found, "diag", None), "severity_nonlocalized", None)
+        if isinstance(sqlstate, str) and sqlstate and severity == "ERROR":
+            return sqlstate
+    return None
 
 
 class DetachedLane:
