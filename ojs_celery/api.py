@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
+from . import arrival
 from .effects import carry_out, log_unpublished
 from .envelope import (
     CELERY_KWARGS_FIELD,
@@ -307,7 +308,8 @@ def enqueue_job(
     # trip instead of two). If the write fails, enqueue raises and the message already sent
     # names a job that does not exist, which a worker drops. Its outbox entry is cleared only
     # once the write is confirmed: there is none to clear otherwise. (A write left uncertain
-    # that did land keeps its entry: the sweeper publishes once more, and fencing drops it.)
+    # that did land keeps its entry: the sweeper publishes once more, and fencing drops it.
+    # So does one that landed too late for its message, see arrival.landed_in_time.)
     transition, confirm = runtime.store.begin_create(job)
     assert transition.record is not None
     unpublished: Exception | None = None
@@ -322,8 +324,14 @@ def enqueue_job(
             _settle_interrupted(job.id, confirm)
             raise
     confirm()  # raises if nothing was stored: the message, if sent, names no job
-    for job_id, token in acks:
-        runtime.acks.ack(job_id, token)
+    if arrival.landed_in_time(transition.record.job):
+        for job_id, token in acks:
+            runtime.acks.ack(job_id, token)
+    elif acks:
+        logger.warning("ojs_celery: job %s is stored, but its insert landed more than %ss "
+                       "after it was made, and a worker may have dropped its message as an "
+                       "orphan meanwhile: its outbox entry stays, the sweeper publishes it "
+                       "once more", job.id, arrival.LANDED_IN_TIME)
     runtime.emit(transition)
     if unpublished is not None:
         log_unpublished(job.id, unpublished)

@@ -30,6 +30,10 @@ from .store import JobStore
 #: old: longer than any store write of the enqueue that published it can take (SQLite's busy
 #: timeout, redis-py's retries), so the insert it was published beside surely failed.
 ORPHAN_AFTER = 30.0
+#: An insert whose reply came within this many seconds of the ``created_at`` its message
+#: carries was written before any worker could drop that message as an orphan: half of
+#: :data:`ORPHAN_AFTER`, the rest room for a worker's clock ahead of the producer's.
+LANDED_IN_TIME = ORPHAN_AFTER / 2
 #: How long a start waits in the pool process for a record that may still be being written,
 #: before the message goes back to the broker (the insert it follows normally lands in a few ms).
 RECORD_WAIT = 0.5
@@ -54,6 +58,19 @@ class Arrival:
             return False
         at = time.time() if now is None else now
         return -ORPHAN_AFTER < at - self.created_at < ORPHAN_AFTER
+
+
+def landed_in_time(job: Job, now: float | None = None) -> bool:
+    """Whether ``job``'s insert, whose reply came ``now``, was written while the message
+    published beside it (before the reply: an insert in flight) could still find it. Else a
+    worker may have dropped that message as an orphan (the insert waited for a lock, or for a
+    server that stalled, or was sent again after a lost reply), and the job's outbox entry
+    must stay for the sweeper to publish it once more: without it the job would wait for
+    ``redispatch_after``."""
+    if job.created_at is None:
+        return False
+    at = time.time() if now is None else now
+    return at - job.created_at.timestamp() < LANDED_IN_TIME
 
 
 def has_header(request: Any) -> bool:
