@@ -156,6 +156,19 @@ def _not_ended(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
         raise sa_exc.InvalidatePoolError("the server ended this session")
 
 
+def _server_warning(diagnostic: Any) -> None:
+    """Log a WARNING the server sends a store session. The one that matters: a commit whose
+    wait for a synchronous standby was cancelled (``pg_cancel_backend``, a session terminated,
+    the server shutting down) is done locally, and the write succeeds, but "might not have
+    been replicated to the standby": a failover to it may lose the write (README, "Synchronous
+    standbys"). ``statement_timeout`` does not end that wait."""
+    if getattr(diagnostic, "severity_nonlocalized", None) != "WARNING":
+        return
+    detail = diagnostic.message_detail
+    logger.warning("ojs_celery: the job store's server warns: %s%s", diagnostic.message_primary,
+                   f" ({detail})" if detail else "")
+
+
 def _milliseconds(timeout: float) -> int:
     """``store_timeout`` as PostgreSQL's ``statement_timeout`` (whole milliseconds, never 0,
     which would mean no limit)."""
@@ -512,6 +525,9 @@ class SQLStore(JobStore):
                 cursor.close()
             if not dbapi_connection.autocommit:  # kept: a rollback would undo them
                 dbapi_connection.commit()
+            add_notice_handler = getattr(dbapi_connection, "add_notice_handler", None)
+            if add_notice_handler is not None:  # psycopg 3 (the lane's connection too)
+                add_notice_handler(_server_warning)
 
         event.listen(engine, "connect", on_connect)
         if driver in _LIBPQ_DRIVERS:  # their connections give their socket (fileno)
