@@ -305,10 +305,25 @@ class Channel(filesystem.Channel):
                 os.unlink(claimed)
 
     def basic_consume(self, queue: Any, no_ack: Any, *args: Any, **kwargs: Any) -> Any:
+        """Consume ``queue``; without acknowledgements (``no_ack``) its messages keep no
+        claim. The mark is the queue's current consumer's (kombu's virtual transport delivers
+        a queue to its last consumer only): a queue consumed without acknowledgements and then
+        with them keeps claims again, else a killed consumer's messages from it were lost."""
         if no_ack:  # nothing acknowledges what this queue delivers: no claim is kept
             self._no_ack_queues.add(queue)
+        else:
+            self._no_ack_queues.discard(queue)
         return super().basic_consume(  # type: ignore[no-untyped-call]
             queue, no_ack, *args, **kwargs)
+
+    def basic_cancel(self, consumer_tag: Any) -> Any:
+        """Cancel a consumer; its queue's no-ack mark goes with it (kombu drops the queue's
+        delivery with any of its consumers' cancel)."""
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)  # type: ignore[no-untyped-call]
+        if queue is not None and consumer_tag not in self._consumers:
+            self._no_ack_queues.discard(queue)
+        return result
 
     def basic_get(self, queue: Any, no_ack: bool = False, **kwargs: Any) -> Any:
         message = super().basic_get(  # type: ignore[no-untyped-call]

@@ -211,3 +211,49 @@ def test_a_message_rejected_on_another_channel_than_the_one_that_took_it_leaves_
         assert again is not None and again.payload == {"n": 3}
         again.ack()
         assert claimed(settings) == [] and first.basic_get(queue) is None
+
+
+SWITCHING_CONSUMER = textwrap.dedent("""
+    import sys, time
+    from kombu import Connection, Consumer, Queue
+    from ojs_celery.embedded import embedded_settings
+    settings = embedded_settings(sys.argv[1])
+    queue = Queue(sys.argv[2])
+    with Connection(settings["broker_url"],
+                    transport_options=settings["broker_transport_options"]) as connection:
+        channel = connection.channel()
+        got = []
+        for no_ack in (True, False):  # first without acknowledgements, then with them
+            consumer = Consumer(channel, [queue], no_ack=no_ack,
+                                callbacks=[lambda body, message: got.append(body)])
+            consumer.consume()
+            while len(got) < (1 if no_ack else 2):
+                connection.drain_events(timeout=10)
+            consumer.cancel()
+            print(got[-1], flush=True)  # the second: taken with acknowledgements, never acked
+        time.sleep(120)
+""")
+
+
+def test_a_queue_consumed_without_acks_then_with_them_keeps_its_claims(
+        tmp_path: pathlib.Path) -> None:
+    """A queue's consumer without acknowledgements (``no_ack``) keeps no claims; the next
+    consumer of the queue, with acknowledgements, does: a message it took and its process
+    never acknowledged is delivered again once the process is killed (the queue's no-ack
+    mark stayed, and the message was lost until the sweeper's redispatch)."""
+    settings = embedded_settings(tmp_path / "ojs")
+    queue = new_queue()
+    publish(settings, queue, {"n": 0})
+    consumer = subprocess.Popen(
+        [sys.executable, "-c", SWITCHING_CONSUMER, str(tmp_path / "ojs"), queue],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert consumer.stdout is not None
+        assert consumer.stdout.readline().strip() == "{'n': 0}"
+        publish(settings, queue, {"n": 1})
+        assert consumer.stdout.readline().strip() == "{'n': 1}"
+        assert len(claimed(settings)) == 1
+    finally:
+        consumer.send_signal(signal.SIGKILL)
+        consumer.wait(10)
+    delivered_again(settings, queue)
