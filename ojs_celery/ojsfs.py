@@ -19,7 +19,8 @@ message is acknowledged; a message rejected with requeue or restored at shutdown
 back. A consumer puts the files of a claim folder whose lock is free (its process is gone)
 back into the broker folder, under their own names (so in their order), at its start and then
 every :data:`RESTORE_INTERVAL` seconds: what a killed worker had taken is delivered again, and
-fencing drops a copy of a job that ran meanwhile.
+fencing drops a copy of a job that ran meanwhile. The same look removes the empty claim folder
+of a process killed before it locked it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ CLAIMS = ".claimed"
 UNREADABLE = ".unreadable"
 #: Seconds between a consumer's looks for the claims of processes that are gone.
 RESTORE_INTERVAL = 2.0
+#: Seconds after which a claim folder that never got its lock file belongs to a process that
+#: died making it (between the folder and the lock), not to one making it now.
+ABANDONED_AFTER = 60.0
 
 _claims_lock = threading.Lock()
 #: broker folder -> this process's claim folder there and the descriptor of its lock file,
@@ -208,7 +212,49 @@ def restore_claims(folder: str) -> int:
                 os.unlink(lock_file)
         finally:
             os.close(descriptor)
+    for owner in {entry.removesuffix(".locking") for entry in entries
+                  if "." not in entry.removesuffix(".locking")}:
+        if os.path.join(claims, owner) not in mine:
+            _remove_abandoned(os.path.join(claims, owner))
     return restored
+
+
+def _remove_abandoned(owner: str) -> None:
+    """Remove the claim folder ``owner`` and its half-made lock file (``.locking``) if the
+    folder never got its lock file (``.lock``): its process was killed between making the
+    folder and taking the lock, and nothing else would ever remove it. A folder made less than
+    :data:`ABANDONED_AFTER` seconds ago (a process making it now), a ``.locking`` file still
+    locked, and a folder that holds messages (whose lock file something else deleted: its
+    owner may live) are left."""
+    if os.path.exists(f"{owner}.lock"):
+        return
+    made = []
+    for path in (owner, f"{owner}.locking"):
+        with contextlib.suppress(FileNotFoundError):
+            made.append(os.stat(path).st_mtime)
+    if not made or time.time() - max(made) < ABANDONED_AFTER:
+        return
+    try:
+        descriptor = os.open(f"{owner}.locking", os.O_RDWR)
+    except FileNotFoundError:
+        descriptor = None
+    try:
+        if descriptor is not None:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # its process lives, about to name it ``.lock``
+                return
+        try:
+            os.rmdir(owner)
+        except FileNotFoundError:
+            pass
+        except OSError:  # not empty
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{owner}.locking")
+    finally:
+        if descriptor is not None:
+            os.close(descriptor)
 
 
 def _bindings(file: Any, text: bytes) -> list[Any]:

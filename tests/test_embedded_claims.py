@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -257,3 +258,35 @@ def test_a_queue_consumed_without_acks_then_with_them_keeps_its_claims(
         consumer.send_signal(signal.SIGKILL)
         consumer.wait(10)
     delivered_again(settings, queue)
+
+
+@pytest.mark.parametrize("left", [(), (".locking",)], ids=["folder", "folder-and-locking"])
+def test_a_claim_folder_whose_process_died_before_its_lock_is_removed(
+        tmp_path: pathlib.Path, left: tuple[str, ...]) -> None:
+    """A process killed between making its claim folder and naming its lock file left the
+    folder (and perhaps its half-made ``.locking`` file) under ``broker/.claimed/`` for ever:
+    a consumer's look for the claims of processes gone removes them once they are older than
+    any process takes to make them; a folder made just now, and a live consumer's, stay."""
+    settings = embedded_settings(tmp_path / "ojs")
+    queue = new_queue()
+    broker = pathlib.Path(settings["broker_transport_options"]["data_folder_in"])
+    claims = broker / CLAIMS
+    claims.mkdir()
+    old = time.time() - ojsfs.ABANDONED_AFTER - 60
+    dead = claims / "999999-dead"
+    young = claims / "999998-young"
+    for folder in (dead, young):
+        folder.mkdir()
+        for suffix in left:
+            pathlib.Path(f"{folder}{suffix}").touch()
+    for path in [dead, *(pathlib.Path(f"{dead}{suffix}") for suffix in left)]:
+        os.utime(path, (old, old))
+    publish(settings, queue, {"n": 1})
+    with channel(settings) as chan:
+        message = chan.basic_get(queue)  # this consumer's claim folder, and a look for leftovers
+        assert message is not None and message.payload == {"n": 1}
+        remaining = sorted(p.name for p in claims.iterdir())
+        assert not any(name.startswith(dead.name) for name in remaining), remaining
+        assert young.name in remaining
+        assert len([name for name in remaining if name.endswith(".lock")]) == 1  # this one's
+        message.ack()
