@@ -70,6 +70,33 @@ _next_restore: dict[str, float] = {}
 _claimed: dict[str, str] = {}
 
 
+class BrokerFolderMissing(ChannelError):  # type: ignore[misc]
+    """The broker folder is not there: removed while the process ran (a cleaner of old files,
+    a hand), and the messages it held with it. A Celery worker stops on it, with one line
+    (:mod:`ojs_celery.worker.broker_folder`)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        super().__init__(folder)
+
+    def __str__(self) -> str:
+        return (f"the broker folder {self.folder} is missing (removed while this process ran? "
+                "the messages it held are gone with it); a process that configures the app "
+                "with embedded_settings() makes it again at its start")
+
+
+def _listdir(folder: str) -> list[str]:
+    """The names in the broker folder ``folder``; :class:`BrokerFolderMissing` if it is not
+    there, a ChannelError naming it for any other failure (kombu's own listing let the
+    ``OSError`` out, which Celery shows with a traceback)."""
+    try:
+        return os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise BrokerFolderMissing(folder) from exc
+    except OSError as exc:
+        raise ChannelError(f"Cannot list {folder!r}: {exc.strerror or exc}") from exc
+
+
 def _claim_folder(folder: str) -> str:
     """This process's claim folder in the broker folder ``folder``: made at its first use,
     with a lock file that the process holds (``flock``) until it ends. The lock is taken before
@@ -78,7 +105,12 @@ def _claim_folder(folder: str) -> str:
         found = _own_claims.get(folder)
         if found is None:
             claims = os.path.join(folder, CLAIMS)
-            os.makedirs(claims, exist_ok=True)
+            try:  # not makedirs: a broker folder removed meanwhile is not made again here
+                os.mkdir(claims)
+            except FileExistsError:
+                pass
+            except FileNotFoundError as exc:
+                raise BrokerFolderMissing(folder) from exc
             own = os.path.join(claims, f"{os.getpid()}-{uuid.uuid4().hex}")
             os.mkdir(own)
             temporary = f"{own}.locking"
@@ -321,7 +353,7 @@ class Channel(filesystem.Channel):
             _next_restore[folder] = now + RESTORE_INTERVAL
             restore_claims(folder)
         wanted = f"{queue}.msg"
-        for name in sorted(os.listdir(folder)):
+        for name in sorted(_listdir(folder)):
             if name.partition(".")[2] != wanted:
                 continue
             claimed = _take(folder, name)
@@ -344,6 +376,16 @@ class Channel(filesystem.Channel):
                 _claimed[tag] = claimed
             return message
         raise Empty()
+
+    def _size(self, queue: Any) -> int:
+        """The number of messages in ``queue`` (a declare asks it), by the rule :meth:`_get`
+        takes files by."""
+        wanted = f"{queue}.msg"
+        return sum(name.partition(".")[2] == wanted for name in _listdir(self.data_folder_in))
+
+    def _purge(self, queue: Any) -> int:
+        _listdir(self.data_folder_in)  # a missing folder named, not kombu's bare OSError
+        return int(super()._purge(queue))  # type: ignore[no-untyped-call]
 
     def _release(self, claimed: str | None) -> None:
         if claimed is not None:
@@ -413,6 +455,8 @@ class Channel(filesystem.Channel):
             # each failed publish would hold its part of the space that ran out, for good
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
+            if not os.path.isdir(self.data_folder_out):
+                raise BrokerFolderMissing(self.data_folder_out) from exc
             raise ChannelError(f"Cannot add file {final!r} to directory: "
                                f"{exc.strerror or exc}") from exc
 

@@ -1,15 +1,18 @@
 """The OJS worker bootsteps, in the order they start (``install`` adds them to the consumer).
 
 Registration → directives → beat → pool children → signals and drain; each step declares what it
-requires, and they share one :class:`~.node.WorkerNode` (``consumer.ojs``).
+requires, and they share one :class:`~.node.WorkerNode` (``consumer.ojs``). The broker folder's
+step (``ojsfs://`` only) stands apart: it ends the worker whose broker folder is removed.
 """
 
 from __future__ import annotations
 
 from .beat import BeatStep
+from .broker_folder import BrokerFolderStep
 from .children import PoolChildrenStep
 from .directives import DirectivesStep
 from .registration import RegistrationStep
 from .shutdown import DrainStep
 
-STEPS = (RegistrationStep, DirectivesStep, BeatStep, PoolChildrenStep, DrainStep)
+STEPS = (RegistrationStep, DirectivesStep, BeatStep, PoolChildrenStep, DrainStep,
+         BrokerFolderStep)
