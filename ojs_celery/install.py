@@ -11,6 +11,7 @@ from typing import Any
 from celery import Celery, signals
 from celery.exceptions import ImproperlyConfigured
 from kombu import entity
+from kombu.exceptions import KombuError
 
 from . import compat, control
 from .callers import wrap_send_task
@@ -104,6 +105,7 @@ def install(app: Celery) -> Runtime:
     def on_beat_init(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is app:
             _settings_or_exit()  # before the scheduler reads beat_schedule
+            _beat_thread.ticks = True  # beat's scheduler runs in this thread
 
     app.on_after_configure.connect(on_configured, weak=False)
     signals.beat_init.connect(on_beat_init, weak=False)
@@ -158,16 +160,39 @@ def is_stale_sweep(runtime: Runtime, sent_at: float | None, now: float) -> bool:
     return last is not None and last >= sent_at
 
 
+#: ``ticks`` is set in the thread that runs celery beat's scheduler (``beat_init``, in
+#: ``celery beat`` and in the beat process of ``celery worker -B``).
+_beat_thread = threading.local()
+
+
+class _BeatSaysPublishFailures:
+    """The sweep task's publish from celery beat's scheduler: a broker failure (the embedded
+    broker folder missing or its disk full, a broker down) is one ERROR line naming the cause,
+    and beat sends the sweep again at its next tick. Beat logged each failed tick with the
+    whole traceback, and its stack on top (its ``Message Error``)."""
+
+    def apply_async(self, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(_beat_thread, "ticks", False):
+            return super().apply_async(*args, **kwargs)  # type: ignore[misc]
+        try:
+            return super().apply_async(*args, **kwargs)  # type: ignore[misc]
+        except (KombuError, OSError) as exc:
+            logger.error("ojs_celery: celery beat could not send the sweep (%s) to the broker, "
+                         "and sends it again at its next tick: %s", SWEEP_TASK, exc)
+            return None  # beat then takes it as sent (a DEBUG line), and goes on
+
+
 def _add_sweep_task(app: Celery) -> None:
     """The ``ojs_celery.sweep`` task (see :func:`_add_beat_entry` for its schedule)."""
 
     faults = sweep_faults()
+    base = type("OJSSweepTask", (_BeatSaysPublishFailures, app.Task), {})
     signals.before_task_publish.connect(_stamp_sweep, weak=False, dispatch_uid="ojs-sweep-stamp")
 
     # send_events=False: a pass every sweep_interval would fill Celery's task events (Flower
     # keeps 10,000 tasks: a day of an idle app's sweeps pushes its own tasks out)
     @app.task(name=SWEEP_TASK, ignore_result=True, shared=False,  # type: ignore[untyped-decorator]
-              bind=True, send_events=False)
+              bind=True, send_events=False, base=base)
     def ojs_sweep(self: Any) -> dict[str, Any]:
         runtime = get_runtime(app)
         sent_at = sweep_sent_at(self.request)
