@@ -109,11 +109,11 @@ class StoreUncertain(StoreError):
 
 class StoreRefused(StoreError):
     """Nothing was stored, for certain: the store refused what has to come before any write (a
-    SQL store's tables could not be made: no permission, a read-only session), or answered the
-    write itself with an error that rolled it back (PostgreSQL cancelling a statement that
-    waited past ``statement_timeout`` or ``lock_timeout`` for a lock another session holds).
-    So the write is not uncertain, and no read is sent to settle it: under a lock that read
-    would wait as long again."""
+    SQL store's tables could not be made: no permission, a read-only session; a SQLite file
+    that cannot be opened at all), or answered the write itself with an error that rolled it
+    back (PostgreSQL cancelling a statement that waited past ``statement_timeout`` or
+    ``lock_timeout`` for a lock another session holds). So the write is not uncertain, and no
+    read is sent to settle it: under a lock that read would wait as long again."""
 
 
 class DuplicateJob(ValueError):

@@ -210,6 +210,33 @@ def file_identity(path: str | None) -> tuple[int, int] | None:
     return (found.st_dev, found.st_ino)
 
 
+#: SQLite's result code for a file it cannot open (``sqlite3.SQLITE_CANTOPEN``, Python 3.11+).
+_SQLITE_CANTOPEN = 14
+
+
+def _cannot_open(error: BaseException | None) -> bool:
+    """Whether ``error`` is SQLite's "unable to open database file": the connection was never
+    made, so nothing was written (a write that fails so is not uncertain)."""
+    if not isinstance(error, sqlite3.OperationalError):
+        return False
+    code = getattr(error, "sqlite_errorcode", None)  # Python 3.11+
+    return code == _SQLITE_CANTOPEN if code is not None else (
+        "unable to open database file" in str(error))
+
+
+def _why_not_opened(path: str) -> str:
+    """Why the SQLite file ``path`` cannot be opened, as far as its folder tells."""
+    folder = os.path.dirname(path)
+    if not os.path.exists(folder):
+        return f"its folder {folder} does not exist"
+    if not os.path.isdir(folder):
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK) or (
+            os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK)):
+        return "no permission to open or create it"
+    return "SQLite cannot open it"
+
+
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     """WAL lets readers run beside one writer across processes; the busy timeout makes writers
     queue instead of failing; NORMAL sync is durable across process crashes in WAL mode."""
@@ -480,7 +507,15 @@ class SQLStore(JobStore):
             if self._engine is None:
                 self._engine = self._create_engine()
             if not self._ready:
-                self._create_tables(self._engine)
+                try:
+                    self._create_tables(self._engine)
+                except sa_exc.OperationalError as exc:
+                    if self._file is not None and _cannot_open(exc.orig):
+                        raise StoreRefused(store_message(
+                            exc.orig, "the job store is unavailable, it cannot open its "
+                                      f"SQLite file {self._file} "
+                                      f"({_why_not_opened(self._file)}): ")) from exc
+                    raise
                 self._file_opened = file_identity(self._file)
                 self._ready = True
             return self._engine
