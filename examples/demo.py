@@ -58,31 +58,19 @@ def describe(event: dict[str, Any], started: float) -> str:
             f"{data.get('job_type', ''):<12} {' '.join(extra)}")
 
 
-def main() -> int:
-    base = pathlib.Path(tempfile.mkdtemp(prefix="ojs-demo-"))
-    os.environ["OJS_DEMO_DIR"] = str(base)
-    sys.path.insert(0, str(ROOT))
-    from examples.demo_app import app
-    from ojs_celery import enqueue, get_job
-    from ojs_celery.events import listen
+#: Runs its arguments with Ctrl-C (SIGINT) ignored until the program sets a handler of its own
+#: (Celery's worker does once it starts): a Ctrl-C while the worker imports Celery printed a
+#: traceback; the demo, which gets it too, stops the worker meanwhile.
+IGNORING_CTRL_C = ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "sh"]
+
+
+def start_worker(app: Any, base: pathlib.Path) -> subprocess.Popen[bytes]:
+    """The demo's ``celery worker``, with the sweeper's beat inside it."""
     from ojs_celery.runtime import get_runtime
 
-    started = time.monotonic()
-    ready = threading.Event()
-
-    def show(event: dict[str, Any]) -> None:
-        print(describe(event, started), flush=True)
-
-    threading.Thread(target=listen, args=(app, show), kwargs={"ready": ready},
-                     daemon=True).start()
-    ready.wait(10)
-    print(f"ojs_celery demo (filesystem broker, SQLite store in {base})", flush=True)
-    print("demo.report is stopped at its hard limit twice: Celery logs each stop as ERROR "
-          "lines (such as 'Hard time limit' or 'Process ... exited with signal 9'), as "
-          "intended\n", flush=True)
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "--quiet", "-A", "examples.demo_app", "worker", "--pool",
-         "prefork", "--concurrency", "3", "--without-gossip",
+    return subprocess.Popen(
+        [*IGNORING_CTRL_C, sys.executable, "-m", "celery", "--quiet", "-A", "examples.demo_app",
+         "worker", "--pool", "prefork", "--concurrency", "3", "--without-gossip",
          "--loglevel", os.environ.get("OJS_DEMO_LOGLEVEL", "WARNING"),
          "--without-mingle", "--hostname", "demo@%h",
          # the sweeper too (beat inside the worker, fine for a demo): it enforces every
@@ -91,7 +79,34 @@ def main() -> int:
          "-Q", f"{app.conf.task_default_queue},{get_runtime(app).settings.sweep_queue}"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
+
+
+def main() -> int:
+    base: pathlib.Path | None = None
+    worker: subprocess.Popen[bytes] | None = None
+    # Ctrl-C at any point, from the imports on: one line, the same clean-up, status 130
     try:
+        base = pathlib.Path(tempfile.mkdtemp(prefix="ojs-demo-"))
+        os.environ["OJS_DEMO_DIR"] = str(base)
+        sys.path.insert(0, str(ROOT))
+        from examples.demo_app import app
+        from ojs_celery import enqueue, get_job
+        from ojs_celery.events import listen
+
+        started = time.monotonic()
+        ready = threading.Event()
+
+        def show(event: dict[str, Any]) -> None:
+            print(describe(event, started), flush=True)
+
+        threading.Thread(target=listen, args=(app, show), kwargs={"ready": ready},
+                         daemon=True).start()
+        ready.wait(10)
+        print(f"ojs_celery demo (filesystem broker, SQLite store in {base})", flush=True)
+        print("demo.report is stopped at its hard limit twice: Celery logs each stop as ERROR "
+              "lines (such as 'Hard time limit' or 'Process ... exited with signal 9'), as "
+              "intended\n", flush=True)
+        worker = start_worker(app, base)
         ids = []
         for envelope in JOBS:
             job = enqueue(envelope, app=app)
@@ -115,17 +130,23 @@ def main() -> int:
                   f"errors=[{errors}]")
             ok = ok and job.terminal
         return 0 if ok else 1
-    except KeyboardInterrupt:  # Ctrl-C: one line, and the same clean-up as at the end
-        print("\ninterrupted: stopping the worker and removing the demo's folder", flush=True)
+    except KeyboardInterrupt:
+        stopping = "stopping the worker and " if worker is not None else ""
+        print(f"\ninterrupted: {stopping}removing the demo's folder", flush=True)
         return 130
     finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(15)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
-        if os.environ.get("OJS_DEMO_KEEP"):
+        # a second Ctrl-C now would leave the worker and the folder behind, with a traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if worker is not None:
+            worker.send_signal(signal.SIGTERM)
+            try:
+                worker.wait(15)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        if base is None:
+            pass
+        elif os.environ.get("OJS_DEMO_KEEP"):
             print(f"\nkept {base} (OJS_DEMO_KEEP is set)", flush=True)
         else:  # the store, the broker's folders, the beat schedule: nothing left behind
             shutil.rmtree(base, ignore_errors=True)

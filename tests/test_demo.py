@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.workers import ROOT, wait_for
 
 
@@ -59,3 +61,37 @@ def test_the_demo_interrupted_with_ctrl_c_says_so_in_a_line_and_leaves_nothing()
                               text=True).stdout.split() == []
 
     wait_for(session_left, 15, "the demo's processes to end")
+
+
+@pytest.mark.parametrize("moment", ["starting", "worker-starting"])
+def test_the_demo_interrupted_before_its_jobs_run_ends_the_same_way(
+        tmp_path: pathlib.Path, moment: str) -> None:
+    """Ctrl-C while the demo starts (its imports, its event listener: its folder is there), or
+    while its worker starts (its header is printed, the worker imports Celery): the same one
+    line, status 130 and nothing left, not a traceback (the demo's, or its worker's)."""
+    demo = subprocess.Popen([sys.executable, "examples/demo.py"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "TMPDIR": str(tmp_path)},
+                            start_new_session=True)
+    seen = []
+    try:
+        if moment == "starting":
+            wait_for(lambda: list(tmp_path.glob("ojs-demo-*")), 30, "the demo's folder")
+        else:
+            assert demo.stdout is not None
+            for line in demo.stdout:
+                seen.append(line)
+                if "ojs_celery demo (" in line:
+                    break
+        os.killpg(demo.pid, signal.SIGINT)
+        out, err = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait(10)
+    out = "".join(seen) + out
+    assert demo.returncode == 130, out + err
+    assert "interrupted" in out and "Traceback" not in err, out + err
+    if moment == "starting":
+        assert "enqueued" not in out, out  # interrupted before, as meant
+    assert list(tmp_path.iterdir()) == []  # the demo's folder is gone
