@@ -66,6 +66,11 @@ class Settings(BaseModel):
     #: Seconds a store call waits for the store's answer before it fails (see
     #: :data:`ojs_celery.store.base.DEFAULT_TIMEOUT`).
     store_timeout: float = Field(DEFAULT_STORE_TIMEOUT, ge=0.1, le=3600)
+    #: Seconds a publish waits for the broker's confirmation, when the app has kombu's
+    #: publisher confirms on (``broker_transport_options={"confirm_publish": True}``, RabbitMQ).
+    #: Celery sends no limit, and a blocked connection (a RabbitMQ memory or disk alarm) never
+    #: confirms: without one, ``.delay()`` and ``enqueue`` would wait for ever.
+    publish_timeout: float = Field(10.0, ge=0.1, le=3600)
     type_map: dict[str, str] = {}
     events: bool = True
     amqp_max_priority: int = Field(10, ge=1, le=255)

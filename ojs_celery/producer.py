@@ -205,6 +205,11 @@ def publish(
         "compression": compat.celery_setting(app, "task_compression"),
         "retry": True,
         "retry_policy": PUBLISH_RETRY_POLICY,
+        # Only read by a channel in confirm mode (kombu's ``confirm_publish``): a publish the
+        # broker does not confirm in time (a blocked connection: RabbitMQ's memory or disk
+        # alarm) fails as a lost connection, is tried again per the policy, and then raises
+        # BrokerUnavailable with the outbox entry kept, instead of waiting for ever.
+        "confirm_timeout": runtime.settings.publish_timeout,
     }
     priority = broker_priority(app, job.priority, runtime.settings.amqp_max_priority)
     if priority is not None:
@@ -219,21 +224,46 @@ def publish(
     kwargs = extensions.get(CELERY_KWARGS_FIELD) or {}
     try:
         with app.producer_or_acquire(producer) as held:
-            options["queue"] = queue = bound_queue(app, celery_queue(app, job.queue), held)
-            if "eta" in options and compat.delays_natively(app, held, queue):
-                soonest = time.time() + compat.NATIVE_DELAY_LEAST
-                options["eta"] = from_epoch(max(request.eta or soonest, soonest))
-            app.send_task(runtime.task_name_for(job.type), args=list(job.args), kwargs=kwargs,
-                          producer=held, **options)
+            try:
+                options["queue"] = queue = bound_queue(app, celery_queue(app, job.queue), held)
+                if "eta" in options and compat.delays_natively(app, held, queue):
+                    soonest = time.time() + compat.NATIVE_DELAY_LEAST
+                    options["eta"] = from_epoch(max(request.eta or soonest, soonest))
+                app.send_task(runtime.task_name_for(job.type), args=list(job.args),
+                              kwargs=kwargs, producer=held, **options)
+            except OperationalError:
+                abandon_connection(held)
+                raise
     except OperationalError as exc:
+        reason = f"broker: {exc}"
+        if isinstance(exc.__cause__ or exc.__context__, TimeoutError):
+            reason += (" (no reply in time: a RabbitMQ memory or disk alarm blocks publishers; "
+                       f"each try waits up to ojs.publish_timeout, "
+                       f"{runtime.settings.publish_timeout:g}s, for its confirmation)")
         raise BrokerUnavailable(
-            f"job {job.id} is stored but its message could not be published (broker: {exc}); "
+            f"job {job.id} is stored but its message could not be published ({reason}); "
             "it stays in the outbox and the sweeper publishes it when the broker takes it"
         ) from exc
     if acks is None:
         runtime.acks.ack(job.id, request.token)
     else:
         acks.append((job.id, request.token))
+
+
+def abandon_connection(producer: Any) -> None:
+    """Drop ``producer``'s broker connection without the closing handshake, after a publish
+    that failed as a lost connection. The pool then closes it when the producer leaves, and
+    py-amqp's close waits without a limit for the broker's reply, which a blocked connection
+    (RabbitMQ's memory or disk alarm) never sends: ``.delay()`` would hang there after all.
+    A message written to it and not confirmed may still arrive: its job's outbox entry stays,
+    and fencing drops the copy the sweeper sends."""
+    connection = getattr(producer, "connection", None)
+    if connection is None:
+        return
+    try:
+        connection.collect()
+    except Exception as exc:  # best effort: the publish's own error is what the caller hears
+        logger.debug("ojs_celery: could not drop a failed broker connection: %r", exc)
 
 
 #: Queues bound to a broker channel: (id of the channel, queue name) -> (the channel, the
