@@ -185,7 +185,8 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
             report.warnings.append(
                 f"RabbitMQ consumer_timeout {limit:g}s is shorter than the task's timeout "
                 f"and grace period ({held:g}s): RabbitMQ closes the channel of a worker "
-                "still running it (raise consumer_timeout, or x-consumer-timeout on the queue)")
+                "still running it (raise consumer_timeout, or x-consumer-timeout on the queue; "
+                "and set broker_channel_error_retry, or Celery's worker stops there)")
     return report
 
 

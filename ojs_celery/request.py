@@ -34,6 +34,7 @@ from billiard.exceptions import (
 from celery import states
 from celery.worker.request import Request
 from celery.worker.state import task_ready
+from kombu.transport.pyamqp import Channel as AMQPChannel
 
 from . import arrival, lifecycle
 from .effects import carry_out, event_repr, report_outcome
@@ -96,6 +97,42 @@ class OJSRequest(Request):  # type: ignore[misc]
                            self.id)
             return
         super().cancel(pool, signal, **options)
+
+    def acknowledge(self) -> None:
+        """Celery's ack, unless the message's broker channel has closed since its delivery
+        (a lost connection, a broker restart, RabbitMQ's ``consumer_timeout``): the broker has
+        put the message back already and no ack can reach it, so Celery's attempt would only
+        log a CRITICAL ``Couldn't ack`` with a traceback at the end of every such attempt. The
+        attempt's outcome is in the store, and fencing drops the message's next delivery."""
+        if not getattr(self, "acknowledged", False) and self._ojs_channel_gone(
+                "acknowledge", "that copy is dropped (the job store has this attempt's outcome)"):
+            self.acknowledged = True
+            return
+        super().acknowledge()
+
+    def reject(self, requeue: bool = False) -> None:
+        """Celery's reject, unless the message's channel has closed (see :meth:`acknowledge`):
+        the broker has put the message back already."""
+        if not getattr(self, "acknowledged", False) and self._ojs_channel_gone(
+                "send back", "as sending it back would have had it"):
+            self.acknowledged = True
+            self.send_event("task-rejected", requeue=requeue)
+            return
+        super().reject(requeue)
+
+    def _ojs_channel_gone(self, what: str, then: str) -> bool:
+        """Whether this OJS message's AMQP channel (py-amqp's: RabbitMQ) was closed since its
+        delivery (it has no connection then), logged when it was. Other transports keep
+        their own ways (kombu's Redis channel restores what it held when it closes)."""
+        channel = getattr(self._message, "channel", None)
+        if (self._ojs_token() is None or not isinstance(channel, AMQPChannel)
+                or channel.connection is not None):
+            return False
+        logger.warning("ojs_celery: job %s: cannot %s its message, whose broker channel has "
+                       "closed since its delivery (a lost connection, a broker restart, "
+                       "RabbitMQ's consumer_timeout); the broker delivers it again, %s",
+                       self.id, what, then)
+        return True
 
     def ojs_settled(self, outcome: str) -> None:
         """Another party of this worker (the shutdown drain) wrote this attempt's failure,

@@ -37,9 +37,11 @@ class PrivateRabbit:
     """A node on free ports; :meth:`ctl` runs ``rabbitmqctl`` against it; :meth:`stop_app` and
     :meth:`start_app` stop and start the broker inside the node (its clients' connections are
     closed; queues and durable messages are kept); :meth:`destroy` stops it and removes its
-    folder. ``settings`` are ``rabbitmq.conf`` lines (``consumer_timeout``, ...)."""
+    folder. ``settings`` are ``rabbitmq.conf`` lines (``consumer_timeout``, ...); ``advanced``,
+    the ``advanced.config`` term (settings ``rabbitmq.conf`` cannot set)."""
 
-    def __init__(self, settings: dict[str, str] | None = None) -> None:
+    def __init__(self, settings: dict[str, str] | None = None,
+                 advanced: str | None = None) -> None:
         server, ctl = _program("rabbitmq-server"), _program("rabbitmqctl")
         if server is None or ctl is None:
             pytest.skip("RabbitMQ's server (rabbitmq-server, rabbitmqctl) is not installed")
@@ -53,6 +55,7 @@ class PrivateRabbit:
         (self.directory / "rabbitmq.conf").write_text(
             "".join(f"{key} = {value}\n" for key, value in lines.items()))
         (self.directory / "enabled_plugins").write_text("[].\n")
+        (self.directory / "advanced.config").write_text(advanced or "[].\n")
         self.env = {
             **os.environ,
             "HOME": str(self.directory),  # the node's and rabbitmqctl's Erlang cookie

@@ -1,6 +1,7 @@
 """What an operations team running RabbitMQ meets, on a RabbitMQ node of this module's own
 (:mod:`tests.rabbitserver`; the shared server is never touched): a memory alarm that blocks
-publishers, and the broker restarted under a running worker. The job store is the shared
+publishers, the broker restarted under a running worker, and RabbitMQ's ``consumer_timeout``
+(3 s here) shorter than a job. The job store is the shared
 Redis. Skipped when ``rabbitmq-server`` is not installed; the node takes 5 to 10 s to start,
 once for the module."""
 
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from ojs_celery import get_job
+from ojs_celery import enqueue, get_job
 from ojs_celery.runtime import get_runtime
 from tests import services
 from tests.e2eapp import make_app
@@ -25,7 +26,10 @@ from tests.workers import SweepLoop, Worker, forget_redis_names, redis_config, w
 
 @pytest.fixture(scope="module")
 def rabbit() -> Iterator[PrivateRabbit]:
-    server = PrivateRabbit()
+    # RabbitMQ's delivery-acknowledgement timeout, checked every second instead of every
+    # minute: a job of a few seconds outlives it (the other tests' jobs take less)
+    server = PrivateRabbit({"consumer_timeout": "3000"},
+                           "[{rabbit, [{channel_tick_interval, 1000}]}].")
     try:
         yield server
     finally:
@@ -91,3 +95,85 @@ def test_a_memory_alarm_bounds_a_confirmed_publish_and_loses_no_job(
         worker.stop()
         forget(app, config)
 
+
+
+def runs_of(config: dict[str, Any], job_id: str) -> list[str]:
+    path = pathlib.Path(config["dir"]) / "runs"
+    return [line for line in path.read_text().splitlines() if job_id in line.split()[1:2]]
+
+
+def active(app: Celery, job_id: str) -> bool:
+    job = get_job(job_id, app=app)
+    return job is not None and job.state == "active"
+
+
+def test_a_broker_restart_under_running_jobs_loses_none_and_runs_each_once(
+        rabbit: PrivateRabbit, tmp_path: pathlib.Path) -> None:
+    """The broker stops (``stop_app``: every connection closed) while two jobs run and while
+    callers publish, and starts again: the running jobs finish once, their redelivered
+    messages are dropped, the jobs published meanwhile run from the outbox. The ends of the
+    attempts whose channel closed are not acknowledged: Celery's ack on it logged a CRITICAL
+    ``Couldn't ack`` with a traceback for each."""
+    config = rabbit_config(tmp_path, rabbit, dispatch_grace=0.5)
+    app = make_app(config)
+    sweeper = SweepLoop(get_runtime(app))
+    worker = Worker(config, tmp_path / "worker.log")
+    try:
+        worker.wait_ready()
+        sweeper.start()
+        running = [enqueue({"type": "e2e.sleep", "args": [2]}, app=app).id for _ in range(2)]
+        for job_id in running:
+            wait_for(lambda j=job_id: active(app, j), 30, f"job {job_id} to start")
+        rabbit.stop_app()
+        try:
+            meanwhile = [app.tasks["e2e.add"].delay(n, 1).id for n in range(2)]
+        finally:
+            rabbit.start_app()
+        after = app.tasks["e2e.add"].delay(5, 5).id
+        for job_id in [*running, *meanwhile, after]:
+            def completed(j: str = job_id) -> bool:
+                job = get_job(j, app=app)
+                return job is not None and job.state == "completed"
+
+            wait_for(completed, 90, f"job {job_id} to complete")
+            assert len(runs_of(config, job_id)) == 1, (job_id, worker.log()[-4000:])
+        log = worker.log()
+        assert "Couldn't ack" not in log, log[-6000:]
+        assert "cannot acknowledge its message" in log
+    finally:
+        sweeper.stop()
+        worker.stop()
+        forget(app, config)
+
+
+def test_a_job_longer_than_consumer_timeout_runs_once_and_its_worker_goes_on(
+        rabbit: PrivateRabbit, tmp_path: pathlib.Path) -> None:
+    """RabbitMQ closes the channel of a delivery not acknowledged within ``consumer_timeout``
+    (PRECONDITION_FAILED) and puts the message back. With Celery's
+    ``broker_channel_error_retry`` (README) the worker reconnects instead of stopping; the
+    running job finishes once and completes, its redelivered copy is dropped, its end is not
+    acknowledged on the closed channel (no CRITICAL ``Couldn't ack``), and later jobs run."""
+    config = rabbit_config(tmp_path, rabbit)
+    config["celery"] = {**config["celery"], "broker_channel_error_retry": True}
+    app = make_app(config)
+    worker = Worker(config, tmp_path / "worker.log")
+    try:
+        worker.wait_ready()
+        long = enqueue({"type": "e2e.sleep", "args": [8], "timeout": 60}, app=app).id
+        wait_for(lambda: "PRECONDITION_FAILED" in worker.log(), 60,
+                 "RabbitMQ to close the channel of the unacknowledged delivery")
+
+        def completed(j: str) -> bool:
+            job = get_job(j, app=app)
+            return job is not None and job.state == "completed"
+
+        wait_for(lambda: completed(long), 60, "the long job to complete")
+        later = app.tasks["e2e.add"].delay(2, 2).id
+        wait_for(lambda: completed(later), 60, "a later job to complete")
+        assert len(runs_of(config, long)) == 1
+        log = worker.log()
+        assert "Couldn't ack" not in log, log[-6000:]
+        assert "cannot acknowledge its message" in log
+    finally:
+        worker.stop()
+        forget(app, config)
