@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from datetime import date, datetime
 from typing import Any
 
+from amqp.exceptions import MessageNacked
 from celery import Celery, Task
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu.common import Broadcast
@@ -235,11 +236,7 @@ def publish(
                 abandon_connection(held)
                 raise
     except OperationalError as exc:
-        reason = f"broker: {exc}"
-        if isinstance(exc.__cause__ or exc.__context__, TimeoutError):
-            reason += (" (no reply in time: a RabbitMQ memory or disk alarm blocks publishers; "
-                       f"each try waits up to ojs.publish_timeout, "
-                       f"{runtime.settings.publish_timeout:g}s, for its confirmation)")
+        reason = f"broker: {publish_failure(exc, runtime.settings.publish_timeout)}"
         raise BrokerUnavailable(
             f"job {job.id} is stored but its message could not be published ({reason}); "
             "it stays in the outbox and the sweeper publishes it when the broker takes it"
@@ -248,6 +245,21 @@ def publish(
         runtime.acks.ack(job.id, request.token)
     else:
         acks.append((job.id, request.token))
+
+
+def publish_failure(exc: OperationalError, publish_timeout: float) -> str:
+    """What kombu's error for a failed publish means, in words: its text is empty for a
+    RabbitMQ nack, and a bare "timed out" for a confirmation that never came."""
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, MessageNacked):
+        return ("RabbitMQ refused the message (a nack: its queue is full with "
+                "x-overflow reject-publish, or the broker could not store it)")
+    text = str(exc) or type(cause or exc).__name__
+    if isinstance(cause, TimeoutError):
+        text += (" (no reply in time: a RabbitMQ memory or disk alarm blocks publishers; each "
+                 f"try waits up to ojs.publish_timeout, {publish_timeout:g}s, for its "
+                 "confirmation)")
+    return text
 
 
 def abandon_connection(producer: Any) -> None:

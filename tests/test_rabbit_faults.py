@@ -15,9 +15,11 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from kombu import Connection, Exchange, Queue
 
 from ojs_celery import enqueue, get_job
 from ojs_celery.runtime import get_runtime
+from ojs_celery.sweeper import sweep
 from tests import services
 from tests.e2eapp import make_app
 from tests.rabbitserver import PrivateRabbit
@@ -176,4 +178,39 @@ def test_a_job_longer_than_consumer_timeout_runs_once_and_its_worker_goes_on(
         assert "cannot acknowledge its message" in log
     finally:
         worker.stop()
+        forget(app, config)
+
+
+def test_a_full_queue_that_refuses_publishes_is_named_and_its_job_kept(
+        rabbit: PrivateRabbit, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A queue declared with ``x-max-length`` and ``x-overflow: reject-publish`` is full: with
+    publisher confirms RabbitMQ nacks the message. The caller got the stored job and a log line
+    that said only ``(broker: )`` (kombu's error for a nack has no text); now it names the
+    refusal. The message stays owed: once the queue has room a sweep publishes it."""
+    config = rabbit_config(tmp_path, rabbit, dispatch_grace=0.2)
+    config["broker_transport_options"] = {"confirm_publish": True}
+    name = config["queue"]
+    config["celery"] = {**config["celery"], "task_queues": [Queue(
+        name, Exchange(name), routing_key=name,
+        queue_arguments={"x-max-length": 1, "x-overflow": "reject-publish"})]}
+    app = make_app(config)
+    add = app.tasks["e2e.add"]
+    try:
+        add.delay(1, 1)  # fills the queue
+        with caplog.at_level(logging.ERROR, logger="ojs_celery"):
+            refused = add.delay(2, 2).id
+        assert "RabbitMQ refused the message (a nack: its queue is full" in caplog.text
+        job = get_job(refused, app=app)
+        assert job is not None and job.state == "available"
+        with Connection(rabbit.url) as connection:
+            channel = connection.channel()
+            assert channel.queue_purge(name) == 1
+
+            def published_again() -> bool:
+                sweep(get_runtime(app))
+                return bool(channel.queue_declare(name, passive=True).message_count == 1)
+
+            wait_for(published_again, 30, "a sweep to publish the refused job's message")
+            channel.queue_delete(name)
+    finally:
         forget(app, config)
