@@ -236,7 +236,9 @@ def publish(
                 abandon_connection(held)
                 raise
     except OperationalError as exc:
-        reason = f"broker: {publish_failure(exc, runtime.settings.publish_timeout)}"
+        confirming = bool((app.conf.broker_transport_options or {}).get("confirm_publish"))
+        reason = "broker: " + publish_failure(
+            exc, runtime.settings.publish_timeout if confirming else None)
         raise BrokerUnavailable(
             f"job {job.id} is stored but its message could not be published ({reason}); "
             "it stays in the outbox and the sweeper publishes it when the broker takes it"
@@ -247,18 +249,22 @@ def publish(
         acks.append((job.id, request.token))
 
 
-def publish_failure(exc: OperationalError, publish_timeout: float) -> str:
+def publish_failure(exc: OperationalError, publish_timeout: float | None) -> str:
     """What kombu's error for a failed publish means, in words: its text is empty for a
-    RabbitMQ nack, and a bare "timed out" for a confirmation that never came."""
+    RabbitMQ nack, and a bare "timed out" for a broker that did not answer (``publish_timeout``:
+    the confirmation's limit, when the app has publisher confirms on)."""
     cause = exc.__cause__ or exc.__context__
     if isinstance(cause, MessageNacked):
         return ("RabbitMQ refused the message (a nack: its queue is full with "
                 "x-overflow reject-publish, or the broker could not store it)")
     text = str(exc) or type(cause or exc).__name__
     if isinstance(cause, TimeoutError):
-        text += (" (no reply in time: a RabbitMQ memory or disk alarm blocks publishers; each "
-                 f"try waits up to ojs.publish_timeout, {publish_timeout:g}s, for its "
-                 "confirmation)")
+        text += (" (the broker did not answer in time: blocked by a RabbitMQ memory or disk "
+                 "alarm, or not responding")
+        if publish_timeout is not None:
+            text += (f"; each try waits up to ojs.publish_timeout, {publish_timeout:g}s, for "
+                     "its confirmation")
+        text += ")"
     return text
 
 

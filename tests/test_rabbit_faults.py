@@ -72,7 +72,7 @@ def test_a_memory_alarm_bounds_a_confirmed_publish_and_loses_no_job(
             call.start()
             call.join(30)
             assert not call.is_alive(), ".delay() still waits for the blocked broker"
-        assert "publish_timeout" in caplog.text and "memory or disk alarm" in caplog.text
+        assert "ojs.publish_timeout" in caplog.text and "memory or disk alarm" in caplog.text
         job = get_job(returned[0].id, app=app)
         assert job is not None and job.state == "available"
     finally:
