@@ -135,6 +135,8 @@ def test_unknown_nested_retention_key() -> None:
         ({"store_timeout": 0.01}, "ojs.store_timeout"),
         ({"store_timeout": 3601}, "ojs.store_timeout"),
         ({"store_timeout": "soon"}, "ojs.store_timeout"),
+        ({"publish_timeout": 0}, "ojs.publish_timeout"),
+        ({"publish_timeout": 3601}, "ojs.publish_timeout"),
         ({"store_synchronous_commit": "fast"}, "ojs.store_synchronous_commit"),
         ({"store_synchronous_commit": False}, "ojs.store_synchronous_commit"),
         ({"store_url": "redis://localhost/0", "store_synchronous_commit": "off"},
