@@ -1,8 +1,8 @@
 """What an operations team running RabbitMQ meets, on a RabbitMQ node of this module's own
 (:mod:`tests.rabbitserver`; the shared server is never touched): a memory alarm that blocks
-publishers, the broker restarted under a running worker, and RabbitMQ's ``consumer_timeout``
-(8 s here) shorter than a job. The job store is the shared
-Redis. Skipped when ``rabbitmq-server`` is not installed; the node takes 5 to 10 s to start,
+publishers, the broker restarted under a running worker, RabbitMQ's ``consumer_timeout``
+(8 s here) shorter than a job, and a full queue that refuses publishes. The job store is the
+shared Redis. Skipped when ``rabbitmq-server`` is not installed; the node takes 5 to 10 s to start,
 once for the module."""
 
 from __future__ import annotations
