@@ -125,8 +125,8 @@ class OJSRequest(Request):  # type: ignore[misc]
         delivery (it has no connection then), logged when it was. Other transports keep
         their own ways (kombu's Redis channel restores what it held when it closes)."""
         channel = getattr(self._message, "channel", None)
-        if (self._ojs_token() is None or not isinstance(channel, AMQPChannel)
-                or channel.connection is not None):
+        if (not isinstance(channel, AMQPChannel) or channel.connection is not None
+                or self._ojs_token() is None):
             return False
         logger.warning("ojs_celery: job %s: cannot %s its message, whose broker channel has "
                        "closed since its delivery (a lost connection, a broker restart, "
