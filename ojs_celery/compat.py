@@ -36,6 +36,7 @@ __all__ = [
     "jitter_backoff",
     "keeps_bound_queues",
     "pool_connection",
+    "publish_confirm_limit",
     "require_backend_extra",
     "require_broker_extra",
     "require_store_extra",
@@ -92,6 +93,14 @@ def _copy(items: Iterable[Any]) -> list[Any]:
     return []
 
 
+def publish_confirm_limit(seconds: float) -> dict[str, float]:
+    """The publish option that bounds the wait for a broker's publisher confirmation
+    (``ojs.publish_timeout``), for ``send_task``: Celery 5.5+ passes ``confirm_timeout`` on
+    to kombu 5.5+. Celery 5.4 and kombu 5.4 have no such option (Celery would add it to the
+    message's properties, where nothing reads it), so there the wait stays unbounded."""
+    return {"confirm_timeout": seconds} if _CONFIRM_TIMEOUT else {}
+
+
 # --- kombu ------------------------------------------------------------------------------------
 
 
@@ -100,6 +109,12 @@ def _kombu_version() -> tuple[int, int]:
 
     major, minor = (int(part) for part in kombu.__version__.split(".")[:2])
     return major, minor
+
+
+#: Whether ``send_task`` can bound a publisher confirmation's wait: kombu's
+#: ``Producer.publish`` takes ``confirm_timeout`` from 5.5, Celery passes it on from 5.5.
+_CONFIRM_TIMEOUT = _kombu_version() >= (5, 5) and tuple(
+    int(part) for part in celery.__version__.split(".")[:2]) >= (5, 5)
 
 
 def keeps_bound_queues() -> bool:

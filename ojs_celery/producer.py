@@ -210,7 +210,7 @@ def publish(
         # broker does not confirm in time (a blocked connection: RabbitMQ's memory or disk
         # alarm) fails as a lost connection, is tried again per the policy, and then raises
         # BrokerUnavailable with the outbox entry kept, instead of waiting for ever.
-        "confirm_timeout": runtime.settings.publish_timeout,
+        **compat.publish_confirm_limit(runtime.settings.publish_timeout),
     }
     priority = broker_priority(app, job.priority, runtime.settings.amqp_max_priority)
     if priority is not None:
