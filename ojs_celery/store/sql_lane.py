@@ -54,12 +54,18 @@ def rolled_back(exc: BaseException) -> str | None:
     work and after its ``statement_timeout`` is disarmed, and a failure once the commit is
     written is a PANIC, not an ERROR. A cancel that arrives while a commit waits for a
     synchronous standby is a WARNING, the commit done. So the write was not done, for certain.
-    A FATAL (a session terminated by an administrator) may come after a commit: not this."""
+    A FATAL (a session terminated by an administrator) may come after a commit: not this;
+    nor a connection error (class 08) sent as an ERROR, as a pooler sends one (PgBouncer
+    before 1.21: ``server conn crashed?`` after passing a ``COMMIT`` on), nor any error after
+    which SQLAlchemy found the session gone (``connection_invalidated``): the server may have
+    committed before the session was lost, and such a write is settled by reading."""
+    if getattr(exc, "connection_invalidated", False):
+        return None
     for found in (exc, getattr(exc, "orig", None), exc.__cause__):
         sqlstate = getattr(found, "sqlstate", None) or getattr(found, "pgcode", None)
         severity = getattr(getattr(found, "diag", None), "severity_nonlocalized", None)
         if isinstance(sqlstate, str) and sqlstate and severity == "ERROR":
-            return sqlstate
+            return None if sqlstate.startswith("08") else sqlstate
     return None
 
 
