@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 # The oldest supported Celery, with the kombu and billiard it was released with.
 FLOORS=(
     "celery==5.4.0" "kombu==5.4.2" "billiard==4.2.0"
-    "amqp==5.1.1"                 # what kombu 5.4.2 asks for at least
+    "amqp==5.2.0"                 # 5.1.1 (kombu 5.4.2's floor) lets a RabbitMQ nack out unwrapped
     "pydantic==2.6.2"             # 2.6.1 and older (pydantic-core 2.16.2) take "2030-01-02" as an aware datetime
     "SQLAlchemy==2.0.28"          # 2.0.27 and older drop an INSERT's rowcount (preserve_rowcount)
     "click==8.1.2"                # Celery 5.4 to 5.6 ask for 8.1.2 (5.7: 8.3.1)
