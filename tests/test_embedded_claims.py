@@ -290,3 +290,20 @@ def test_a_claim_folder_whose_process_died_before_its_lock_is_removed(
         assert young.name in remaining
         assert len([name for name in remaining if name.endswith(".lock")]) == 1  # this one's
         message.ack()
+
+
+def test_purging_a_queue_leaves_a_queue_whose_name_ends_like_it(tmp_path: pathlib.Path) -> None:
+    """Purging ``<q>`` removes its messages only: kombu 5.4 to 5.6 also removed those of a
+    queue named ``<x>.<q>`` (its rule is a substring of the file name; ``_get`` takes files
+    by their exact queue part), whose jobs then waited for the redispatch backstop."""
+    settings = embedded_settings(tmp_path / "ojs")
+    short = new_queue()
+    longer = f"reports.{short}"
+    publish(settings, short, {"n": 1})
+    publish(settings, longer, {"n": 2})
+    with channel(settings) as chan:
+        assert chan.queue_purge(short) == 1
+        assert chan.basic_get(short) is None
+        message = chan.basic_get(longer)
+        assert message is not None and message.payload == {"n": 2}
+        message.ack()
