@@ -328,10 +328,11 @@ def enqueue_job(
         for job_id, token in acks:
             runtime.acks.ack(job_id, token)
     elif acks:
-        logger.warning("ojs_celery: job %s is stored, but its insert landed more than %ss "
-                       "after it was made, and a worker may have dropped its message as an "
-                       "orphan meanwhile: its outbox entry stays, the sweeper publishes it "
-                       "once more", job.id, arrival.LANDED_IN_TIME)
+        logger.warning("ojs_celery: job %s is stored, but its insert's reply was read more "
+                       "than %ss after it was made (a slow insert, or a slow publish beside "
+                       "it), and a worker may have dropped its message as an orphan "
+                       "meanwhile: its outbox entry stays, the sweeper publishes it once more",
+                       job.id, arrival.LANDED_IN_TIME)
     runtime.emit(transition)
     if unpublished is not None:
         log_unpublished(job.id, unpublished)

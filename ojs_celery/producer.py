@@ -236,9 +236,10 @@ def publish(
                 abandon_connection(held)
                 raise
     except OperationalError as exc:
-        confirming = bool((app.conf.broker_transport_options or {}).get("confirm_publish"))
+        limited = bool((app.conf.broker_transport_options or {}).get("confirm_publish")
+                       and compat.publish_confirm_limit(runtime.settings.publish_timeout))
         reason = "broker: " + publish_failure(
-            exc, runtime.settings.publish_timeout if confirming else None)
+            exc, runtime.settings.publish_timeout if limited else None)
         raise BrokerUnavailable(
             f"job {job.id} is stored but its message could not be published ({reason}); "
             "it stays in the outbox and the sweeper publishes it when the broker takes it"

@@ -114,7 +114,7 @@ class OJSRequest(Request):  # type: ignore[misc]
         """Celery's reject, unless the message's channel has closed (see :meth:`acknowledge`):
         the broker has put the message back already."""
         if not getattr(self, "acknowledged", False) and self._ojs_channel_gone(
-                "send back", "as sending it back would have had it"):
+                "reject", "and fencing drops that copy where the store has the attempt's end"):
             self.acknowledged = True
             self.send_event("task-rejected", requeue=requeue)
             return
