@@ -144,11 +144,9 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
-        if base is None:
-            pass
-        elif os.environ.get("OJS_DEMO_KEEP"):
+        if base is not None and os.environ.get("OJS_DEMO_KEEP"):
             print(f"\nkept {base} (OJS_DEMO_KEEP is set)", flush=True)
-        else:  # the store, the broker's folders, the beat schedule: nothing left behind
+        elif base is not None:  # the store, the broker's folders, the beat schedule: all go
             shutil.rmtree(base, ignore_errors=True)
 
 
