@@ -102,11 +102,13 @@ def main() -> int:
         threading.Thread(target=listen, args=(app, show), kwargs={"ready": ready},
                          daemon=True).start()
         ready.wait(10)
+        # the worker before the header: a Ctrl-C once the header shows finds it to stop (one
+        # between the two left it running, its output holding the terminal's pipes open)
+        worker = start_worker(app, base)
         print(f"ojs_celery demo (filesystem broker, SQLite store in {base})", flush=True)
         print("demo.report is stopped at its hard limit twice: Celery logs each stop as ERROR "
               "lines (such as 'Hard time limit' or 'Process ... exited with signal 9'), as "
               "intended\n", flush=True)
-        worker = start_worker(app, base)
         ids = []
         for envelope in JOBS:
             job = enqueue(envelope, app=app)
