@@ -46,9 +46,11 @@ __all__ = [
 # --- Celery -----------------------------------------------------------------------------------
 
 
+#: The installed Celery's (major, minor).
+_CELERY_VERSION = tuple(int(part) for part in celery.__version__.split(".")[:2])
 #: Celery 5.7 searches the settings map by map, each for every spelling of a key; 5.4 to 5.6
 #: spelling by spelling, each in every map (``ConfigurationView.__getitem__``, read in each).
-_SETTINGS_BY_MAP = tuple(int(part) for part in celery.__version__.split(".")[:2]) >= (5, 7)
+_SETTINGS_BY_MAP = _CELERY_VERSION >= (5, 7)
 
 
 def celery_setting(app: Any, key: str) -> Any:
@@ -113,8 +115,7 @@ def _kombu_version() -> tuple[int, int]:
 
 #: Whether ``send_task`` can bound a publisher confirmation's wait: kombu's
 #: ``Producer.publish`` takes ``confirm_timeout`` from 5.5, Celery passes it on from 5.5.
-_CONFIRM_TIMEOUT = _kombu_version() >= (5, 5) and tuple(
-    int(part) for part in celery.__version__.split(".")[:2]) >= (5, 5)
+_CONFIRM_TIMEOUT = _kombu_version() >= (5, 5) and _CELERY_VERSION >= (5, 5)
 
 
 def keeps_bound_queues() -> bool:
