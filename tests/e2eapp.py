@@ -55,6 +55,8 @@ def make_app(config: dict[str, Any]) -> Celery:
         slow_bookkeeping(runtime.store, directory)
     if config.get("unacked_linger"):  # hold the removals of acknowledged Redis deliveries
         unacked.removals.linger = float(config["unacked_linger"])
+    if config.get("events_linger"):  # hold each process's events in its bus thread longer
+        runtime.bus.linger = float(config["events_linger"])
 
     class ProjectBase(Task):  # type: ignore[misc]
         """A project's base class with its own ``__call__`` (a database session, say), listed

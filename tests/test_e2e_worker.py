@@ -276,6 +276,33 @@ def test_the_pool_shrinks_when_celery_asks(env: Env, tmp_path: pathlib.Path) -> 
         stop_all([worker])
 
 
+def test_pool_processes_recycled_after_each_job_run_each_once_and_send_its_events(
+        env: Env, tmp_path: pathlib.Path) -> None:
+    """``--max-tasks-per-child 1`` (Celery's ``worker_max_tasks_per_child``, set to contain
+    leaks): each pool process exits after its job, with its events still batched in its bus
+    thread (held there for 30 s here); they go out at its exit (``worker_process_shutdown``),
+    and each job runs once."""
+    config = {**env.config, "events_linger": 30, "worker_queues": [unique("own")]}
+    worker = Worker(config, tmp_path / "recycled.log", concurrency=2,
+                    extra=["--max-tasks-per-child", "1"])
+    worker.wait_ready()
+    try:
+        first = set(pool_processes(worker))
+        jobs = [enqueue({"type": "e2e.add", "args": [i, 1], "queue": queue_of(worker)},
+                        app=env.app) for i in range(6)]
+        for i, job in enumerate(jobs):
+            assert env.wait_state(job.id, "completed", worker=worker).result == i + 1
+        for job in jobs:
+            env.wait_events(job.id, lambda types: "job.completed" in types)
+        assert all(env.events.types(job.id).count("job.completed") == 1 for job in jobs)
+        runs = [line.split()[1] for line in env.lines("runs")]
+        assert all(runs.count(job.id) == 1 for job in jobs)
+        assert not first & set(pool_processes(worker)), "the pool processes were not replaced"
+        assert "Traceback" not in worker.log()
+    finally:
+        stop_all([worker])
+
+
 def test_stalled_handler_is_detected_and_retried(env: Env, tmp_path: pathlib.Path) -> None:
     [worker] = own_workers(env, tmp_path, concurrency=2)
     try:
