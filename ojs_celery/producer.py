@@ -20,6 +20,7 @@ from typing import Any
 
 from amqp.exceptions import MessageNacked
 from celery import Celery, Task
+from celery.app.task import Context
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu.common import Broadcast
 from kombu.entity import Queue
@@ -50,11 +51,20 @@ PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 
 DEFAULT_QUEUE = "default"
 #: The Celery options Python callers may give an OJS job (``.apply_async(link=...)``, canvas):
 #: the callbacks, the rest of a chain, the chord body, group id and index, the job's parents
-#: (see :mod:`ojs_celery.canvas`), the call's ``ignore_result``, and ``reply_to``: where the
+#: (see :mod:`ojs_celery.canvas`), the call's ``ignore_result``, ``reply_to``: where the
 #: ``rpc://`` result backend sends the result (the caller's queue, for every attempt's message
-#: as Celery's retry keeps it, not the queue of the worker that republishes it).
+#: as Celery's retry keeps it, not the queue of the worker that republishes it), and the call's
+#: custom ``headers`` (:func:`custom_headers`), which Celery's retry keeps too.
 TRUSTED_OPTIONS = ("link", "link_error", "chain", "chord", "group_id", "group_index",
-                   "parent_id", "root_id", "ignore_result", "reply_to")
+                   "parent_id", "root_id", "ignore_result", "reply_to", "headers")
+
+#: Message header names that are Celery's own (its protocol's, its request's) or OJS's: a
+#: call's ``headers`` entry of such a name would rewrite the message's id, retries or token,
+#: so it is not kept. Celery's worker shows the others, its "custom headers", in
+#: ``self.request`` (an attribute each, and ``self.request.headers``).
+RESERVED_HEADERS = frozenset(
+    {name for name in vars(Context) if not name.startswith("_")}
+    | {"lang", "task", "argsrepr", "kwargsrepr", "compression", header.NAME})
 
 
 class BrokerUnavailable(RuntimeError):
@@ -191,9 +201,12 @@ def publish(
     at = time.time() if now is None else now
     start_at = max(at, request.eta or at)
     soft, hard = time_limits(job, start_at)
+    kept = trusted_options(job)
     options: dict[str, Any] = {
         "task_id": job.id,
-        "headers": {header.NAME: header.build(job, request.token, record)},
+        # the call's custom headers (as Celery's retry keeps them), then the job's own
+        "headers": {**kept.pop("headers", {}), header.NAME: header.build(job, request.token,
+                                                                          record)},
         # Given even when None: Celery 5.7's send_task fills what is not given from the task's
         # options, and the job's own limits and expires_at are the only ones (a Celery
         # ``expires`` would have the worker drop the message without the job store knowing).
@@ -221,7 +234,7 @@ def publish(
     # semantics (recoveries do not count), the attempts so far for the others.
     options["retries"] = celery_retries(job) if celery_semantics(job) is not None else job.attempt
     extensions = job.extensions
-    options.update(trusted_options(job))
+    options.update(kept)
     kwargs = extensions.get(CELERY_KWARGS_FIELD) or {}
     try:
         with app.producer_or_acquire(producer) as held:
@@ -347,12 +360,25 @@ def with_celery_options(job: Job, options: dict[str, Any]) -> Job:
     """``job`` carrying the Celery options that trusted Python code gave (see
     :data:`TRUSTED_OPTIONS`), kept in the stored record for every attempt's message."""
     kept = {name: options[name] for name in TRUSTED_OPTIONS if options.get(name) is not None}
+    if "headers" in kept:
+        kept["headers"] = custom_headers(kept["headers"])
+        if not kept["headers"]:
+            del kept["headers"]
     if not kept:
         return job
     bad = utf8_violations(kept)  # a plain callback's arguments: nothing else checks them
     if bad:
         raise InvalidJob(bad)
     return job.model_copy(update={CELERY_OPTIONS_FIELD: kept})
+
+
+def custom_headers(headers: Any) -> dict[str, Any]:
+    """A call's ``headers`` without the names Celery or OJS set themselves
+    (:data:`RESERVED_HEADERS`); raises :class:`~ojs_celery.InvalidJob` for what is no dict
+    (Celery's publish would fail on it)."""
+    if not isinstance(headers, dict):
+        raise InvalidJob([("headers", "must be a dict of message headers")])
+    return {name: value for name, value in headers.items() if name not in RESERVED_HEADERS}
 
 
 def trusted_options(job: Job) -> dict[str, Any]:

@@ -463,6 +463,18 @@ def test_expires_is_checked_at_a_retry(env: Env) -> None:
              "task_revoked(expired=True)")
 
 
+def test_a_calls_custom_headers_reach_every_attempt_as_in_celery(env: Env) -> None:
+    """``apply_async(headers={...})`` (tenant ids, request ids): Celery's worker shows each
+    custom header in ``self.request`` and its retry keeps them. They used to be dropped. A
+    header of Celery's own name (``retries``) cannot rewrite the message."""
+    tag = unique("headers")
+    result = env.app.tasks["e2e.celery_headers"].apply_async(
+        (tag,), headers={"x_tenant": "acme", "retries": 7})
+    assert result.get(timeout=30) == "acme"
+    assert _runs(env, tag) == ["retries=0 tenant=acme headers=acme",
+                               "retries=1 tenant=acme headers=acme"]
+
+
 @pytest.mark.parametrize("value", ["datetime", "object"])
 def test_a_retry_with_arguments_json_cannot_carry_ends_the_job_naming_them(
         env: Env, value: str) -> None:
