@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from celery import Celery, Task
 from celery.backends.rpc import RPCBackend
 from celery.result import AsyncResult
+from kombu.exceptions import EncodeError
 
 from . import header
 from .api import enqueue_job
@@ -71,7 +74,8 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
     expires_at = celery_expires_at(task, options, time.time())
     if expires_at is not None:
         envelope["expires_at"] = expires_at
-    job = parse_envelope(envelope, celery_id=True)
+    with refused_as_encode_error():
+        job = parse_envelope(envelope, celery_id=True)
     check_later_calls(task.app, options)
     semantics = celery_semantics_of(task, runtime.settings)
     if semantics is not None:
@@ -94,6 +98,30 @@ def call_arguments(task: Task, args: Any, kwargs: Any) -> dict[str, Any]:
     if kwargs:
         envelope["x_celery_kwargs"] = json_native(dict(kwargs))
     return envelope
+
+
+class UnencodableArguments(InvalidJob, EncodeError):
+    """The :class:`~ojs_celery.InvalidJob` of a call whose arguments JSON cannot carry; also
+    kombu's ``EncodeError``, which plain Celery's ``.delay()`` raises for arguments its
+    serializer cannot encode, so that a caller's ``except EncodeError`` still catches it."""
+
+
+#: The envelope fields that hold a Celery call's arguments.
+ARGUMENT_FIELDS = ("args", "x_celery_kwargs")
+
+
+@contextmanager
+def refused_as_encode_error() -> Iterator[None]:
+    """An :class:`~ojs_celery.InvalidJob` raised inside that names a call's arguments
+    leaves as :class:`UnencodableArguments`."""
+    try:
+        yield
+    except UnencodableArguments:
+        raise
+    except InvalidJob as exc:
+        if not any(path.startswith(ARGUMENT_FIELDS) for path, _ in exc.violations):
+            raise
+        raise UnencodableArguments(exc.violations) from exc
 
 
 def check_call_arguments(task: Task, args: Any, kwargs: Any) -> None:

@@ -26,7 +26,7 @@ from celery.result import EagerResult, denied_join_result
 from kombu import serialization
 
 from . import lifecycle
-from .callers import check_call_arguments, check_later_calls
+from .callers import check_call_arguments, check_later_calls, refused_as_encode_error
 from .context import JobContext, _current
 from .envelope import CELERY_KWARGS_FIELD, Job, JsonValue, new_job_id, parse_envelope, utcnow
 from .lifecycle import Record
@@ -79,7 +79,8 @@ def apply_eagerly(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -
     """``apply_async`` under ``task_always_eager``: Celery's ``Task.apply``, as Celery's own
     ``apply_async`` does (nothing is published, no job is stored)."""
     get_runtime(task.app)  # NotInstalled without install(app), as a published call raises
-    check_call_arguments(task, args, kwargs)  # InvalidJob, as a published call
+    with refused_as_encode_error():  # InvalidJob (and EncodeError), as a published call
+        check_call_arguments(task, args, kwargs)
     check_later_calls(task.app, options)
     link, link_error = options.pop("link", None), options.pop("link_error", None)
     task_id = _job_id(options.pop("task_id", None))
