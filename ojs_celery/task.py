@@ -239,6 +239,10 @@ class OJSTask(Task):  # type: ignore[misc]
             entered = time.monotonic()
             ctx = self._start(runtime, str(self.request.id), current_worker_id(), args, kwargs)
             ctx.start_waited = ctx.started - entered
+            if ctx.job.expires_at is not None and self.request.expires is None:
+                # as Celery's worker shows a call's ``expires``, which OJS keeps in the job
+                # (never in the message: see ojs_celery.producer)
+                self.request.expires = ctx.job.expires_at.isoformat()
             reset = _current.set(ctx)
             try:
                 outcome = run_handler(lambda: self._run_released(args, kwargs))

@@ -411,10 +411,12 @@ def make_app(config: dict[str, Any]) -> Celery:
     @app.task(shared=False, name="e2e.celery_headers", base=OJSTask, bind=True)
     def celery_headers(self: OJSTask, tag: str) -> str:
         """Retries once; each attempt records what it saw of the call's custom header
-        ``x_tenant`` (as ``self.request.x_tenant`` and in ``self.request.headers``)."""
+        ``x_tenant`` (as ``self.request.x_tenant`` and in ``self.request.headers``) and of
+        its ``expires``."""
         record(directory, "celery", f"{tag} retries={self.request.retries} "
                f"tenant={self.request.get('x_tenant')} "
-               f"headers={(self.request.headers or {}).get('x_tenant')}")
+               f"headers={(self.request.headers or {}).get('x_tenant')} "
+               f"expires={self.request.expires}")
         if self.request.retries == 0:
             raise self.retry(countdown=0.1)
         return str(self.request.get("x_tenant"))

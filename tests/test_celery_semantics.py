@@ -468,16 +468,19 @@ def test_expires_is_checked_at_a_retry(env: Env) -> None:
              "task_revoked(expired=True)")
 
 
-def test_a_calls_custom_headers_reach_every_attempt_as_in_celery(env: Env) -> None:
+def test_a_calls_custom_headers_and_expires_reach_every_attempt_as_in_celery(env: Env) -> None:
     """``apply_async(headers={...})`` (tenant ids, request ids): Celery's worker shows each
-    custom header in ``self.request`` and its retry keeps them. They used to be dropped. A
-    header of Celery's own name (``retries``) cannot rewrite the message."""
+    custom header in ``self.request`` and its retry keeps them; ``self.request.expires`` is
+    the call's ``expires``. Both used to be dropped (None). A header of Celery's own name
+    (``retries``) cannot rewrite the message."""
     tag = unique("headers")
     result = env.app.tasks["e2e.celery_headers"].apply_async(
-        (tag,), headers={"x_tenant": "acme", "retries": 7})
+        (tag,), headers={"x_tenant": "acme", "retries": 7}, expires=600)
     assert result.get(timeout=30) == "acme"
-    assert _runs(env, tag) == ["retries=0 tenant=acme headers=acme",
-                               "retries=1 tenant=acme headers=acme"]
+    expires_at = env.job(result.id).expires_at
+    assert expires_at is not None
+    seen = f"tenant=acme headers=acme expires={expires_at.isoformat()}"
+    assert _runs(env, tag) == [f"retries=0 {seen}", f"retries=1 {seen}"]
 
 
 @pytest.mark.parametrize("value", ["datetime", "object"])
