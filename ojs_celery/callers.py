@@ -85,8 +85,23 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
         # carry it (a retry is published by a worker, whose own queue it would get)
         options = {**options, "reply_to": task.app.thread_oid}
     job = enqueue_job(runtime, job, id_chosen="id" in envelope,
-                      celery_options=canvas_options(options))
+                      celery_options=canvas_options(with_parent(task.app, options)))
     return job.id
+
+
+def with_parent(app: Celery, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the ``parent_id`` and ``root_id`` that Celery's ``send_task`` gives a
+    call made inside a running task (that task, and its root), where the call gives none.
+    Kept with the job, every attempt's message carries them, as Celery's retry keeps its
+    request's; a retry published from the job's own attempt would otherwise name that attempt
+    as its parent."""
+    parent = app.current_worker_task
+    request = getattr(parent, "request", None)
+    if request is None or request.id is None:
+        return options
+    inherited = {"parent_id": request.id, "root_id": request.root_id or request.id}
+    return {**options, **{name: value for name, value in inherited.items()
+                          if options.get(name) is None}}
 
 
 def call_arguments(task: Task, args: Any, kwargs: Any) -> dict[str, Any]:

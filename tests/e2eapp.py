@@ -421,6 +421,20 @@ def make_app(config: dict[str, Any]) -> Celery:
             raise self.retry(countdown=0.1)
         return str(self.request.get("x_tenant"))
 
+    @app.task(shared=False, name="e2e.celery_lineage", base=OJSTask, bind=True)
+    def celery_lineage(self: OJSTask, tag: str) -> int:
+        """Retries once; each attempt records its ``parent_id`` and ``root_id``."""
+        record(directory, "celery", f"{tag} retries={self.request.retries} "
+               f"parent={self.request.parent_id} root={self.request.root_id}")
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.1)
+        return int(self.request.retries)
+
+    @app.task(shared=False, name="e2e.celery_spawns", base=OJSTask, bind=True)
+    def celery_spawns(self: OJSTask, tag: str) -> str:
+        """Calls ``e2e.celery_lineage`` from inside a task: its parent."""
+        return str(celery_lineage.delay(tag).id)
+
     @app.task(shared=False, name="e2e.ojs_semantics", base=OJSTask, ojs_semantics=True)
     def ojs_semantics(tag: str) -> None:
         record(directory, "celery", f"{tag} attempt={current_job().attempt}")

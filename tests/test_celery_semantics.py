@@ -483,6 +483,17 @@ def test_a_calls_custom_headers_and_expires_reach_every_attempt_as_in_celery(env
     assert _runs(env, tag) == [f"retries=0 {seen}", f"retries=1 {seen}"]
 
 
+def test_a_call_made_in_a_task_keeps_that_parent_at_its_retries_as_in_celery(env: Env) -> None:
+    """A task called from inside another has it as ``parent_id`` and ``root_id``, and Celery's
+    retry keeps them; the retry used to name the retrying job itself as its parent."""
+    tag = unique("lineage")
+    parent = env.app.tasks["e2e.celery_spawns"].delay(tag)
+    child = AsyncResult(parent.get(timeout=30), app=env.app)
+    assert child.get(timeout=30) == 1
+    seen = f"parent={parent.id} root={parent.id}"
+    assert _runs(env, tag) == [f"retries=0 {seen}", f"retries=1 {seen}"]
+
+
 @pytest.mark.parametrize("value", ["datetime", "object"])
 def test_a_retry_with_arguments_json_cannot_carry_ends_the_job_naming_them(
         env: Env, value: str) -> None:
