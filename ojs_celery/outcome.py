@@ -18,6 +18,7 @@ from typing import Any, TypeAlias, cast
 
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery.exceptions import Ignore, Reject, Retry
+from kombu.utils.json import dumps as kombu_dumps
 
 from . import lifecycle
 from .envelope import JsonValue, utf8_safe
@@ -107,9 +108,16 @@ def _shortened(text: str, limit: int) -> str:
 
 @dataclass(frozen=True)
 class Completed:
-    """The handler returned ``value`` (JSON data)."""
+    """The handler returned ``value``: JSON data, or a value Celery's JSON serializer carries
+    as a typed one (see :func:`typed_result`), whose JSON is ``typed``."""
 
     value: Any
+    typed: Any = None
+
+    @property
+    def result(self) -> Any:
+        """The job's result as its record keeps it (JSON data)."""
+        return self.value if self.typed is None else self.typed
 
 
 @dataclass(frozen=True)
@@ -184,14 +192,37 @@ def run_handler(call: Callable[[], Any]) -> Outcome:
         return Failed(exc, exc.retryable if isinstance(exc, JobError) else True)
     finally:
         pending_retry.reset(reset)
-    problem = result_problem(value)
-    return Completed(value) if problem is None else Failed(problem)
+    problem = _json_problem(value)
+    if problem is None:
+        return Completed(value)
+    typed = typed_result(value)
+    return Failed(problem) if typed is None else Completed(value, typed)
 
 
 def result_problem(value: Any) -> TypeError | None:
-    """Why a handler's return value cannot be its job's result (JSON data; NaN and infinities
-    are not JSON either; text with a lone surrogate, such as ``os.fsdecode`` makes of a file
-    name that is not UTF-8, cannot be written as the UTF-8 the store keeps); None: it can."""
+    """Why a handler's return value cannot be its job's result (neither JSON data nor a typed
+    value of Celery's JSON serializer, see :func:`typed_result`); None: it can."""
+    problem = _json_problem(value)
+    return None if problem is None or typed_result(value) is not None else problem
+
+
+def typed_result(value: Any) -> Any:
+    """``value`` as Celery's JSON serializer writes what JSON has no type for (a ``datetime``,
+    ``date``, ``time``, ``Decimal``, ``UUID``, ``bytes``: ``{"__type__": "datetime",
+    "__value__": "2030-01-01T00:00:00"}``), which kombu reads back as that value: a plain
+    Celery task may return one, and its caller's ``AsyncResult`` gets it back. None for
+    what that serializer cannot write either (a ``set``, any object)."""
+    try:
+        typed = json.loads(kombu_dumps(value))  # type: ignore[no-untyped-call]
+    except Exception:
+        return None
+    return typed if _json_problem(typed) is None else None
+
+
+def _json_problem(value: Any) -> TypeError | None:
+    """Why ``value`` is not JSON data (NaN and infinities are not JSON either; text with a
+    lone surrogate, such as ``os.fsdecode`` makes of a file name that is not UTF-8, cannot be
+    written as the UTF-8 the store keeps); None: it is."""
     try:
         text = _STRICT_JSON.encode(value)
     except (TypeError, ValueError) as bad:

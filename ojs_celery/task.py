@@ -381,7 +381,7 @@ class OJSTask(Task):  # type: ignore[misc]
         now = time.time()
         if isinstance(outcome, Completed):
             done = _write(store, lambda: store.complete(job.id, ctx.attempt, ctx.worker_id,
-                                                 outcome.value, hint=ctx.record), ctx)
+                                                 outcome.result, hint=ctx.record), ctx)
             return self._tell_celery(runtime, ctx, done, outcome)
         if isinstance(outcome, Cancelled):
             done = _write(store, lambda: store.apply(job.id, lambda r: lifecycle.cancel_by_owner(

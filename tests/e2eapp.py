@@ -13,6 +13,7 @@ import pathlib
 import sys
 import time
 from datetime import datetime, timezone
+from decimal import Decimal
 from typing import Any
 
 from billiard.exceptions import SoftTimeLimitExceeded
@@ -434,6 +435,11 @@ def make_app(config: dict[str, Any]) -> Celery:
     def celery_spawns(self: OJSTask, tag: str) -> str:
         """Calls ``e2e.celery_lineage`` from inside a task: its parent."""
         return str(celery_lineage.delay(tag).id)
+
+    @app.task(shared=False, name="e2e.celery_returns_typed", base=OJSTask)
+    def celery_returns_typed(year: int) -> dict[str, Any]:
+        """A result Celery's JSON serializer carries as typed values."""
+        return {"at": datetime(year, 1, 2, tzinfo=timezone.utc), "amount": Decimal("1.50")}
 
     @app.task(shared=False, name="e2e.ojs_semantics", base=OJSTask, ojs_semantics=True)
     def ojs_semantics(tag: str) -> None:

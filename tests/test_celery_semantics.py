@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -492,6 +493,18 @@ def test_a_call_made_in_a_task_keeps_that_parent_at_its_retries_as_in_celery(env
     assert child.get(timeout=30) == 1
     seen = f"parent={parent.id} root={parent.id}"
     assert _runs(env, tag) == [f"retries=0 {seen}", f"retries=1 {seen}"]
+
+
+def test_a_datetime_or_decimal_result_reaches_the_caller_as_in_celery(env: Env) -> None:
+    """Celery's JSON serializer carries a ``datetime`` or ``Decimal`` result as a typed value:
+    the caller gets it back, and the job's record keeps that JSON. Such a result used to fail
+    the job (``TypeError``)."""
+    result = env.app.tasks["e2e.celery_returns_typed"].delay(2030)
+    assert result.get(timeout=30) == {"at": datetime(2030, 1, 2, tzinfo=timezone.utc),
+                                      "amount": Decimal("1.50")}
+    assert env.job(result.id).result == {
+        "at": {"__type__": "datetime", "__value__": "2030-01-02T00:00:00+00:00"},
+        "amount": {"__type__": "decimal", "__value__": "1.50"}}
 
 
 @pytest.mark.parametrize("value", ["datetime", "object"])

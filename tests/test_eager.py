@@ -68,7 +68,11 @@ def app() -> Iterator[Celery]:
 
     @app.task(shared=False, name="eager.when", base=OJSTask)
     def when(year: int) -> dict[str, Any]:
-        return {"when": datetime(year, 1, 1, tzinfo=timezone.utc)}  # not JSON data
+        return {"when": datetime(year, 1, 1, tzinfo=timezone.utc)}  # a typed value of JSON
+
+    @app.task(shared=False, name="eager.pair", base=OJSTask)
+    def pair(a: int, b: int) -> set[int]:
+        return {a, b}  # neither JSON data nor a typed value of Celery's JSON serializer
 
     @app.task(shared=False, name="eager.echo", base=OJSTask)
     def echo(*args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -148,7 +152,11 @@ def test_a_call_with_arguments_json_cannot_carry_is_refused_as_on_a_worker(app: 
 
 
 def test_a_result_json_cannot_carry_fails_the_call_as_on_a_worker(app: Celery) -> None:
-    result = app.tasks["eager.when"].delay(2026)
+    """A set fails the call, as on a worker; a datetime is returned, as Celery's JSON
+    serializer carries it."""
+    when = app.tasks["eager.when"].delay(2026)
+    assert when.get() == {"when": datetime(2026, 1, 1, tzinfo=timezone.utc)}
+    result = app.tasks["eager.pair"].delay(1, 2)
     assert result.state == "FAILURE"
     assert isinstance(result.result, TypeError)
     assert "not JSON-serialisable" in str(result.result)

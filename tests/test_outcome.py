@@ -1,16 +1,21 @@
-"""What a handler's return comes to: a result must be JSON data, as the job's JSON holds it."""
+"""What a handler's return comes to: a result must be JSON data, as the job's JSON holds it, or
+a typed value of Celery's JSON serializer (kept as its JSON)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
 from datetime import datetime, timezone
+from decimal import Decimal
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from uuid import UUID
 
 import pytest
+from kombu.utils.json import loads as kombu_loads
 
 from ojs_celery import task as task_module
 from ojs_celery.envelope import Job
@@ -25,8 +30,24 @@ def test_a_json_result_completes_the_attempt(value: Any) -> None:
     assert run_handler(lambda: value) == Completed(value)
 
 
+def test_a_value_celerys_json_serializer_types_completes_with_its_typed_json() -> None:
+    """A datetime, Decimal, UUID or bytes result (which Celery's JSON serializer writes as
+    ``{"__type__": ..., "__value__": ...}`` and reads back): Celery gets the value, the record
+    keeps that JSON; a plain Celery task may return one, so a migrated one may too."""
+    at = datetime(2030, 1, 2, tzinfo=timezone.utc)
+    value = {"at": at, "amount": Decimal("1.50"), "id": UUID(int=5), "raw": b"ab"}
+    outcome = run_handler(lambda: value)
+    assert isinstance(outcome, Completed) and outcome.value is value
+    assert outcome.result == {
+        "at": {"__type__": "datetime", "__value__": "2030-01-02T00:00:00+00:00"},
+        "amount": {"__type__": "decimal", "__value__": "1.50"},
+        "id": {"__type__": "uuid", "__value__": {"hex": "0" * 31 + "5"}},
+        "raw": {"__type__": "bytes", "__value__": "ab"}}
+    assert kombu_loads(json.dumps(outcome.result)) == value
+
+
 @pytest.mark.parametrize("value", [math.inf, [1, {"a": -math.inf}], math.nan,
-                                   datetime.now(timezone.utc), {1, 2},
+                                   [datetime.now(timezone.utc), math.nan], {1, 2}, object(),
                                    "report-\udcff.csv", {"k\udcff": 1}, ["\ud800"]])
 def test_a_result_json_cannot_carry_fails_the_attempt_naming_why(value: Any) -> None:
     outcome = run_handler(lambda: value)
