@@ -35,6 +35,7 @@ from .api import enqueue_job
 from .canvas import canvas_options
 from .envelope import CELERY_SEMANTICS_FIELD, InvalidJob, json_native, parse_envelope
 from .producer import (
+    TRUSTED_OPTIONS,
     celery_expires_at,
     celery_route,
     celery_semantics_of,
@@ -76,7 +77,7 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
         envelope["expires_at"] = expires_at
     with refused_as_encode_error():
         job = parse_envelope(envelope, celery_id=True)
-    check_later_calls(task.app, options)
+        check_later_calls(task.app, options)
     semantics = celery_semantics_of(task, runtime.settings)
     if semantics is not None:
         job = job.model_copy(update={CELERY_SEMANTICS_FIELD: semantics})
@@ -84,8 +85,9 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
         # Celery's send_task gives the calling thread's queue; every attempt's message must
         # carry it (a retry is published by a worker, whose own queue it would get)
         options = {**options, "reply_to": task.app.thread_oid}
-    job = enqueue_job(runtime, job, id_chosen="id" in envelope,
-                      celery_options=canvas_options(with_parent(task.app, options)))
+    with refused_as_encode_error():
+        celery_options = canvas_options(with_parent(task.app, options))
+    job = enqueue_job(runtime, job, id_chosen="id" in envelope, celery_options=celery_options)
     return job.id
 
 
@@ -116,13 +118,14 @@ def call_arguments(task: Task, args: Any, kwargs: Any) -> dict[str, Any]:
 
 
 class UnencodableArguments(InvalidJob, EncodeError):
-    """The :class:`~ojs_celery.InvalidJob` of a call whose arguments JSON cannot carry; also
-    kombu's ``EncodeError``, which plain Celery's ``.delay()`` raises for arguments its
-    serializer cannot encode, so that a caller's ``except EncodeError`` still catches it."""
+    """The :class:`~ojs_celery.InvalidJob` of a call whose arguments (or kept options: its
+    headers, its callbacks' arguments) JSON cannot carry; also kombu's ``EncodeError``, which
+    plain Celery's ``.delay()`` raises for what its serializer cannot encode, so that a
+    caller's ``except EncodeError`` still catches it."""
 
 
-#: The envelope fields that hold a Celery call's arguments.
-ARGUMENT_FIELDS = ("args", "x_celery_kwargs")
+#: The envelope fields that hold a Celery call's arguments, and the options kept with its job.
+ARGUMENT_FIELDS = ("args", "x_celery_kwargs", *TRUSTED_OPTIONS)
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from typing import Any
 from celery.app.task import Context
 from kombu.utils.json import dumps
 
-from .envelope import CELERY_KWARGS_FIELD, Job
+from .envelope import CELERY_KWARGS_FIELD, InvalidJob, Job
 from .producer import TRUSTED_OPTIONS
 
 
@@ -25,8 +25,20 @@ def canvas_options(options: dict[str, Any]) -> dict[str, Any]:
     kept = {name: options[name] for name in TRUSTED_OPTIONS if options.get(name) is not None}
     if not kept:
         return {}
-    native: dict[str, Any] = json.loads(dumps(kept))  # type: ignore[no-untyped-call]
+    try:
+        native: dict[str, Any] = json.loads(dumps(kept))  # type: ignore[no-untyped-call]
+    except (TypeError, ValueError):  # as Celery's publish would fail on it, before storing
+        raise InvalidJob([(name, "must be data Celery's JSON serializer can encode")
+                          for name, value in kept.items() if not _encodable(value)]) from None
     return native
+
+
+def _encodable(value: Any) -> bool:
+    try:
+        dumps(value)  # type: ignore[no-untyped-call]
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def celery_context(job: Job, task_name: str, options: dict[str, Any]) -> Context:

@@ -81,7 +81,7 @@ def apply_eagerly(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -
     get_runtime(task.app)  # NotInstalled without install(app), as a published call raises
     with refused_as_encode_error():  # InvalidJob (and EncodeError), as a published call
         check_call_arguments(task, args, kwargs)
-    check_later_calls(task.app, options)
+        check_later_calls(task.app, options)
     link, link_error = options.pop("link", None), options.pop("link_error", None)
     task_id = _job_id(options.pop("task_id", None))
     # the arguments as the handler gets them from a message (tuples as lists, keys as text),

@@ -183,11 +183,18 @@ def test_a_call_with_python_objects_json_cannot_carry_is_refused_in_args_and_kwa
                         (lambda: at.delay(object()), "args[0]"),
                         (lambda: at.delay(when=now), "x_celery_kwargs.when"),
                         (lambda: at.apply_async(kwargs={"when": [b"raw"]}),
-                         "x_celery_kwargs.when[0]")]:
+                         "x_celery_kwargs.when[0]"),
+                        (lambda: at.apply_async(link=at.si(object())), "link[0].args[0]")]:
         with pytest.raises(EncodeError) as refused:
             call()
         assert isinstance(refused.value, InvalidJob)
         assert refused.value.violations == [(field, rule)]
+    # a custom header Celery's JSON serializer cannot encode either (kept for every attempt)
+    with pytest.raises(EncodeError) as refused:
+        at.apply_async(headers={"x_tenant": object()})
+    assert isinstance(refused.value, InvalidJob)
+    assert refused.value.violations == [
+        ("headers", "must be data Celery's JSON serializer can encode")]
     assert not list((tmp_path / "broker").glob("*.msg"))  # nothing published
     assert get_runtime(app).store.due("dispatch", 1e12, 10) == []  # nothing stored
 
