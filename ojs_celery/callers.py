@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Celery, Task
 from celery.backends.rpc import RPCBackend
@@ -75,18 +73,19 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
     expires_at = celery_expires_at(task, options, time.time())
     if expires_at is not None:
         envelope["expires_at"] = expires_at
-    with refused_as_encode_error():
-        job = parse_envelope(envelope, celery_id=True)
-        check_later_calls(task.app, options)
-    semantics = celery_semantics_of(task, runtime.settings)
-    if semantics is not None:
-        job = job.model_copy(update={CELERY_SEMANTICS_FIELD: semantics})
     if options.get("reply_to") is None and isinstance(task.backend, RPCBackend):
         # Celery's send_task gives the calling thread's queue; every attempt's message must
         # carry it (a retry is published by a worker, whose own queue it would get)
         options = {**options, "reply_to": task.app.thread_oid}
-    with refused_as_encode_error():
+    try:  # a try, not a context manager: free on the caller's path unless it raises
+        job = parse_envelope(envelope, celery_id=True)
+        check_later_calls(task.app, options)
         celery_options = canvas_options(with_parent(task.app, options))
+    except InvalidJob as refused:
+        raise_refusal(refused)
+    semantics = celery_semantics_of(task, runtime.settings)
+    if semantics is not None:
+        job = job.model_copy(update={CELERY_SEMANTICS_FIELD: semantics})
     job = enqueue_job(runtime, job, id_chosen="id" in envelope, celery_options=celery_options)
     return job.id
 
@@ -128,18 +127,13 @@ class UnencodableArguments(InvalidJob, EncodeError):
 ARGUMENT_FIELDS = ("args", "x_celery_kwargs", *TRUSTED_OPTIONS)
 
 
-@contextmanager
-def refused_as_encode_error() -> Iterator[None]:
-    """An :class:`~ojs_celery.InvalidJob` raised inside that names a call's arguments
-    leaves as :class:`UnencodableArguments`."""
-    try:
-        yield
-    except UnencodableArguments:
-        raise
-    except InvalidJob as exc:
-        if not any(path.startswith(ARGUMENT_FIELDS) for path, _ in exc.violations):
-            raise
-        raise UnencodableArguments(exc.violations) from exc
+def raise_refusal(refused: InvalidJob) -> NoReturn:
+    """Raise ``refused``; as :class:`UnencodableArguments` when it names a call's arguments or
+    kept options (what Celery's serializer would have failed on)."""
+    if isinstance(refused, UnencodableArguments) or not any(
+            path.startswith(ARGUMENT_FIELDS) for path, _ in refused.violations):
+        raise refused
+    raise UnencodableArguments(refused.violations) from refused
 
 
 def check_call_arguments(task: Task, args: Any, kwargs: Any) -> None:

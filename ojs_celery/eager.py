@@ -26,9 +26,17 @@ from celery.result import EagerResult, denied_join_result
 from kombu import serialization
 
 from . import lifecycle
-from .callers import check_call_arguments, check_later_calls, refused_as_encode_error
+from .callers import check_call_arguments, check_later_calls, raise_refusal
 from .context import JobContext, _current
-from .envelope import CELERY_KWARGS_FIELD, Job, JsonValue, new_job_id, parse_envelope, utcnow
+from .envelope import (
+    CELERY_KWARGS_FIELD,
+    InvalidJob,
+    Job,
+    JsonValue,
+    new_job_id,
+    parse_envelope,
+    utcnow,
+)
 from .lifecycle import Record
 from .outcome import result_problem
 from .runtime import get_runtime
@@ -79,9 +87,11 @@ def apply_eagerly(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) -
     """``apply_async`` under ``task_always_eager``: Celery's ``Task.apply``, as Celery's own
     ``apply_async`` does (nothing is published, no job is stored)."""
     get_runtime(task.app)  # NotInstalled without install(app), as a published call raises
-    with refused_as_encode_error():  # InvalidJob (and EncodeError), as a published call
+    try:
         check_call_arguments(task, args, kwargs)
         check_later_calls(task.app, options)
+    except InvalidJob as refused:  # and EncodeError, as a published call raises
+        raise_refusal(refused)
     link, link_error = options.pop("link", None), options.pop("link_error", None)
     task_id = _job_id(options.pop("task_id", None))
     # the arguments as the handler gets them from a message (tuples as lists, keys as text),
