@@ -17,10 +17,11 @@ from .base import (
     StoreTimeout,
     StoreUncertain,
 )
-from .meta import MetaArea
+from .meta import BrokerMark, MetaArea
 from .workers import WorkerInfo, WorkerRegistry
 
 __all__ = [
+    "BrokerMark",
     "DuplicateJob",
     "JobStore",
     "MetaArea",

@@ -273,6 +273,13 @@ class JobStore(ABC):
         at most ``limit``; costs O(log n + k)."""
 
     @abstractmethod
+    def scan(self, clock: str, cursor: str | None, limit: int) -> tuple[list[str], str | None]:
+        """A page of the ids ``clock`` indexes, about ``limit`` of them, from ``cursor`` (None:
+        the start); and the cursor of the next page (None: the end). Unlike :meth:`due` the
+        order does not follow the deadlines, so writes that move them do not disturb a scan:
+        an id indexed for the whole scan is returned at least once (maybe more)."""
+
+    @abstractmethod
     def _delete(self, job_id: str, expected: int) -> bool:
         """Delete the record if its version is ``expected`` (pruning)."""
 

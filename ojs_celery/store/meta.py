@@ -3,20 +3,23 @@
 A sweeper records when it last ran (a worker warns when sweeps stop); ``ojs-celery workers
 quiet`` leaves a one-shot directive that the worker takes with its next beat; a draining worker
 marks each job it cancels, so that the job, cancelled in its pool process, fails with
-``shutdown``, not ``timeout``. Every key is named here and nowhere else: callers use the typed
-methods. The area lives on the same backend as the jobs (see :mod:`.base`), reached as
-``store.meta``.
+``shutdown``, not ``timeout``; sweepers keep the mark that shows a Redis broker lost its data,
+and the republishing under way after a loss (:class:`BrokerMark`). Every key is named here and
+nowhere else: callers use the typed methods. The area lives on the same backend as the jobs
+(see :mod:`.base`), reached as ``store.meta``.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 from ..lifecycle import BlindSpell
 
-__all__ = ["MetaArea"]
+__all__ = ["BrokerMark", "MetaArea"]
 
 #: When the last sweep pass ended (epoch seconds, ``repr`` of a float).
 LAST_SWEEP = "last_sweep"
@@ -27,6 +30,43 @@ LAST_CONTACT = "last_contact"
 BLIND_SPELL = "blind_spell"
 #: The broker of the last worker that started on this store (see :meth:`MetaArea.note_broker`).
 BROKER = "broker"
+#: The sweepers' mark of the broker's data, and the republishing under way after a loss
+#: (:class:`BrokerMark`, JSON).
+BROKER_MARK = "broker_mark"
+
+
+@dataclass(frozen=True)
+class BrokerMark:
+    """What the store knows of the broker's data (see ``ojs_celery.sweeper``): ``mark``, the
+    random value the broker holds too while it keeps its data; after a loss, ``lost_before``
+    (the jobs published before it are republished), the ``cursor`` of that scan of the waiting
+    jobs and how many were ``republished`` so far. ``stored`` is the value as read, which a
+    compare-and-set must still find."""
+
+    mark: str
+    lost_before: float | None = None
+    cursor: str | None = None
+    republished: int = 0
+    stored: str | None = None
+
+    @property
+    def republishing(self) -> bool:
+        return self.lost_before is not None
+
+    def encode(self) -> str:
+        return json.dumps({"mark": self.mark, "lost_before": self.lost_before,
+                           "cursor": self.cursor, "republished": self.republished})
+
+    @classmethod
+    def decode(cls, text: str) -> BrokerMark:
+        """A value that does not read (written by hand) is a mark no broker holds: the next
+        check replaces it, republishing what waits (harmless copies)."""
+        try:
+            value = json.loads(text)
+            return cls(str(value["mark"]), value.get("lost_before"), value.get("cursor"),
+                       int(value.get("republished") or 0), text)
+        except (ValueError, TypeError, KeyError):
+            return cls("", stored=text)
 
 
 def directive_key(worker_id: str) -> str:
@@ -51,6 +91,11 @@ class MetaArea(ABC):
     @abstractmethod
     def _take(self, key: str) -> str | None:
         """Read and delete a value in one atomic step: of several takers, one gets it."""
+
+    @abstractmethod
+    def _swap(self, key: str, expected: str | None, value: str) -> bool:
+        """Write ``value`` if the key still holds ``expected`` (None: no value), in one atomic
+        step: of several writers from the same value, one wins."""
 
     # ------------------------------------------------------------------ directives
 
@@ -129,3 +174,18 @@ class MetaArea(ABC):
             return None
         start, _, end = spell.partition(",")
         return BlindSpell(float(start), float(end))
+
+    # ------------------------------------------------------------------ the broker's data
+
+    def broker_mark(self) -> BrokerMark | None:
+        """The sweepers' mark of the broker's data, None before the first check."""
+        value = self._get(BROKER_MARK)
+        return BrokerMark.decode(value) if value else None
+
+    def swap_broker_mark(self, before: BrokerMark | None, after: BrokerMark) -> BrokerMark | None:
+        """Replace ``before`` (as read: None, nothing) by ``after``; ``after`` as stored, or
+        None when another sweeper changed it first."""
+        stored = after.encode()
+        if not self._swap(BROKER_MARK, None if before is None else before.stored, stored):
+            return None
+        return replace(after, stored=stored)

@@ -345,6 +345,14 @@ class RedisStore(JobStore):
         return [(str(job_id), float(score)) for job_id, score in rows]
 
     @_wrap_errors
+    def scan(self, clock: str, cursor: str | None, limit: int) -> tuple[list[str], str | None]:
+        """``ZSCAN`` of the clock's sorted set (its cursor walks the hash table, which a new
+        score does not reorder)."""
+        following, rows = self.client.zscan(self._due_keys[clock], int(cursor or 0),
+                                            count=int(limit))
+        return [str(job_id) for job_id, _ in rows], (str(following) if following else None)
+
+    @_wrap_errors
     def _delete(self, job_id: str, expected: int) -> bool:
         keys = self._job_keys(job_id)
         return bool(self._delete_script(keys, [job_id, str(expected)]))
@@ -445,6 +453,7 @@ class RedisMetaArea(MetaArea):
         self.client = client
         self._meta_key = f"{prefix}:meta"
         self._take_script = client.register_script(script("take_meta"))
+        self._swap_script = client.register_script(script("swap_meta"))
 
     @_wrap_errors
     def _put(self, key: str, value: str) -> None:
@@ -459,3 +468,8 @@ class RedisMetaArea(MetaArea):
     def _take(self, key: str) -> str | None:
         value: str | None = self._take_script([self._meta_key], [key])
         return value
+
+    @_wrap_errors
+    def _swap(self, key: str, expected: str | None, value: str) -> bool:
+        none = "1" if expected is None else "0"
+        return bool(self._swap_script([self._meta_key], [key, expected or "", value, none]))

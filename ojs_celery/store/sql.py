@@ -423,12 +423,19 @@ class SQLStore(JobStore):
             c.id == sa.bindparam("k_id"), c.version == sa.bindparam("k_expected")
         )
         self._due: dict[str, sa.Select[Any]] = {}
+        self._scan: dict[str, sa.Select[Any]] = {}
         for clock in CLOCKS:
             column = c[_deadline_column(clock)]
             self._due[clock] = (
                 sa.select(c.id, column)
                 .where(column <= sa.bindparam("k_now", type_=sa.Double))
                 .order_by(column)
+                .limit(sa.bindparam("k_limit", type_=sa.Integer))
+            )
+            self._scan[clock] = (
+                sa.select(c.id)
+                .where(column.is_not(None), c.id > sa.bindparam("k_after", type_=sa.Text))
+                .order_by(c.id)
                 .limit(sa.bindparam("k_limit", type_=sa.Integer))
             )
 
@@ -868,6 +875,15 @@ class SQLStore(JobStore):
         return [(str(job_id), float(deadline)) for job_id, deadline in rows]
 
     @_wrap_errors
+    def scan(self, clock: str, cursor: str | None, limit: int) -> tuple[list[str], str | None]:
+        """In id order from the last id of the page before (ids never change)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(self._scan[clock], {"k_after": cursor or "",
+                                                    "k_limit": int(limit)}).scalars().all()
+        ids = [str(job_id) for job_id in rows]
+        return ids, (ids[-1] if len(ids) >= limit else None)
+
+    @_wrap_errors
     def _delete(self, job_id: str, expected: int) -> bool:
         with self.engine.connect() as conn:
             result = conn.execute(self._delete_job, {"k_id": job_id, "k_expected": expected})
@@ -992,6 +1008,12 @@ class SQLMetaArea(MetaArea):
         self._delete = (
             sa.delete(meta).where(meta.c.key == sa.bindparam("k_key")).returning(meta.c.value)
         )
+        self._add = store.dialect_insert(meta).on_conflict_do_nothing(index_elements=[meta.c.key])
+        self._replace = (
+            sa.update(meta)
+            .where(meta.c.key == sa.bindparam("k_key"), meta.c.value == sa.bindparam("k_old"))
+            .values(value=sa.bindparam("k_new"))
+        )
 
     @_wrap_errors
     def _put(self, key: str, value: str) -> None:
@@ -1009,3 +1031,13 @@ class SQLMetaArea(MetaArea):
         with self._store.engine.connect() as conn:
             value = conn.execute(self._delete, {"k_key": key}).scalar()
         return None if value is None else str(value)
+
+    @_wrap_errors
+    def _swap(self, key: str, expected: str | None, value: str) -> bool:
+        with self._store.engine.connect() as conn:
+            if expected is None:
+                result = conn.execute(self._add, {"key": key, "value": value})
+            else:
+                result = conn.execute(self._replace,
+                                      {"k_key": key, "k_old": expected, "k_new": value})
+            return bool(result.rowcount == 1)
