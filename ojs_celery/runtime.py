@@ -27,6 +27,7 @@ from .outbox import DispatchAcker
 from .store import JobStore, open_store
 
 if TYPE_CHECKING:
+    from .broker_mark import BrokerMarker
     from .lifecycle import Transition
     from .store.redis import RedisStore
 
@@ -60,6 +61,7 @@ class Runtime:
         self._joint_known = False  # whether _joint was decided for the current store
         self._reserved: dict[str, str] | None = None  # see reserved_queues
         self._runs: dict[str, str] = {}  # OJS type -> task name, as runs() last found it
+        self._marker: BrokerMarker | None = None  # see broker_marker
 
     @property
     def settings(self) -> Settings:
@@ -91,6 +93,7 @@ class Runtime:
                 self._store = None
         self.bus.enabled = settings.events
         self._broker_driver = None  # the configuration may name another broker
+        self._drop_marker()
         self._joint_known = False
         self._reserved = None
         self._runs = {}
@@ -219,6 +222,21 @@ class Runtime:
                 install_qos(self.app)  # and its QoS bookkeeping of them (ojs_celery.kept_client)
         return self._broker_driver
 
+    @property
+    def broker_marker(self) -> BrokerMarker | None:
+        """The sweepers' mark in the broker, on a Redis broker (one that loses its queued
+        messages with its data: see :mod:`ojs_celery.broker_mark`); None on any other."""
+        if self._marker is None and self.broker_driver == "redis":
+            from .broker_mark import BrokerMarker
+
+            self._marker = BrokerMarker(self.app, self.settings.store_prefix)
+        return self._marker
+
+    def _drop_marker(self) -> None:
+        marker, self._marker = self._marker, None
+        if marker is not None:
+            marker.close()
+
     def flush(self) -> None:
         """Wait for this process's pending outbox acknowledgements, bus events and removals
         of acknowledged deliveries from kombu's Redis record (:mod:`ojs_celery.unacked`)."""
@@ -228,6 +246,7 @@ class Runtime:
 
     def close(self) -> None:
         self.acks.flush()
+        self._drop_marker()
         if self._store is not None:
             self._store.close()
             self._store = None

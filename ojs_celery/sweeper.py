@@ -7,7 +7,8 @@ its job, publishing what is owed). The rules and deadlines live in :mod:`ojs_cel
 this module only orchestrates. Only the process whose compare-and-set won acts, so any number
 of sweepers may run at once. The jobs due on one clock are read in one batch and written in
 one batch (``store.apply_many``); a job whose write lost a race goes through ``store.apply``
-alone, which re-reads it. The Celery task, the beat entry and ``ojs-celery sweep --loop`` are
+alone, which re-reads it. Each pass also checks that a Redis broker still holds its data
+(:func:`_check_broker`). The Celery task, the beat entry and ``ojs-celery sweep --loop`` are
 thin shells around :func:`sweep`.
 """
 
@@ -19,15 +20,18 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from . import lifecycle
+from .broker_mark import Unreachable
 from .effects import carry_out
+from .entropy import random_hex
 from .envelope import JsonValue
 from .faults import AtMostEvery, OncePerKind
 from .lifecycle import BlindSpell, Clock, Heard, Rule, WorkerClock
 from .producer import BrokerUnavailable
 from .runtime import Runtime, UnknownType
-from .store import StoreError
+from .store import BrokerMark, StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +115,7 @@ OUTAGES = (StoreError, BrokerUnavailable)
 def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
     store = runtime.store
     spell = _blind_spell(runtime)
+    _check_broker(runtime, limit, report)
     for clock in lifecycle.SWEEP:
         if isinstance(clock, WorkerClock):
             _bury_dead_workers(runtime, clock, now, limit, report, spell)
@@ -357,6 +362,104 @@ def _bury_dead_workers(
                     raise failure from exc
     if buried:
         _recover_unlisted(runtime, clock, frozenset(buried), now, limit, report)
+
+
+#: Counted in ``SweepReport.applied``: messages published again because the broker lost them.
+BROKER_LOST = "broker_lost"
+
+
+class _Unchecked:
+    """Whether the last check of the broker's mark failed: said once per outage, not per pass."""
+
+    failing = False
+
+
+def _check_broker(runtime: Runtime, limit: int, report: SweepReport) -> None:
+    """Notice that the broker lost its data, and republish what waited on it.
+
+    A Redis broker restarted without persistence, flushed, or failed over to an empty replica
+    loses every queued message, while their jobs wait ``available`` in the store, their
+    messages sent, until the ``redispatch_after`` backstop (an hour). So the sweepers keep a
+    random mark in the broker (:mod:`ojs_celery.broker_mark`) and in the store
+    (``MetaArea.broker_mark``). The broker holds the store's mark: nothing was lost. It holds
+    none: it lost its data (or this is the first check), and the sweeper that sets a new mark
+    there (``SET NX``: one among those that saw none) records it in the store, with the time
+    after it set it: every job still waiting for a message published before then is owed that
+    message (:func:`~ojs_celery.lifecycle.resend_lost`), ``limit`` jobs a pass, through a scan
+    of the redispatch clock's index whose cursor the store keeps. It holds another mark: a
+    sweeper set it after a loss and has not recorded it yet (or stopped before), so it is
+    recorded here, with the loss, by whichever sweeper's compare-and-set wins. The time is
+    taken once the mark is in place, so a loss during the check is seen at the next pass;
+    a copy that meets a message that survived is dropped by fencing. A store without a mark
+    (first run, a store that lost its data too) takes the broker's, and republishes nothing.
+    Not reaching the broker skips the check (said once), and the next pass checks again."""
+    marker = runtime.broker_marker
+    if marker is None:
+        return
+    meta = runtime.store.meta
+    known = meta.broker_mark()
+    try:
+        held = marker.read()
+        if held is None:
+            new = random_hex(16)
+            if not marker.claim(new):
+                return  # another sweeper marked it first: recorded at the next pass
+            held = new
+    except Unreachable as exc:
+        if not _Unchecked.failing:
+            _Unchecked.failing = True
+            logger.warning("ojs_celery: could not check whether the broker lost its data "
+                           "(checked again next pass): %s", exc)
+        return
+    if _Unchecked.failing:
+        _Unchecked.failing = False
+        logger.info("ojs_celery: the broker answers the check of its data again")
+    if known is None:
+        meta.swap_broker_mark(None, BrokerMark(held))
+        return
+    lost = held != known.mark
+    if lost:
+        known = meta.swap_broker_mark(known, BrokerMark(held, lost_before=time.time()))
+        if known is None:
+            return  # another sweeper recorded it: it republishes from its next pass
+    if known.republishing:
+        _republish_lost(runtime, known, limit, report, marker.where() if lost else None)
+
+
+def _republish_lost(runtime: Runtime, known: BrokerMark, limit: int, report: SweepReport,
+                    detected: str | None) -> None:
+    """One pass's share of the jobs waiting for a message when the broker lost its data:
+    about ``limit`` ids of the redispatch index from the scan's cursor, each owed its message
+    unless published since; the cursor moves on by compare-and-set (a sweeper that lost that
+    race republished nothing twice: the rule leaves a job published since alone)."""
+    store = runtime.store
+    clock = lifecycle.REDISPATCH.name
+    assert known.lost_before is not None
+    rule = partial(lifecycle.resend_lost, now=time.time(), policy=store.policy,
+                   lost_before=known.lost_before)
+    cursor, read, done = known.cursor, 0, 0
+    for _ in range(READ_PAST):  # a Redis scan's page may come back short, or empty
+        ids, cursor = store.scan(clock, cursor, limit - read)
+        before = report.applied[clock]
+        _enforce(runtime, clock, [(job_id, 0.0) for job_id in ids], rule, time.time(), report)
+        done += report.applied[clock] - before
+        read += len(ids)
+        if cursor is None or read >= limit:
+            break
+    report.applied[clock] -= done
+    report.applied[BROKER_LOST] += done
+    total = known.republished + done
+    after = BrokerMark(known.mark, None if cursor is None else known.lost_before, cursor, total)
+    if store.meta.swap_broker_mark(known, after) is None:
+        return  # another sweeper moved the scan on: it says what happened
+    if detected is not None:
+        logger.warning("ojs_celery: the broker %s lost its data (restarted without persistence, "
+                       "flushed, or failed over): %s the messages of %d job(s) waiting on it%s",
+                       detected, "republished" if cursor is None else "republishing", total,
+                       "" if cursor is None else f" so far, up to {limit} a pass")
+    elif cursor is None:
+        logger.warning("ojs_celery: republished the messages of %d job(s) in all that were "
+                       "waiting on the broker when it lost its data", total)
 
 
 def _recover_unlisted(

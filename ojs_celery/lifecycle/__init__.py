@@ -77,6 +77,7 @@ from .rules import (
     rejected,
     republish,
     resend,
+    resend_lost,
     stalled,
     start,
     timeout_error,
@@ -95,6 +96,6 @@ __all__ = [
     "dispatch_deadline", "dispatch_failed", "dispatch_failures", "expire_at", "expire_total",
     "expire_ttl", "extend", "fail", "fail_token", "heartbeat", "invisible", "make_error",
     "matches_non_retryable", "message_eta", "orphaned", "overdue", "promote", "redispatch",
-    "rejected", "republish", "resend", "stalled", "start", "timeout_error", "waiting_deadline",
-    "with_trace",
+    "rejected", "republish", "resend", "resend_lost", "stalled", "start", "timeout_error",
+    "waiting_deadline", "with_trace",
 ]

@@ -962,6 +962,20 @@ def resend(record: Record, now: float, policy: Policy) -> Transition:
     return _claim(record, now, policy)
 
 
+def resend_lost(record: Record, now: float, policy: Policy, lost_before: float) -> Transition:
+    """The broker lost its data (see ``ojs_celery.sweeper``): a job waiting for a message last
+    published before ``lost_before`` gets it once more now, with the same token, instead of
+    after ``redispatch_after``. A job published since is left alone (its message is in the
+    broker as it is now), which also makes a second visit of the same job change nothing; a
+    copy that meets a message that survived is dropped by fencing."""
+    if waiting_deadline(record, policy) is None:
+        return rejected("not_waiting")
+    assert record.extended_at is not None  # a waiting job has been published
+    if record.extended_at >= lost_before:
+        return rejected("sent_since")
+    return _claim(record, now, policy)
+
+
 # --------------------------------------------------------------------------- a job that stays stuck
 
 
