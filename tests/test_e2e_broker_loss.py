@@ -11,6 +11,7 @@ sweeps are passes of :func:`ojs_celery.sweeper.sweep` in this process (what ``oj
 from __future__ import annotations
 
 import logging
+import pathlib
 import threading
 import time
 from collections.abc import Iterator
@@ -30,8 +31,8 @@ from ojs_celery.store.meta import BrokerMark
 from ojs_celery.sweeper import BROKER_LOST, SweepReport, sweep
 from tests.e2eapp import make_app
 from tests.services import postgres_url
-from tests.test_store_faults import PrivateRedis
-from tests.workers import Worker, lines, unique, wait_for
+from tests.test_store_faults import PrivateRedis, free_port
+from tests.workers import Worker, filesystem_config, lines, unique, wait_for
 
 #: Every job here must run well before the backstop would have republished it (an hour).
 SOON = 30.0
@@ -233,3 +234,25 @@ def test_the_store_s_scan_and_mark(app: Celery) -> None:
     moved = meta.swap_broker_mark(first, BrokerMark("c", lost_before=1.0))
     assert moved is not None and meta.broker_mark() == moved and moved.republishing
     assert meta.swap_broker_mark(first, BrokerMark("d")) is None  # changed since read
+
+
+def test_a_broker_down_at_the_first_check(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sweeper whose broker is down from its start (its client cannot even be made): one
+    line, no traceback, the rest of the pass done (test 2: said once, checked again)."""
+    port = free_port()
+    config = filesystem_config(tmp_path)
+    config.update(broker_url=f"redis://127.0.0.1:{port}/0", broker_transport_options={})
+    config["ojs"] = {**config["ojs"], "events": False}
+    runtime = get_runtime(make_app(config))
+    try:
+        with caplog.at_level(logging.INFO, logger="ojs_celery"):
+            report = sweep(runtime)
+        assert report.error is None
+        said = [r for r in caplog.records if "could not check whether the broker" in r.message]
+        assert len(said) == 1 and said[0].exc_info is None, said
+        assert runtime.store.meta.last_sweep() is not None  # the passes went on
+        assert runtime.store.meta.broker_mark() is None
+    finally:
+        runtime.close()
