@@ -446,8 +446,11 @@ def _republish_lost(runtime: Runtime, known: BrokerMark, limit: int, report: Swe
         read += len(ids)
         if cursor is None or read >= limit:
             break
-    report.applied[clock] -= done
-    report.applied[BROKER_LOST] += done
+    if done:  # counted as this loss's, not as the backstop's
+        report.applied[clock] -= done
+        report.applied[BROKER_LOST] += done
+        if not report.applied[clock]:
+            del report.applied[clock]
     total = known.republished + done
     after = BrokerMark(known.mark, None if cursor is None else known.lost_before, cursor, total)
     if store.meta.swap_broker_mark(known, after) is None:

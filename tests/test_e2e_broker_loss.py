@@ -155,6 +155,7 @@ def test_a_restarted_broker_s_waiting_jobs_run_once_soon_after(
     setup.wait_completed([*waiting, survivor])
     assert len(unchecked) == 1 and unchecked[0].exc_info is None  # once, in one line
     assert [lost(report) for report in passes] == [4, 2, 0]
+    assert [dict(report.applied) for report in passes] == [{BROKER_LOST: 4}, {BROKER_LOST: 2}, {}]
     assert passes[-1].published == 0
     assert len(said) == 2, said
     assert "republishing the messages of 4 job(s) waiting on it so far" in said[0]
