@@ -9,6 +9,7 @@ Redis runs as a private ``redis-server`` started here; PostgreSQL is the shared 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pathlib
 import shutil
 import socket
@@ -16,20 +17,25 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
+import psycopg
 import pytest
+import redis
+from celery import Celery
 
-from ojs_celery import enqueue_batch, lifecycle
+from ojs_celery import enqueue, enqueue_batch, lifecycle
 from ojs_celery.envelope import parse_envelope
 from ojs_celery.runtime import get_runtime
-from ojs_celery.store import JobStore, StoreError, StoreUncertain, open_store
+from ojs_celery.store import JobStore, StoreError, StoreRefused, StoreUncertain, open_store
 from ojs_celery.store.redis import RedisStore
 from tests.conftest import messages
 from tests.e2eapp import make_app
+from tests.pgserver import PrivatePostgres
 from tests.services import postgres_url
-from tests.workers import filesystem_config, unique
+from tests.test_pg_synchronous_standby import NO_STANDBY, waiting_for_standby
+from tests.workers import filesystem_config, unique, wait_for
 
 
 def free_port() -> int:
@@ -40,7 +46,10 @@ def free_port() -> int:
 
 class CuttingProxy:
     """Forwards TCP both ways; when armed, the next client request is forwarded, its reply is
-    swallowed and both sides are closed (once)."""
+    swallowed and both sides are closed (once; with ``every``, each such request while armed).
+    With ``early`` the client's side is closed as soon as the request is forwarded, and the
+    server's side stays open until its reply comes: a write the server holds (a lock, a
+    synchronous standby, paused clients) is still done after the client lost it."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
@@ -49,6 +58,10 @@ class CuttingProxy:
         self.armed = threading.Event()
         #: When set, only a request containing these bytes (upper-cased) is cut.
         self.match: bytes | None = None
+        #: Cut every matching request while armed, not only the next one.
+        self.every = False
+        #: Close the client's side right after forwarding (see the class docstring).
+        self.early = False
         #: Set: new connections are closed at once (the store is unreachable).
         self.refusing = threading.Event()
         self.cuts = 0
@@ -82,23 +95,32 @@ class CuttingProxy:
                     break
                 if upstream and self.armed.is_set() and (
                         self.match is None or self.match in data.upper()):
-                    self.armed.clear()
+                    if not self.every:
+                        self.armed.clear()
                     state["cutting"] = True
                     self.cut.append(data)
+                    if self.early:  # the server's side is closed once its reply comes
+                        dst.sendall(data)
+                        _close(src)
+                        return
                 elif not upstream and state["cutting"]:
                     self.cuts += 1  # the write is done: its reply is lost with the connection
                     break
                 dst.sendall(data)
         except OSError:
             pass
-        for sock in (src, dst):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+        _close(src)
+        _close(dst)
 
     def close(self) -> None:
         self._closed = True
         self.listener.close()
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -344,3 +366,179 @@ def test_store_uncertain_survives_pickling() -> None:
     error = pickle.loads(pickle.dumps(sent))
     assert isinstance(error, StoreError) and error.job_id == "01890a5d-ac96-774b-bcce-b302099a8057"
     assert str(error) == str(sent) and "(job store error: refused)" in str(error)
+
+
+# ----------------------------------------------------------------- writes the server holds
+# An insert whose reply is lost while the server holds the write (Redis paused for writes, as
+# a failover pauses it; PostgreSQL waiting for a synchronous standby) is done after the reads
+# that settle it found no record. Before, a second try lost too (or refused while the first
+# still waited) made enqueue raise a definite StoreError, and the job was stored and ran.
+
+
+@pytest.fixture(scope="module")
+def standby_pg() -> Iterator[PrivatePostgres]:
+    """A private PostgreSQL whose commits (of sessions with ``synchronous_commit`` on) wait
+    for a standby that never comes, until the test cancels the wait (the commit stands)."""
+    server = PrivatePostgres(NO_STANDBY)
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+@dataclasses.dataclass
+class Holding:
+    """A store server that holds writes, behind a proxy that cuts the client's side of a
+    write's connection as soon as the write is forwarded (``CuttingProxy.early``)."""
+
+    url: str
+    proxy: CuttingProxy
+    #: The request of a job's insert (the batch insert's: ``batch``), as the proxy matches it
+    #: (PostgreSQL's ``COMMIT`` statement, not ``SET synchronous_commit`` of a new session).
+    insert: bytes
+    batch: bytes
+    #: Settings of the app's store.
+    settings: dict[str, object]
+    hold: Callable[[], object]
+    #: End the hold: the writes held are done now.
+    release: Callable[[], object]
+    #: Make a store prefix's tables (their commits must not wait).
+    tables: Callable[[str], object] = lambda prefix: None
+
+    def cut(self, match: bytes, every: bool) -> None:
+        self.proxy.match, self.proxy.every, self.proxy.early = match, every, True
+        self.hold()
+        self.proxy.armed.set()
+
+    def warm(self, store: JobStore) -> None:
+        """Load the scripts, prepare the lane's statements: the cut then hits the write."""
+        job = parse_envelope({"type": "e2e.add", "args": [0, 0]})
+        making = threading.Thread(target=store.create, args=(job,), daemon=True)
+        making.start()
+        wait_for(lambda: not making.is_alive() or self.release(), 10, "the first insert")
+        making.join(10)
+        if isinstance(store, RedisStore):
+            store.create_many([parse_envelope({"type": "e2e.add", "args": [0, 0]})])
+
+
+@pytest.fixture(params=["redis", "postgres"])
+def holding(request: pytest.FixtureRequest) -> Iterator[Holding]:
+    if request.param == "redis":
+        upstream: tuple[str, int] = request.getfixturevalue("private_redis")
+        admin = redis.Redis(*upstream)
+        proxy = CuttingProxy(upstream)
+        held = Holding(f"redis://127.0.0.1:{proxy.port}/0", proxy, b"EVALSHA", b"EVALSHA", {},
+                       lambda: admin.execute_command("CLIENT", "PAUSE", "30000", "WRITE"),
+                       lambda: admin.execute_command("CLIENT", "UNPAUSE"))
+    else:
+        server: PrivatePostgres = request.getfixturevalue("standby_pg")
+        admin = psycopg.connect(server.url, autocommit=True)
+
+        def release() -> int:
+            waiting = waiting_for_standby(admin)
+            for pid in waiting:
+                admin.execute("SELECT pg_cancel_backend(%s)", (pid,))
+            return len(waiting)
+
+        def tables(prefix: str) -> None:
+            store = open_store(server.url, prefix=prefix)
+            store.ping()
+            store.close()
+
+        proxy = CuttingProxy(("127.0.0.1", server.port))
+        held = Holding(f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres", proxy,
+                       b"INSERT", b"COMMIT\x00", {"store_synchronous_commit": "on"},
+                       lambda: None, release, tables)
+    try:
+        yield held
+    finally:
+        proxy.armed.clear()
+        held.release()
+        proxy.close()
+        admin.close()
+
+
+@contextlib.contextmanager
+def holding_app(holding: Holding, tmp_path: pathlib.Path) -> Iterator[tuple[Celery, JobStore]]:
+    """An app (filesystem broker) whose store is behind ``holding``'s proxy; its tables made
+    beforehand by a store whose commits do not wait."""
+    prefix = unique("h")
+    holding.tables(prefix)
+    config = filesystem_config(tmp_path)
+    config["ojs"] = {"store_url": holding.url, "store_prefix": prefix, "events": False,
+                     "store_timeout": 1.0, **holding.settings}
+    app = make_app(config)
+    store = get_runtime(app).store
+    watchdog = threading.Timer(30, holding.release)  # a failing test does not wait for ever
+    watchdog.start()
+    try:
+        holding.warm(store)
+        yield app, store
+    finally:
+        watchdog.cancel()
+        holding.proxy.armed.clear()
+        holding.release()
+        get_runtime(app).close()  # the private server goes with its module: no clearing
+        app.close()
+
+
+def test_an_enqueue_whose_every_try_lost_its_reply_is_uncertain(
+    holding: Holding, tmp_path: pathlib.Path,
+) -> None:
+    """The insert and its second try both lose their replies while the server holds them;
+    the reads between find no record. The caller is told the job may be stored, by id (before:
+    a definite StoreError), and it is: enqueue again with that id returns it."""
+    with holding_app(holding, tmp_path) as (app, store):
+        holding.cut(holding.insert, every=True)
+        with pytest.raises(StoreUncertain) as caught:
+            enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
+        assert caught.value.in_flight and "may or may not be stored" in str(caught.value)
+        holding.proxy.armed.clear()
+        assert len(holding.proxy.cut) >= 2  # the insert, and its second try
+        job_id = caught.value.job_id
+        wait_for(holding.release, 10, "the held writes")
+        stored = wait_for(lambda: store.get_record(job_id), 10, "the held insert to land")
+        assert stored.job.state == "available" and stored.job.args == [1, 2]
+        again = enqueue({"id": job_id, "type": "e2e.add", "args": [1, 2]}, app=app)
+        assert again.id == job_id
+        assert store.get_record(job_id).origin == stored.origin  # type: ignore[union-attr]
+
+
+def test_an_enqueue_batch_whose_tries_lost_their_replies_is_uncertain(
+    holding: Holding, tmp_path: pathlib.Path,
+) -> None:
+    """A batch: on Redis both tries lose their replies; on PostgreSQL the first's commit is
+    held and the second try is cancelled by ``statement_timeout`` while it waits for the first
+    (an error reply, which before was taken as "nothing stored")."""
+    with holding_app(holding, tmp_path) as (app, store):
+        holding.cut(holding.batch, every=isinstance(store, RedisStore))
+        ids = [parse_envelope({"type": "e2e.add", "args": []}).id for _ in range(3)]
+        with pytest.raises(StoreUncertain) as caught:
+            enqueue_batch([{"id": job_id, "type": "e2e.add", "args": [n, 1]}
+                           for n, job_id in enumerate(ids)], app=app)
+        assert (caught.value.job_id, caught.value.batch) == (ids[0], 3)
+        assert caught.value.in_flight
+        holding.proxy.armed.clear()
+        wait_for(holding.release, 10, "the held writes")
+        wait_for(lambda: store.get_record(ids[0]), 10, "the batch to land")
+        records = store.get_records(ids)  # all of it
+        assert [r.job.args for r in records if r is not None] == [[0, 1], [1, 1], [2, 1]]
+
+
+@pytest.mark.parametrize("holding", ["postgres"], indirect=True)
+def test_a_postgres_insert_refused_while_its_lost_first_try_waits_is_uncertain(
+    holding: Holding, tmp_path: pathlib.Path,
+) -> None:
+    """The first try's reply is lost while its commit waits for the standby; the second try
+    waits for it (the same id) until ``statement_timeout`` cancels it: that error reply says
+    only that the second try was rolled back, not the first. Before: StoreRefused ("nothing
+    of it is stored"), and the first committed."""
+    with holding_app(holding, tmp_path) as (app, store):
+        holding.cut(holding.insert, every=False)
+        with pytest.raises(StoreUncertain) as caught:
+            enqueue({"type": "e2e.add", "args": [3, 4]}, app=app)
+        assert caught.value.in_flight
+        assert isinstance(caught.value.__cause__, StoreRefused)  # the second try's answer
+        wait_for(holding.release, 10, "the held commit")
+        stored = wait_for(lambda: store.get_record(caught.value.job_id), 10, "the insert")
+        assert stored.job.args == [3, 4]

@@ -153,7 +153,8 @@ class Ops:
 def each_fails_then_works(store: JobStore, ops: dict[str, Op], heal: Callable[[], object],
                           message: str, within: float | None = None) -> None:
     """Each of ``ops`` fails with a StoreError saying ``message`` (in at most ``within``
-    seconds), then works once ``heal()`` returned."""
+    seconds), then works once ``heal()`` returned. The store's error reply is definite: an
+    insert so refused is never StoreUncertain."""
     for name, op in ops.items():
         started = time.monotonic()
         with pytest.raises(StoreError) as info:
@@ -161,6 +162,7 @@ def each_fails_then_works(store: JobStore, ops: dict[str, Op], heal: Callable[[]
         took = time.monotonic() - started
         assert within is None or took < within, (name, took)
         assert message in str(info.value), (name, str(info.value))
+        assert not isinstance(info.value, StoreUncertain), (name, str(info.value))
         assert info.value.__cause__ is not None, name
     heal()
     for name, op in ops.items():

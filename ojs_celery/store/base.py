@@ -64,6 +64,14 @@ class StoreTimeout(StoreError):
     long again, so a call that settles a lost reply does not."""
 
 
+class StoreErrorReply(StoreError):
+    """The store answered the call with an error (Redis: ``OOM``, ``READONLY``, ``NOPERM``;
+    SQLite's error, raised in this process): that try is over, nothing of it is still on its
+    way, so a read after it shows all it did. Any other :class:`StoreError` of a write may be a
+    lost reply: the server may still do the write after a read found nothing (it waited for a
+    lock, a synchronous standby, a paused server), so only an answer settles it."""
+
+
 #: libpq's words for a session it could not open, whatever the server's reason (down, starting
 #: up or shutting down, every connection slot taken): ``connection to server at "host", port
 #: 5432 failed: FATAL: ...`` (``on socket "..."`` for a unix socket).
@@ -72,25 +80,41 @@ _NOT_CONNECTED = re.compile(r"connection to server (?:at|on socket) .*? failed:"
 
 class StoreUncertain(StoreError):
     """The store failed during an insert and could not be asked afterwards whether the insert
-    was done: the job may or may not be stored. (A refused connection cannot tell either: an
-    earlier try of the same call, retried by the driver, may have been sent.)
+    was done, or (``in_flight``) lost the reply to a try of it that it may still do after the
+    read that found no record: the job may or may not be stored. (A refused connection cannot
+    tell either: an earlier try of the same call, retried by the driver, may have been sent.)
 
     Look the job up by ``job_id`` later, or repeat the call with that id (an insert sent again
     recognises its own earlier success).
     """
 
-    def __init__(self, job_id: str, error: str = "", batch: int = 1) -> None:
+    def __init__(self, job_id: str, error: str = "", batch: int = 1,
+                 in_flight: bool = False) -> None:
         self.job_id = job_id
         self.error = error
         #: The jobs of the write (a batch is stored whole or not at all: look up ``job_id``,
         #: its first).
         self.batch = batch
+        #: The store was asked and had no record, but a try whose reply was lost may still be
+        #: done later (``error`` is that try's).
+        self.in_flight = in_flight
         # its arguments, not its message: pickle and Celery's JSON result serializer rebuild
         # an exception from its args
-        super().__init__(job_id, error, batch)
+        super().__init__(job_id, error, batch, in_flight)
 
     def __str__(self) -> str:
         said = f" ({self.error})" if self.error else ""
+        if self.in_flight:
+            lost = (f"the reply to the job store's write was lost{said}, and a read after it "
+                    "found no record, but the server may still do that write (one it holds "
+                    "behind a lock, a synchronous standby or a pause)")
+            if self.batch > 1:
+                return (f"a batch of {self.batch} jobs, the first {self.job_id}: {lost}; the "
+                        "batch may or may not be stored, all of it or none (look up its first "
+                        "job later)")
+            return (f"job {self.job_id}: {lost}; the job may or may not be stored (look it up "
+                    "later, or enqueue the same envelope again with this id: it returns the "
+                    "job if it was stored)")
         if self.batch > 1:
             return (f"a batch of {self.batch} jobs, the first {self.job_id}: the job store "
                     f"failed during the write{said}; the batch may or may not be stored, all "
@@ -113,7 +137,16 @@ class StoreRefused(StoreError):
     that cannot be opened at all), or answered the write itself with an error that rolled it
     back (PostgreSQL cancelling a statement that waited past ``statement_timeout`` or
     ``lock_timeout`` for a lock another session holds). So the write is not uncertain, and no
-    read is sent to settle it: under a lock that read would wait as long again."""
+    read is sent to settle it: under a lock that read would wait as long again. (It answers
+    for its own try only: after an earlier try of the same insert lost its reply, that try
+    may still be done, see :meth:`JobStore._settle_insert`.)"""
+
+
+def answered(failure: StoreError) -> bool:
+    """Whether ``failure`` is the store's own answer to the try that raised it (an error
+    reply, a refusal): nothing of that try is still on its way to be done after a read.
+    Anything else (a connection lost after the write was sent) may be."""
+    return isinstance(failure, (StoreErrorReply, StoreRefused))
 
 
 class DuplicateJob(ValueError):
@@ -195,12 +228,14 @@ def store_errors(
     is_fault: Callable[[Exception], bool],
     detail: Callable[[Exception], object] = lambda exc: exc,
     is_timeout: Callable[[Exception], bool] = lambda exc: False,
+    is_reply: Callable[[Exception], bool] = lambda exc: False,
 ) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]:
     """A decorator for a backend's operations: an exception that ``is_fault`` recognises as
     its server's or driver's leaves as :class:`StoreError` with the server's message (``detail``
     picks the part that says it) and the original as its cause, so that callers handle one
     exception type whatever the backend; as :class:`StoreTimeout` when ``is_timeout`` says the
-    server did not answer in time. :class:`DuplicateJob` keeps its meaning.
+    server did not answer in time, as :class:`StoreErrorReply` when ``is_reply`` says it is the
+    server's own answer (else it may be a lost reply). :class:`DuplicateJob` keeps its meaning.
     """
 
     def decorate(method: Callable[_P, _T]) -> Callable[_P, _T]:
@@ -214,7 +249,9 @@ def store_errors(
                 if not is_fault(exc):
                     raise
                 message = store_message(detail(exc))
-                raise (StoreTimeout if is_timeout(exc) else StoreError)(message) from exc
+                kind = (StoreTimeout if is_timeout(exc) else
+                        StoreErrorReply if is_reply(exc) else StoreError)
+                raise kind(message) from exc
 
         return wrapper
 
@@ -363,8 +400,8 @@ class JobStore(ABC):
             written = self._insert_begin(record, deadlines)
         except (StoreUncertain, StoreRefused):
             raise
-        except StoreError:
-            inserted = self._settle_insert(record, deadlines)
+        except StoreError as failure:
+            inserted = self._settle_insert(record, deadlines, failure)
             written = lambda: inserted  # noqa: E731
         record.version = 1  # what it is once written (a message may carry it before confirm)
 
@@ -398,8 +435,8 @@ class JobStore(ABC):
             return attempt()
         except (StoreUncertain, StoreRefused):
             raise
-        except StoreError:
-            return self._settle_insert(record, deadlines, again)
+        except StoreError as failure:
+            return self._settle_insert(record, deadlines, failure, again)
 
     def create_many(self, jobs: Sequence[Job], now: float | None = None) -> list[Transition]:
         """Store new jobs, each with its outbox entry, in one atomic step: all of them or none.
@@ -426,16 +463,16 @@ class JobStore(ABC):
                     from unanswered
             except (StoreUncertain, StoreRefused):
                 raise
-            except StoreError:  # a lost reply (the write may be done) or an error reply
-                taken = self._settle_batch(rows)
+            except StoreError as failure:  # a lost reply (the write may be done), an error reply
+                taken = self._settle_batch(rows, failure)
             if taken is not None:
                 raise DuplicateJob(taken)
         for record, _ in rows:
             record.version = 1
         return transitions
 
-    def _settle_batch(self, rows: Sequence[NewRow]) -> str | None:
-        """Whether a batch insert that failed without a clear answer was stored, settled as
+    def _settle_batch(self, rows: Sequence[NewRow], failure: StoreError) -> str | None:
+        """Whether a batch insert that failed with ``failure`` was stored, settled as
         :meth:`_settle_insert` settles one insert, on the batch's first job (the batch is
         stored whole or not at all): None when it is stored, else the id another job has.
         Raises the store's refusal when nothing was stored, :class:`StoreUncertain` (naming
@@ -450,23 +487,27 @@ class JobStore(ABC):
             return found is None
 
         try:
-            stored = self._settle_insert(first, deadlines, again)
+            stored = self._settle_insert(first, deadlines, failure, again)
         except StoreUncertain as unsure:
-            raise StoreUncertain(first.job.id, unsure.error, batch=len(rows)) from unsure
+            raise StoreUncertain(first.job.id, unsure.error, batch=len(rows),
+                                 in_flight=unsure.in_flight) from unsure
         if stored:
             return None
         return taken[0] if taken else first.job.id
 
     def _settle_insert(
-        self, record: Record, deadlines: dict[str, float | None],
+        self, record: Record, deadlines: dict[str, float | None], failure: StoreError,
         insert: Callable[[], bool] | None = None,
     ) -> bool:
-        """Whether an insert whose reply was lost was written: a stored record with its origin
-        is this insert's (perhaps changed since by a worker); none: send it again (``insert``,
-        by default :meth:`_insert`; a second arrival finds its own origin). A store that
-        answers the second send with an error (read-only, out of memory, no permission)
-        refused it: that :class:`StoreError` is raised, nothing was stored.
-        :class:`StoreUncertain` when the store cannot tell."""
+        """Whether an insert that failed with ``failure`` (a lost reply, or an error reply)
+        was written: a stored record with its origin is this insert's (perhaps changed since
+        by a worker); none: send it again (``insert``, by default :meth:`_insert`; a second
+        arrival finds its own origin). When that send fails too and a read still finds no
+        record, the insert is refused (that :class:`StoreError` is raised, nothing stored)
+        only if the store answered every try with an error (:func:`answered`: read-only, out
+        of memory, no permission, rolled back); a try whose reply was lost may still be done
+        after the read, so then it is :class:`StoreUncertain`, as when the store cannot tell."""
+        lost = None if answered(failure) else failure
         current = self._load_or_uncertain(record.job.id)
         if current is None:
             try:
@@ -475,8 +516,13 @@ class JobStore(ABC):
             except StoreTimeout as unanswered:  # it may still arrive and be done
                 raise StoreUncertain(record.job.id, str(unanswered)) from unanswered
             except StoreError as refused:
-                if self._load_or_uncertain(record.job.id) is None:
-                    raise refused  # keeps the driver error as its cause
+                lost = lost if answered(refused) else refused
+                current = self._load_or_uncertain(record.job.id)
+                if current is None and lost is not None:
+                    raise StoreUncertain(record.job.id, str(lost), in_flight=True) from refused
+                if current is None:
+                    raise  # every try was answered: nothing stored (the driver error its cause)
+                return current.origin == record.origin
             current = self._load_or_uncertain(record.job.id)
         return current is not None and current.origin == record.origin
 

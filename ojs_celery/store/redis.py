@@ -41,7 +41,7 @@ from .base import (
     store_errors,
 )
 from .meta import MetaArea
-from .redis_lane import LOST, MISSED, Lane
+from .redis_lane import MISSED, Lane
 from .workers import WorkerInfo, WorkerRegistry
 
 __all__ = ["RedisMetaArea", "RedisStore", "RedisWorkerRegistry"]
@@ -89,9 +89,11 @@ CLOCKS_ID = format(zlib.crc32(",".join(CLOCKS).encode()), "08x")
 
 #: Every error of Redis or of redis-py: a lost connection, and every error reply (``OOM`` under
 #: ``maxmemory`` with ``noeviction``, ``READONLY`` on a replica, ``NOPERM`` from an ACL,
-#: ``MISCONF``...). The connection that carried an error reply stays usable.
+#: ``MISCONF``...), which is the server's answer (:class:`~.base.StoreErrorReply`: the command
+#: is over). The connection that carried an error reply stays usable.
 _wrap_errors = store_errors(lambda exc: isinstance(exc, (redis.RedisError, OSError)),
-                            is_timeout=lambda exc: isinstance(exc, redis.TimeoutError))
+                            is_timeout=lambda exc: isinstance(exc, redis.TimeoutError),
+                            is_reply=lambda exc: isinstance(exc, redis.ResponseError))
 
 
 def _num(value: float | None) -> str:
@@ -219,13 +221,11 @@ class RedisStore(JobStore):
     def _confirm_insert(
         self, answer: Callable[[], Any], record: Record, deadlines: dict[str, float | None]
     ) -> bool:
-        """The reply to an insert :meth:`_insert_begin` sent."""
-        try:
-            done = answer()
-        except redis.TimeoutError:
-            raise  # no answer in time: sent again it would wait as long; a read settles it
-        except LOST:  # sent again: the script recognises its own earlier insert
-            return self._insert(record, deadlines)
+        """The reply to an insert :meth:`_insert_begin` sent. A lost one (or none in time)
+        leaves as :class:`~.base.StoreError`, settled as every insert's is (a read, then the
+        script sent again: :meth:`~.base.JobStore._settle_insert`), which remembers that this
+        try may still be done."""
+        done = answer()
         if done is MISSED:
             return self._insert(record, deadlines)  # script flushed: load and retry
         return bool(done)
@@ -253,9 +253,12 @@ class RedisStore(JobStore):
 
     @_wrap_errors
     def _insert_push(self, keys: list[str], args: list[str]) -> bool:
-        """One call of the insert-and-push script (see :meth:`insert_pushing`)."""
-        done = self._lane.call("EVALSHA", self._insert_push_script.sha, len(keys), *keys, *args)
-        if done is MISSED:  # lost or NOSCRIPT: redis-py's retries, the script loaded
+        """One call of the insert-and-push script (see :meth:`insert_pushing`). A lost reply
+        leaves as :class:`~.base.StoreError` and is settled as :meth:`_confirm_insert`'s."""
+        answer = self._lane.send("EVALSHA", self._insert_push_script.sha, len(keys), *keys,
+                                 *args)
+        done = MISSED if answer is None else answer()
+        if done is MISSED:  # nothing sent, or NOSCRIPT: redis-py's path loads the script
             done = self._insert_push_script(keys, args)
         return bool(done)
 

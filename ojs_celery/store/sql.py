@@ -81,10 +81,17 @@ def _is_fault(exc: Exception) -> bool:
     return isinstance(exc, (sa_exc.SQLAlchemyError, sqlite3.Error, OSError))
 
 
+def _answered(exc: Exception) -> bool:
+    """SQLite's errors are its answers: it runs in this process, so a statement that raised is
+    over (rolled back), nothing of it left to be done later. PostgreSQL's error replies leave
+    as :class:`StoreRefused` (see ``SQLStore._refused``); its other errors may hide a commit."""
+    return isinstance(getattr(exc, "orig", None) or exc, sqlite3.Error)
+
+
 #: The driver's own exception says what happened; SQLAlchemy's adds the SQL text and its
 #: parameters (a whole job, perhaps), which have no place in a message.
 _wrap_errors = store_errors(_is_fault, lambda exc: getattr(exc, "orig", None) or exc,
-                            is_timeout=unanswered)
+                            is_timeout=unanswered, is_reply=_answered)
 
 
 @contextlib.contextmanager
