@@ -180,7 +180,7 @@ class PgLane(DetachedLane):
                     if result.status == pq.ExecStatus.FATAL_ERROR and refusal is None:
                         refusal = result
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            error = " ".join(f"{type(exc).__name__}: {exc}".split())  # psycopg: lines
         if pgconn.status != pq.ConnStatus.OK:
             self._drop()
             raise StoreError(f"job store error: connection lost after a write was sent "
