@@ -13,8 +13,12 @@ import socket
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    import psycopg
 
 
 def _program(name: str) -> str | None:
@@ -81,3 +85,14 @@ class PrivatePostgres:
     def destroy(self) -> None:
         self.stop("immediate")
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+#: Settings of a server whose commits wait for a synchronous standby that never comes (a
+#: session with ``synchronous_commit`` ``on`` waits until its wait is cancelled).
+NO_STANDBY = {"synchronous_standby_names": "nosuch", "synchronous_commit": "local"}
+
+
+def waiting_for_standby(admin: psycopg.Connection[object]) -> list[int]:
+    """The server processes whose commit waits for the synchronous standby."""
+    rows = admin.execute("SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep'")
+    return [int(row[0]) for row in rows]  # type: ignore[call-overload]

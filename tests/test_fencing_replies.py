@@ -33,9 +33,8 @@ from ojs_celery.store import JobStore, StoreError, StoreRefused, StoreUncertain,
 from ojs_celery.store.redis import RedisStore
 from tests.conftest import messages
 from tests.e2eapp import make_app
-from tests.pgserver import PrivatePostgres
+from tests.pgserver import NO_STANDBY, PrivatePostgres, waiting_for_standby
 from tests.services import postgres_url
-from tests.test_pg_synchronous_standby import NO_STANDBY, waiting_for_standby
 from tests.workers import filesystem_config, running_worker, unique, wait_for
 
 

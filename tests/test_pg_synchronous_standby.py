@@ -31,12 +31,11 @@ from ojs_celery.runtime import get_runtime
 from ojs_celery.store import open_store
 from tests.conftest import Env, start_env
 from tests.e2eapp import make_app
-from tests.pgserver import PrivatePostgres
+from tests.pgserver import NO_STANDBY, PrivatePostgres, waiting_for_standby
 from tests.workers import unique, wait_for
 
 #: The server's settings: commits wait for a standby that is never there, unless a session's
 #: synchronous_commit is ``local`` (the server's default here) or ``off``.
-NO_STANDBY = {"synchronous_standby_names": "nosuch", "synchronous_commit": "local"}
 
 
 @pytest.fixture
@@ -54,12 +53,6 @@ def env(pg_server: PrivatePostgres, tmp_path: pathlib.Path) -> Iterator[Env]:
                       "sweep_interval": 1, "dispatch_grace": 2, "events": False}}
     with start_env("redis", tmp_path, config=config, beat=True, concurrency=1) as started:
         yield started
-
-
-def waiting_for_standby(admin: psycopg.Connection[object]) -> list[int]:
-    """The server processes whose commit waits for the synchronous standby."""
-    rows = admin.execute("SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep'")
-    return [int(row[0]) for row in rows]  # type: ignore[call-overload]
 
 
 def test_an_insert_that_lands_after_its_message_was_dropped_still_runs(
