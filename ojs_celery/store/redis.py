@@ -256,7 +256,7 @@ class RedisStore(JobStore):
         """One call of the insert-and-push script (see :meth:`insert_pushing`). A lost reply
         leaves as :class:`~.base.StoreError` and is settled as :meth:`_confirm_insert`'s."""
         answer = self._lane.send("EVALSHA", self._insert_push_script.sha, len(keys), *keys,
-                                 *args)
+                                 *args, check=False)  # settled anyway: no poll first
         done = MISSED if answer is None else answer()
         if done is MISSED:  # nothing sent, or NOSCRIPT: redis-py's path loads the script
             done = self._insert_push_script(keys, args)

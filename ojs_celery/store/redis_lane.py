@@ -70,12 +70,14 @@ class Lane:
         except LOST:
             return MISSED
 
-    def send(self, *command: str | int) -> Callable[[], Any] | None:
+    def send(self, *command: str | int, check: bool = True) -> Callable[[], Any] | None:
         """Send ``command`` now and return the function that reads its reply, so the caller
         may do something else in between. The reader returns :data:`MISSED` for ``NOSCRIPT``
         and raises one of :data:`LOST` when the reply is lost. None: nothing was sent. Raises
-        redis-py's ``TimeoutError`` when a new connection got no answer in time."""
-        return self._send(command, check=True)
+        redis-py's ``TimeoutError`` when a new connection got no answer in time. Without
+        ``check`` a kept connection is not polled first (a system call per command): one the
+        server closed meanwhile then shows as a lost reply, which the caller settles."""
+        return self._send(command, check=check)
 
     def _send(self, command: tuple[str | int, ...], check: bool) -> Callable[[], Any] | None:
         own = self._lock.acquire(blocking=False)
