@@ -445,14 +445,24 @@ class Job(BaseModel):
         return json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False)
 
 
+#: Kept Celery options that say where a call came from, not what it asks for: the queue the
+#: ``rpc://`` backend replies to (the calling thread's) and the task it was called from (its
+#: ``parent_id`` and root, which Celery gives a call made inside a task). The same call from
+#: another thread, process or task is the same request.
+_CALL_CONTEXT = frozenset({"reply_to", "parent_id", "root_id"})
+
+
 def _requested(job: Job) -> dict[str, Any]:
     """What :meth:`Job.same_request` compares: the job as its producer asked for it, without
-    the queue the ``rpc://`` backend replies to (the calling thread's: the same call from
-    another thread or process is the same request)."""
+    the options of the call's context (:data:`_CALL_CONTEXT`)."""
     data = job.model_dump(mode="json", by_alias=True, exclude=_NOT_REQUESTED)
     options = data.get(CELERY_OPTIONS_FIELD)
-    if isinstance(options, dict) and "reply_to" in options:
-        data[CELERY_OPTIONS_FIELD] = {k: v for k, v in options.items() if k != "reply_to"}
+    if isinstance(options, dict) and not _CALL_CONTEXT.isdisjoint(options):
+        asked = {k: v for k, v in options.items() if k not in _CALL_CONTEXT}
+        if asked:
+            data[CELERY_OPTIONS_FIELD] = asked
+        else:
+            del data[CELERY_OPTIONS_FIELD]
     return data
 
 

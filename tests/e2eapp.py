@@ -436,6 +436,11 @@ def make_app(config: dict[str, Any]) -> Celery:
         """Calls ``e2e.celery_lineage`` from inside a task: its parent."""
         return str(celery_lineage.delay(tag).id)
 
+    @app.task(shared=False, name="e2e.celery_spawns_once", base=OJSTask)
+    def celery_spawns_once(child_id: str) -> str:
+        """Calls ``e2e.noop`` with a chosen id from inside a task (one pending job per id)."""
+        return str(noop.apply_async(task_id=child_id).id)
+
     @app.task(shared=False, name="e2e.celery_returns_typed", base=OJSTask)
     def celery_returns_typed(year: int) -> dict[str, Any]:
         """A result Celery's JSON serializer carries as typed values."""

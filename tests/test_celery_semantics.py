@@ -502,6 +502,19 @@ def test_a_call_made_in_a_task_keeps_that_parent_at_its_retries_as_in_celery(env
     assert _runs(env, tag) == [f"retries=0 {seen}", f"retries=1 {seen}"]
 
 
+def test_the_same_task_id_called_from_other_tasks_is_the_same_call(env: Env) -> None:
+    """A task id chosen to keep one job pending (a dispatcher task run by beat, a web
+    request) names one call wherever it is made from: the parent a call inside a task keeps
+    is not part of it, so the later calls get the first job back, as plain Celery's never
+    fail there (they used to raise DuplicateJob)."""
+    child_id = unique("once")
+    spawner = env.app.tasks["e2e.celery_spawns_once"]
+    first, second = spawner.delay(child_id), spawner.delay(child_id)
+    assert first.get(timeout=30) == second.get(timeout=30) == child_id
+    assert env.app.tasks["e2e.noop"].apply_async(task_id=child_id).id == child_id
+    assert env.wait_state(child_id, "completed").attempt == 1
+
+
 def test_a_datetime_or_decimal_result_reaches_the_caller_as_in_celery(env: Env) -> None:
     """Celery's JSON serializer carries a ``datetime`` or ``Decimal`` result as a typed value:
     the caller gets it back, and the job's record keeps that JSON. Such a result used to fail
