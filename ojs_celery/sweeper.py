@@ -115,7 +115,6 @@ OUTAGES = (StoreError, BrokerUnavailable)
 def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
     store = runtime.store
     spell = _blind_spell(runtime)
-    _check_broker(runtime, limit, report)
     for clock in lifecycle.SWEEP:
         if isinstance(clock, WorkerClock):
             _bury_dead_workers(runtime, clock, now, limit, report, spell)
@@ -129,6 +128,8 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
                                type(exc).__name__, exc)
         else:
             _enforce_clock(runtime, clock, now, limit, report, spell)
+    # last: a broker that fails the republishing ends the pass after every clock's work
+    _check_broker(runtime, limit, report)
 
 
 #: How many batches' worth of due entries a pass reads past attempts left to the worker clock.
@@ -366,6 +367,11 @@ def _bury_dead_workers(
 
 #: Counted in ``SweepReport.applied``: messages published again because the broker lost them.
 BROKER_LOST = "broker_lost"
+#: How far past its own clock a sweeper counts a message as sent before a loss: a job's last
+#: publish is stamped by the producer's or a worker's clock, which may run ahead of the
+#: sweeper's by the few seconds the README's clock-skew section tolerates; a message sent
+#: after the loss and taken for lost only costs a copy, which fencing drops.
+LOSS_SKEW = 30.0
 
 
 class _Unchecked:
@@ -419,7 +425,8 @@ def _check_broker(runtime: Runtime, limit: int, report: SweepReport) -> None:
         return
     lost = held != known.mark
     if lost:
-        known = meta.swap_broker_mark(known, BrokerMark(held, lost_before=time.time()))
+        known = meta.swap_broker_mark(
+            known, BrokerMark(held, lost_before=time.time() + LOSS_SKEW))
         if known is None:
             return  # another sweeper recorded it: it republishes from its next pass
     if known.republishing:
@@ -431,7 +438,7 @@ def _republish_lost(runtime: Runtime, known: BrokerMark, limit: int, report: Swe
     """One pass's share of the jobs waiting for a message when the broker lost its data:
     about ``limit`` ids of the redispatch index from the scan's cursor, each owed its message
     unless published since; the cursor moves on by compare-and-set (a sweeper that lost that
-    race republished nothing twice: the rule leaves a job published since alone)."""
+    race may have sent some of the same messages once more, copies that fencing drops)."""
     store = runtime.store
     clock = lifecycle.REDISPATCH.name
     assert known.lost_before is not None

@@ -174,7 +174,8 @@ def test_a_flushed_broker_under_running_jobs_two_sweepers(
     """FLUSHALL while both pool processes run long jobs and two more wait in the broker; two
     sweepers (two processes' runtimes) pass at once: the waiting jobs are republished once
     between them, the running ones not at all, and each job runs once."""
-    running = [enqueue({"type": "e2e.sleep", "args": [3]}, app=setup.app).id for _ in range(2)]
+    # long enough that both still run when the second starts on a busy machine
+    running = [enqueue({"type": "e2e.sleep", "args": [6]}, app=setup.app).id for _ in range(2)]
     wait_for(lambda: all(setup.store.get(j).state == "active"  # type: ignore[union-attr]
                          for j in running), 15, "both long jobs to start")
     waiting = [enqueue({"type": "e2e.add", "args": [i, 3]}, app=setup.app).id for i in range(2)]

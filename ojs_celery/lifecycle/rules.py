@@ -966,8 +966,9 @@ def resend_lost(record: Record, now: float, policy: Policy, lost_before: float) 
     """The broker lost its data (see ``ojs_celery.sweeper``): a job waiting for a message last
     published before ``lost_before`` gets it once more now, with the same token, instead of
     after ``redispatch_after``. A job published since is left alone (its message is in the
-    broker as it is now), which also makes a second visit of the same job change nothing; a
-    copy that meets a message that survived is dropped by fencing."""
+    broker as it is now); a copy that meets a message that survived, or one sent just after
+    the loss (``lost_before`` allows for the publishers' clocks running ahead of the
+    sweeper's), is dropped by fencing."""
     if waiting_deadline(record, policy) is None:
         return rejected("not_waiting")
     assert record.extended_at is not None  # a waiting job has been published

@@ -89,11 +89,13 @@ CLOCKS_ID = format(zlib.crc32(",".join(CLOCKS).encode()), "08x")
 
 #: Every error of Redis or of redis-py: a lost connection, and every error reply (``OOM`` under
 #: ``maxmemory`` with ``noeviction``, ``READONLY`` on a replica, ``NOPERM`` from an ACL,
-#: ``MISCONF``...), which is the server's answer (:class:`~.base.StoreErrorReply`: the command
-#: is over). The connection that carried an error reply stays usable.
+#: ``MISCONF``; ``LOADING`` from a server still reading its data, which redis-py raises as a
+#: connection error), which is the server's answer (:class:`~.base.StoreErrorReply`: the
+#: command is over or was never run). The connection that carried an error reply stays usable.
 _wrap_errors = store_errors(lambda exc: isinstance(exc, (redis.RedisError, OSError)),
                             is_timeout=lambda exc: isinstance(exc, redis.TimeoutError),
-                            is_reply=lambda exc: isinstance(exc, redis.ResponseError))
+                            is_reply=lambda exc: isinstance(
+                                exc, (redis.ResponseError, redis.BusyLoadingError)))
 
 
 def _num(value: float | None) -> str:
