@@ -87,8 +87,16 @@ def _app(ctx: click.Context) -> Celery:
 
 
 def _line(data: Any) -> None:
-    click.echo(json.dumps(data, separators=(",", ":"), ensure_ascii=False))
-    sys.stdout.flush()
+    """Print one JSON line. A reader that went away (``events | head -1``) ends the command
+    quietly with status 0: its BrokenPipeError is an OSError, which ``listen`` would otherwise
+    take for a lost broker and retry for ever."""
+    try:
+        click.echo(json.dumps(data, separators=(",", ":"), ensure_ascii=False))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's advice: point stdout at devnull, so the flush at exit raises nothing again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
 
 
 def _one_line(text: object) -> str:

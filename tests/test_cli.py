@@ -419,3 +419,18 @@ def test_listen_ends_when_asked_while_listening_and_while_its_broker_is_down(
         thread.join(5)
         assert not thread.is_alive(), f"listen went on after stop (broker down: {broker_down})"
     get_runtime(app).close()
+
+
+def test_events_into_a_reader_that_goes_away_ends_at_once(env: Env) -> None:
+    """``events | head -1``: the closed pipe was taken for a lost broker (both are OSError),
+    and the listener printed "lost the broker" every second for ever instead of ending."""
+    listener = events_listener(env, "--timeout", "30")
+    assert listener.stdout is not None and listener.stderr is not None
+    listener.stdout.close()  # the reader is gone, as `head -1` after its line
+    try:
+        run(env, "enqueue", "-", stdin='{"type":"e2e.add","args":[1,1]}')
+        assert listener.wait(20) == 0
+        said = listener.stderr.read()
+    finally:
+        listener.kill()
+    assert "lost the broker" not in said and "Traceback" not in said, said
