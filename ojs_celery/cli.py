@@ -320,11 +320,11 @@ def _directive(name: str) -> click.Command:
     @click.option("--all", "everyone", is_flag=True, help="Every registered worker.")
     @click.pass_context
     def send(ctx: click.Context, worker_ids: tuple[str, ...], everyone: bool) -> None:
+        if everyone == bool(worker_ids):  # a usage error needs no store (status 2, not 4)
+            raise click.UsageError("give WORKER_ID(s) or --all (not both)")
         app = _app(ctx)
         store = get_runtime(app).store
         known = {w.worker_id for w in store.workers.all()}
-        if everyone == bool(worker_ids):
-            raise click.UsageError("give WORKER_ID(s) or --all (not both)")
         targets = sorted(known) if everyone else list(worker_ids)
         unknown = [w for w in targets if w not in known]
         if unknown:

@@ -434,3 +434,12 @@ def test_events_into_a_reader_that_goes_away_ends_at_once(env: Env) -> None:
     finally:
         listener.kill()
     assert "lost the broker" not in said and "Traceback" not in said, said
+
+
+def test_a_directive_without_workers_is_a_usage_error_whatever_the_store(env: Env) -> None:
+    """The usage was checked after the store was read: with the store down, a directive
+    with no WORKER_ID and no --all exited 4 (store) instead of 2 (usage)."""
+    down = {"ojs": {**env.config["ojs"], "store_url": "redis://127.0.0.1:1/0"}}
+    out = run_with(env, down, "workers", "quiet")
+    assert out.returncode == 2, out.stderr
+    assert "give WORKER_ID(s) or --all" in out.stderr
