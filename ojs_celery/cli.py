@@ -9,6 +9,7 @@ nothing stored.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -65,13 +66,31 @@ def load_app(name: str | None) -> Celery:
         sys.path.insert(0, os.getcwd())
     try:
         app = find_app(name)
-    except Exception as exc:
-        raise click.BadParameter(f"cannot load app {name!r}: {exc}", param_hint="-A/--app") from exc
+    except (Exception, SystemExit) as exc:  # a module may sys.exit() while it is imported
+        raise click.BadParameter(f"cannot load app {name!r}: {_load_failure(name, exc)}",
+                                 param_hint="-A/--app") from exc
     if not isinstance(app, Celery):
         raise click.BadParameter(f"{name!r} is not a Celery app", param_hint="-A/--app")
     app.loader.import_default_modules()
     install(app)
     return app
+
+
+def _load_failure(name: str, exc: BaseException) -> str:
+    """Why ``name`` did not load, in words: Celery's ``find_app`` says "No module named
+    'proj:missing'" for a module that imports but lacks the attribute, and a module that
+    calls ``sys.exit()`` while imported would end the command with its status, silently."""
+    if isinstance(exc, SystemExit):
+        return f"importing it called sys.exit({exc.code!r})"
+    module, _, attribute = name.partition(":")
+    if attribute and isinstance(exc, ImportError):
+        try:
+            imported = importlib.import_module(module)
+        except (Exception, SystemExit):
+            return str(exc)
+        if not hasattr(imported, attribute.split(".")[0]):
+            return f"module {module!r} has no attribute {attribute.split('.')[0]!r}"
+    return str(exc)
 
 
 def _app(ctx: click.Context) -> Celery:
@@ -99,10 +118,22 @@ def _line(data: Any) -> None:
         sys.exit(0)
 
 
+#: The longest problem line printed (a job id argument of 100,000 characters is echoed
+#: no further).
+LINE_LIMIT = 1000
+
+
 def _one_line(text: object) -> str:
-    """``text`` on one line, printable whatever it quotes (a lone surrogate from an argument
-    that was not UTF-8 is written as ``\\udcxx``, not raised)."""
-    return " ".join(utf8_safe(str(text)).split())
+    """``text`` on one line, printable whatever it quotes: a lone surrogate from an argument
+    that was not UTF-8 is written as ``\\udcxx`` (not raised), a control character as
+    ``\\xNN`` (a terminal would obey it), and a line past :data:`LINE_LIMIT` is cut."""
+    line = " ".join(utf8_safe(str(text)).split())
+    if not line.isprintable():
+        line = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256
+                       else f"\\u{ord(c):04x}" for c in line)
+    if len(line) > LINE_LIMIT:
+        line = f"{line[:LINE_LIMIT]}... ({len(line) - LINE_LIMIT} more characters)"
+    return line
 
 
 def _fail(lines: list[str], status: int) -> NoReturn:

@@ -659,10 +659,12 @@ Rules = Callable[[dict[str, Any]], list[tuple[str, str]]]
 
 
 def decode_json(text: str | bytes, what: str = "(envelope)") -> Any:
-    """JSON text (UTF-8 when bytes) as data, or :class:`InvalidJob` naming ``what``."""
+    """JSON text (UTF-8 when bytes) as data, or :class:`InvalidJob` naming ``what``. A
+    leading UTF-8 byte order mark (files from some Windows editors) is ignored, as RFC 8259
+    lets a parser do."""
     try:
         if isinstance(text, bytes):
-            text = text.decode("utf-8")  # not UTF-16 or -32, which json.loads would guess
+            text = text.decode("utf-8-sig")  # not UTF-16 or -32, which json.loads would guess
         return _DECODER.decode(text)
     except RecursionError:
         raise InvalidJob([(what, _NESTING_RULE)]) from None

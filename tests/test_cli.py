@@ -241,10 +241,38 @@ def test_an_argument_that_is_not_utf8_names_no_job(env: Env) -> None:
         assert out.stderr.decode() == "error: no job with id \\udcff\\udcfe\n"
 
 
-def test_unknown_app_is_a_usage_error(env: Env) -> None:
-    out = subprocess.run([CLI, "-A", "no_such_module", "get", "x"], capture_output=True,
-                         text=True, cwd=ROOT, timeout=60)
-    assert out.returncode == 2 and "cannot load app" in out.stderr
+def test_unknown_app_is_a_usage_error(env: Env, tmp_path: pathlib.Path) -> None:
+    """Status 2 with the reason: no such module; a module without that attribute (Celery's
+    own words named a module 'tests.e2eapp:nothere'); a module that calls ``sys.exit(3)``
+    while imported (it ended the command silently with status 3, a duplicate job's)."""
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
+    for name, reason in [("no_such_module", "No module named 'no_such_module'"),
+                         ("tests.e2eapp:nothere",
+                          "module 'tests.e2eapp' has no attribute 'nothere'"),
+                         ("exits_on_import", "importing it called sys.exit(3)")]:
+        out = subprocess.run([CLI, "-A", name, "get", "x"], capture_output=True, text=True,
+                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                             timeout=60)
+        assert out.returncode == 2 and f"cannot load app {name!r}: {reason}" in out.stderr
+
+
+def test_an_id_with_control_characters_or_of_any_length_is_one_short_line(env: Env) -> None:
+    """What an argument quotes is escaped (a terminal would obey an escape sequence) and cut
+    (a 100,000-character id was echoed whole)."""
+    out = run(env, "get", "a\x07b\x1b[31mc" + "x" * 100_000)
+    assert out.returncode == 1
+    [line] = out.stderr.splitlines()
+    assert line.startswith("error: no job with id a\\x07b\\x1b[31mcxxx")
+    assert re.search(r"x\.\.\. \(99\d{3} more characters\)$", line) and len(line) < 1100
+
+
+def test_an_envelope_file_with_a_byte_order_mark_is_read(env: Env, tmp_path: pathlib.Path) -> None:
+    """A UTF-8 byte order mark (some Windows editors write one) was "not valid JSON"."""
+    source = tmp_path / "bom.json"
+    source.write_bytes(b"\xef\xbb\xbf" + b'{"type": "e2e.add", "args": [1, 2]}')
+    out = run(env, "enqueue", str(source))
+    assert out.returncode == 0, out.stderr
+    assert env.wait_state(json.loads(out.stdout)["id"], "completed").result == 3
 
 
 def events_listener(env: Env, *options: str) -> subprocess.Popen[str]:
