@@ -42,6 +42,9 @@ class BrokerMarker:
         self._connection: Any = None
         self._client: redis.Redis | None = None
         self._key = ""
+        #: Whether the last check failed: said once per outage (of this app's broker), not
+        #: once per pass.
+        self.failing = False
 
     def where(self) -> str:
         """The broker's URL, password masked (for the log)."""
@@ -81,6 +84,10 @@ class BrokerMarker:
 
             connection = self._app.connection_for_write()
             try:
+                # each of the broker's URLs once, without kombu's sleeps between rounds (2 s
+                # per pass while the broker is down): the next pass checks again
+                connection.ensure_connection(max_retries=max(len(connection.alt), 1) - 1,
+                                             reraise_as_library_errors=False)
                 channel = connection.channel()  # kombu's Redis channel pings the server
             except (OperationalError, *_errors(), *connection.connection_errors) as exc:
                 connection.release()

@@ -374,12 +374,6 @@ BROKER_LOST = "broker_lost"
 LOSS_SKEW = 30.0
 
 
-class _Unchecked:
-    """Whether the last check of the broker's mark failed: said once per outage, not per pass."""
-
-    failing = False
-
-
 def _check_broker(runtime: Runtime, limit: int, report: SweepReport) -> None:
     """Notice that the broker lost its data, and republish what waited on it.
 
@@ -412,13 +406,13 @@ def _check_broker(runtime: Runtime, limit: int, report: SweepReport) -> None:
                 return  # another sweeper marked it first: recorded at the next pass
             held = new
     except Unreachable as exc:
-        if not _Unchecked.failing:
-            _Unchecked.failing = True
+        if not marker.failing:
+            marker.failing = True
             logger.warning("ojs_celery: could not check whether the broker lost its data "
                            "(checked again next pass): %s", exc)
         return
-    if _Unchecked.failing:
-        _Unchecked.failing = False
+    if marker.failing:
+        marker.failing = False
         logger.info("ojs_celery: the broker answers the check of its data again")
     if known is None:
         meta.swap_broker_mark(None, BrokerMark(held))

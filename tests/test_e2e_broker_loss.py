@@ -242,19 +242,26 @@ def test_a_broker_down_at_the_first_check(
     tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A sweeper whose broker is down from its start (its client cannot even be made): one
-    line, no traceback, the rest of the pass done (test 2: said once, checked again)."""
-    port = free_port()
-    config = filesystem_config(tmp_path)
-    config.update(broker_url=f"redis://127.0.0.1:{port}/0", broker_transport_options={})
-    config["ojs"] = {**config["ojs"], "events": False}
-    runtime = get_runtime(make_app(config))
+    line, no traceback, the rest of the pass done (test 2: said once, checked again). Two
+    apps in one process, each with its own broker down: each says so once (the outage of
+    one app's broker is not another's)."""
+    runtimes = []
+    for name in ("one", "two"):
+        config = filesystem_config(tmp_path / name)
+        config.update(broker_url=f"redis://127.0.0.1:{free_port()}/0",
+                      broker_transport_options={})
+        config["ojs"] = {**config["ojs"], "events": False}
+        runtimes.append(get_runtime(make_app(config)))
     try:
         with caplog.at_level(logging.INFO, logger="ojs_celery"):
-            report = sweep(runtime)
-        assert report.error is None
+            reports = [sweep(runtime) for runtime in (*runtimes, *runtimes)]
+        assert [report.error for report in reports] == [None] * 4
         said = [r for r in caplog.records if "could not check whether the broker" in r.message]
-        assert len(said) == 1 and said[0].exc_info is None, said
-        assert runtime.store.meta.last_sweep() is not None  # the passes went on
-        assert runtime.store.meta.broker_mark() is None
+        assert len(said) == 2 and [r.exc_info for r in said] == [None, None], said
+        assert len({r.message for r in said}) == 2  # each names its own broker
+        for runtime in runtimes:
+            assert runtime.store.meta.last_sweep() is not None  # the passes went on
+            assert runtime.store.meta.broker_mark() is None
     finally:
-        runtime.close()
+        for runtime in runtimes:
+            runtime.close()
