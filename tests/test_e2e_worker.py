@@ -547,6 +547,29 @@ def test_a_worker_on_another_broker_than_the_stores_last_one_warns(
         stop_all([worker])
 
 
+def test_a_worker_on_a_sqlite_store_named_relative_to_its_directory_warns(
+    env: Env, tmp_path: pathlib.Path
+) -> None:
+    """``ojs.store_url`` left at its default (``sqlite:///ojs.sqlite3``) names a file in each
+    process's working directory: a producer started elsewhere has a store of its own, and the
+    worker drops its jobs' messages as orphans. The worker says so at its start, naming the
+    file; an absolute path says nothing."""
+    workers = []
+    try:
+        for store in ("sqlite:///jobs.sqlite3", f"sqlite:///{tmp_path / 'absolute.sqlite3'}"):
+            config = {**env.config, "worker_queues": [unique("own")],
+                      "ojs": {**env.config["ojs"], "store_url": store}}
+            worker = Worker(config, tmp_path / f"{len(workers)}.log", cwd=tmp_path)
+            workers.append(worker)
+            worker.wait_ready()
+        said = f"the job store is the SQLite file {tmp_path / 'jobs.sqlite3'}, named relative"
+        wait_for(lambda: said in workers[0].log(), 10, "the warning")
+        wait_for(lambda: "registered (queues" in workers[1].log(), 10, "registration")
+        assert "named relative" not in workers[1].log()
+    finally:
+        stop_all(workers)
+
+
 def test_on_gevent_signals_quiet_resume_and_drain(env: Env, tmp_path: pathlib.Path) -> None:
     """Celery's gevent pool runs the worker's signal handlers in its event loop, where a
     thread cannot be started and waited for: SIGTSTP, SIGCONT and SIGTERM work there as on

@@ -157,7 +157,8 @@ class Worker(CeleryProcess):
 
     def __init__(self, config: dict[str, Any], log: pathlib.Path, pool: str = "prefork",
                  concurrency: int = 2, extra: list[str] | None = None,
-                 program: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+                 program: list[str] | None = None, env: dict[str, str] | None = None,
+                 cwd: pathlib.Path = ROOT) -> None:
         self.config = config
         MADE.update(config.get("worker_queues") or [config["queue"]])
         super().__init__(
@@ -165,7 +166,7 @@ class Worker(CeleryProcess):
              str(concurrency), "--loglevel", "INFO",
              "--queues", ",".join(config.get("worker_queues") or [config["queue"]]),
              "--hostname", f"{unique('w')}@%h", "--without-gossip", "--without-mingle",
-             *(extra or [])], log, {**_env(config), **(env or {})}, cwd=ROOT, program=program)
+             *(extra or [])], log, {**_env(config), **(env or {})}, cwd=cwd, program=program)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         super().wait_ready(timeout)

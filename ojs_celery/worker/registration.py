@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -10,6 +11,7 @@ from celery import bootsteps
 from celery.worker import state as worker_state
 
 from ..runtime import Runtime, get_runtime
+from ..store.sql import sqlite_file
 from .node import WorkerNode
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class RegistrationStep(bootsteps.StartStopStep):  # type: ignore[misc]
             "concurrency": info.concurrency, "hostname": info.hostname, "pid": info.pid,
         }, subject=node.worker_id)
         _check_broker(runtime)
+        _check_store_path(runtime)
 
     def stop(self, parent: Any) -> None:
         if worker_state.should_stop or worker_state.should_terminate:
@@ -88,6 +91,27 @@ def _check_broker(runtime: Runtime) -> None:
             "the other's jobs to their own broker, where its workers run them: give each its own "
             "store (ojs.store_prefix or store_url). The same broker under another name is "
             "harmless.", runtime.store, other, broker)
+
+
+def _check_store_path(runtime: Runtime) -> None:
+    """Warn when the job store is a SQLite file named relative to the working directory (as
+    the default ``sqlite:///ojs.sqlite3`` is): a producer, beat or the CLI started in another
+    directory, or on another host, has a store of its own, and this worker drops their jobs'
+    messages as orphans."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(runtime.settings.store_url)
+    if not url.drivername.startswith("sqlite") or not url.database:
+        return
+    path = sqlite_file(url)
+    if path is None or os.path.isabs(url.database):
+        return
+    logger.warning(
+        "ojs_celery: the job store is the SQLite file %s, named relative to this worker's "
+        "working directory (ojs.store_url %r): producers, beat and the CLI started in another "
+        "directory or on another host have stores of their own, and their jobs never run "
+        "here. Give an absolute path (sqlite:////var/lib/proj/ojs.sqlite3), or a PostgreSQL "
+        "or Redis store for more than one host.", path, runtime.settings.store_url)
 
 
 def deregister(node: WorkerNode, reason: str) -> None:
