@@ -4,7 +4,7 @@
 # store's lane (SQLAlchemy's pool hands it its connection), the Redis store's own tests (its
 # lane and scripts, the joint write and the kept client through kombu's Redis channel and
 # QoS, the queue bound once per channel) and the tests of what the other floors carry
-# (pydantic: envelope and settings; click: the CLI).
+# (pydantic: envelope and settings; click: the CLI), on the oldest supported Python.
 # Raise a floor in pyproject.toml and here together.
 #
 #   scripts/floors.sh                       # venv under .compat/, kept between runs
@@ -25,14 +25,30 @@ FLOORS=(
     "psycopg==3.1.4" "psycopg-binary==3.1.4"   # the oldest binary wheels for Python 3.11
 )
 TESTS=${FLOORS_TESTS:-"tests/test_store_contract.py tests/test_sqlite_lane.py tests/test_redis_indexes.py tests/test_joint.py tests/test_kept_client.py tests/test_publish_binding.py tests/test_enqueue_interrupted.py tests/test_compat.py tests/test_envelope.py tests/test_conf.py tests/test_cli.py"}
-PYTHON=${PYTHON:-python3}
+# The oldest Python that pyproject.toml allows is a floor too: taken where this machine has it
+# (on the PATH, or among pyenv's versions), else python3; PYTHON=... chooses another.
+OLDEST_PYTHON=3.10
+oldest_python() {
+    local candidate
+    for candidate in "python$OLDEST_PYTHON" \
+            "$(pyenv root 2>/dev/null || echo /nonexistent)"/versions/"$OLDEST_PYTHON".*/bin/python; do
+        if "$candidate" -c "import sys; sys.exit('%d.%d' % sys.version_info[:2] != '$OLDEST_PYTHON')" \
+                2>/dev/null; then
+            echo "$candidate"
+            return
+        fi
+    done
+    echo python3
+}
+PYTHON=${PYTHON:-$(oldest_python)}
 ROOT=${COMPAT_DIR:-.compat}
 venv="$ROOT/venv-floors"
 log="$ROOT/floors.log"
 mkdir -p "$ROOT"
+wanted=$("$PYTHON" -c 'import sys; print(sys.version.split()[0])')
 
 if [ ! -f "$venv/.installed" ] || [ pyproject.toml -nt "$venv/.installed" ] \
-        || [ "$0" -nt "$venv/.installed" ]; then
+        || [ "$0" -nt "$venv/.installed" ] || [ "$(cat "$venv/.installed")" != "$wanted" ]; then
     rm -rf "$venv"
     "$PYTHON" -m venv "$venv"
     echo "floors: installing into $venv ..." >&2
@@ -41,14 +57,15 @@ if [ ! -f "$venv/.installed" ] || [ pyproject.toml -nt "$venv/.installed" ] \
         echo "floors: INSTALL FAILED (see $log)"
         exit 1
     fi
-    touch "$venv/.installed"
+    echo "$wanted" >"$venv/.installed"
 fi
 [ "${FLOORS_INSTALL_ONLY:-}" = 1 ] && exit 0
 installed=$("$venv/bin/python" -c '
 import importlib.metadata as m
+import sys
 names = ("celery", "kombu", "billiard", "pydantic", "SQLAlchemy", "click", "redis", "hiredis",
          "psycopg")
-print(" ".join(f"{n} {m.version(n)}" for n in names))')
+print(f"Python {sys.version.split()[0]}", *(f"{n} {m.version(n)}" for n in names))')
 echo "floors: $installed" >&2
 # shellcheck disable=SC2086
 "$venv/bin/python" -m pytest -q -p no:cacheprovider $TESTS >"$log" 2>&1
