@@ -10,6 +10,7 @@ RETRY, FAILURE) when the store accepted it. Celery's own retry paths (``self.ret
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -138,6 +139,24 @@ class OJSTask(Task):  # type: ignore[misc]
         result: AsyncResult = self.AsyncResult(enqueue_call(self, args, kwargs, options))
         result.ignored = options.get("ignore_result", self.ignore_result)  # as Celery sets it
         return result
+
+    # Celery's Django task class (``celery.contrib.django.task.DjangoTask``), which the Django
+    # fixup makes the default base of a project's tasks since Celery 5.4, adds these two;
+    # ``base=OJSTask`` takes its place, so they are here, as Celery writes them (a Django
+    # project's ``task.delay_on_commit(...)`` raised AttributeError once migrated).
+
+    def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
+        """``delay()`` once Django's current transaction commits (``transaction.on_commit``;
+        at once outside a transaction, never after a rollback); returns None, as Celery's."""
+        from django.db import transaction
+
+        transaction.on_commit(functools.partial(self.delay, *args, **kwargs))
+
+    def apply_async_on_commit(self, *args: Any, **kwargs: Any) -> None:
+        """``apply_async()`` once Django's current transaction commits; returns None."""
+        from django.db import transaction
+
+        transaction.on_commit(functools.partial(self.apply_async, *args, **kwargs))
 
     def replace(self, sig: Any) -> Any:
         """Refused for an OJS job, with a final error that says so: Celery's ``replace`` gives
