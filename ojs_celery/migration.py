@@ -13,7 +13,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
+from celery.utils.imports import symbol_by_name
 
 from .envelope import QUEUE_PATTERN, TYPE_PATTERN, Job
 from .install import check_sweep_queue
@@ -39,6 +40,10 @@ NO_EQUIVALENT = {
     "store_errors_even_if_ignored": "no effect on OJS state: errors are always in the job record",
     "resultrepr_maxsize": "no OJS equivalent",
 }
+#: Task classes an app may have (Celery's ``task_cls``) whose additions ``OJSTask`` has itself:
+#: Celery's Django task class (the Django fixup's default since Celery 5.4) adds
+#: ``delay_on_commit`` and ``apply_async_on_commit``, which ``OJSTask`` has too.
+COVERED_TASK_CLASSES = ("celery.contrib.django.task.DjangoTask",)
 _CELERY_DEFAULTS: dict[str, Any] = {
     "rate_limit": None, "reject_on_worker_lost": None, "acks_on_failure_or_timeout": True,
     "track_started": False, "store_errors_even_if_ignored": False, "resultrepr_maxsize": 1024,
@@ -154,6 +159,15 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
     priority = getattr(task, "priority", None)
     if priority is not None:
         envelope["priority"] = priority
+    own = _own_task_class(app)
+    # an OJS task without it lost it; a plain task with it would lose it once migrated
+    if own is not None and is_ojs != isinstance(task, own):
+        own_name = own.__qualname__
+        report.warnings.append(
+            f"base=OJSTask takes the place of the app's task class "
+            f"{own.__module__}.{own_name} (task_cls): what it adds (methods, hooks such as "
+            f"on_failure) is not on an OJS task; give it a base with both: "
+            f"class OJS{own_name}(OJSTask, {own_name})")
     asked = getattr(task, "ojs_acks_late_asked", None) if is_ojs else None
     if asked is not None:
         report.warnings.append(f"acks_late={asked!r}: ignored: OJS tasks always ack late (a "
@@ -188,6 +202,22 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
                 "still running it (raise consumer_timeout, or x-consumer-timeout on the queue; "
                 "and set broker_channel_error_retry, or Celery's worker stops there)")
     return report
+
+
+def _own_task_class(app: Celery) -> type | None:
+    """The app's task class (Celery's ``task_cls``, the base of every task given no ``base=``)
+    when it is the project's own: ``base=OJSTask`` takes its place, so an OJS task loses what
+    it adds unless its base has both (``class ProjectTask(OJSTask, Base)``). None for Celery's
+    own classes, whose additions ``OJSTask`` has, and for one that cannot be imported."""
+    try:
+        cls = symbol_by_name(app.task_cls)
+    except Exception:  # the report reads the app; Celery names that error itself
+        return None
+    if not isinstance(cls, type) or cls is Task or not issubclass(cls, Task):
+        return None
+    if f"{cls.__module__}.{cls.__qualname__}" in COVERED_TASK_CLASSES:
+        return None
+    return cls
 
 
 def _duration(seconds: float) -> str:

@@ -3,7 +3,9 @@ never connected to; they only have to be read."""
 
 from __future__ import annotations
 
-from celery import Celery
+from typing import Any
+
+from celery import Celery, Task
 from kombu import Queue
 
 from ojs_celery import OJSTask, install
@@ -101,3 +103,45 @@ tight_app.conf.update(broker_url="memory://", ojs={
     "store_url": "sqlite:///:memory:", "heartbeat_interval": 5, "worker_heartbeat_timeout": 12,
     "sweep_interval": 1})
 install(tight_app)
+
+
+class ProjectTask(Task):  # type: ignore[misc]
+    """A project's own task class (``task_cls``): every task without ``base=`` has it."""
+
+    def on_failure(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        return None
+
+
+class ProjectOJSTask(OJSTask, ProjectTask):  # type: ignore[misc]
+    pass
+
+
+custom_app = Celery("inspect_custom", set_as_current=False, task_cls=ProjectTask)
+custom_app.conf.update(broker_url="memory://", ojs={"store_url": "sqlite:///:memory:"})
+install(custom_app)
+
+
+@custom_app.task(name="custom.lost", base=OJSTask, time_limit=60, shared=False)
+def lost() -> None:
+    return None
+
+
+@custom_app.task(name="custom.kept", base=ProjectOJSTask, time_limit=60, shared=False)
+def kept() -> None:
+    return None
+
+
+@custom_app.task(name="custom.plain", time_limit=60, shared=False)
+def plain() -> None:
+    return None
+
+
+django_app = Celery("inspect_django", set_as_current=False,
+                    task_cls="celery.contrib.django.task:DjangoTask")
+django_app.conf.update(broker_url="memory://", ojs={"store_url": "sqlite:///:memory:"})
+install(django_app)
+
+
+@django_app.task(name="django.job", base=OJSTask, time_limit=60, shared=False)
+def django_job() -> None:
+    return None

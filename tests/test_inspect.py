@@ -143,3 +143,20 @@ def test_settings_against_the_worker_protocols_advice_are_warnings_of_the_report
     result = inspect("tight_app", "--json", "--strict")
     assert result.returncode == 1
     assert any("worker_heartbeat_timeout" in w for w in json.loads(result.stdout)["warnings"])
+
+
+def test_a_project_task_class_that_base_ojstask_would_take_the_place_of_is_named() -> None:
+    """An app whose ``task_cls`` is the project's own class: ``base=OJSTask`` takes its place,
+    so an OJS task loses what it adds (its ``on_failure`` here) unless its base has both.
+    Celery's Django task class is not named: ``OJSTask`` has its ``delay_on_commit`` and
+    ``apply_async_on_commit``."""
+    tasks = by_name(report("custom_app"))
+    [lost] = [w for w in tasks["custom.lost"]["warnings"] if "task_cls" in w]
+    assert "tests.inspect_app.ProjectTask" in lost
+    assert "class OJSProjectTask(OJSTask, ProjectTask)" in lost
+    assert not any("task_cls" in w for w in tasks["custom.kept"]["warnings"])
+    # a task not migrated yet has it: it would lose it with base=OJSTask
+    assert any("task_cls" in w for w in tasks["custom.plain"]["warnings"])
+    text = inspect("custom_app").stdout
+    assert "warning: once migrated, base=OJSTask takes the place of the app's task class" in text
+    assert not any("task_cls" in w for w in by_name(report("django_app"))["django.job"]["warnings"])
