@@ -40,6 +40,7 @@ __all__ = [
     "require_backend_extra",
     "require_broker_extra",
     "require_store_extra",
+    "set_celery_setting",
 ]
 
 
@@ -83,6 +84,24 @@ def celery_setting(app: Any, key: str) -> Any:
                 if spelling in mapping:
                     return mapping[spelling]
     return conf[key]
+
+
+def set_celery_setting(conf: Any, key: str, value: Any) -> None:
+    """Set ``key`` in Celery's configuration ``conf`` so that every lookup of it finds
+    ``value``: in ``conf.changes``, under the first of the key's spellings (``_to_keys``) that
+    the configuration holds, which for an app configured with ``config_from_object(...,
+    namespace="CELERY")`` from settings that have it is the namespaced one (a Django project's
+    ``CELERY_BEAT_SCHEDULE``). Celery 5.4 to 5.6 look each spelling up in every map before the
+    next spelling (see :data:`_SETTINGS_BY_MAP`), so a plain ``conf.beat_schedule = ...`` was
+    shadowed there by the project's own setting (beat never scheduled the sweep); Celery 5.7
+    finds ``changes`` first whatever the spelling. Otherwise the key is set as it is, so that a
+    later ``conf.key = ...`` of the project's own still replaces it, as in Celery."""
+    if isinstance(conf, ConfigurationView) and conf.prefix:
+        held = [spelling for spelling in conf._to_keys(key)
+                if any(spelling in mapping for mapping in conf.maps)]
+        if held:
+            key = held[0]
+    conf[key] = value
 
 
 def _copy(items: Iterable[Any]) -> list[Any]:

@@ -220,7 +220,7 @@ def _add_beat_entry(conf: Any, settings: Settings) -> None:
         # (kombu's Redis transport ignores it).
         "options": {"queue": settings.sweep_queue, "expiration": settings.sweep_interval},
     }
-    conf.beat_schedule = schedule
+    compat.set_celery_setting(conf, "beat_schedule", schedule)
     _declare_sweep_queue(conf, settings.sweep_queue)
 
 
@@ -233,12 +233,14 @@ def _declare_sweep_queue(conf: Any, name: str) -> None:
         return  # Celery creates the sweep queue on first use
     if isinstance(queues, dict):
         if name not in queues:
-            conf.task_queues = {**queues, name: {"exchange": name, "routing_key": name}}
+            compat.set_celery_setting(
+                conf, "task_queues", {**queues, name: {"exchange": name, "routing_key": name}})
         return
     declared = list(queues or [_default_queue(conf)])
     if any(getattr(q, "name", None) == name for q in declared):
         return
-    conf.task_queues = [*declared, _queue(name, name, "direct", name, None)]
+    compat.set_celery_setting(
+        conf, "task_queues", [*declared, _queue(name, name, "direct", name, None)])
 
 
 def _default_queue(conf: Any) -> Any:

@@ -89,6 +89,70 @@ def test_reconfiguring_replaces_the_settings_and_keeps_the_beat_entry(
     assert set(app.conf.beat_schedule) == {"mine", "ojs-sweep"}
 
 
+NAMESPACED_APP = """
+import json, os
+from celery import Celery
+from kombu import Queue
+import ojs_celery
+
+_EMBEDDED = json.loads(os.environ["NS_EMBEDDED"])
+
+
+class Settings:
+    # a Django project's settings: its own beat schedule and declared queues, CELERY_*
+    CELERY_BROKER_URL = _EMBEDDED["broker_url"]
+    CELERY_BROKER_TRANSPORT_OPTIONS = _EMBEDDED["broker_transport_options"]
+    CELERY_RESULT_BACKEND = _EMBEDDED["result_backend"]
+    CELERY_OJS = {**_EMBEDDED["ojs"], "sweep_interval": 0.5}
+    CELERY_BEAT_SCHEDULE = {"tick": {"task": "nsapp.tick", "schedule": 0.5}}
+    CELERY_TASK_QUEUES = [Queue("celery")]
+    CELERY_TASK_CREATE_MISSING_QUEUES = False
+
+
+app = Celery("nsapp")
+app.config_from_object(Settings, namespace="CELERY")
+ojs_celery.install(app)
+
+
+@app.task(name="nsapp.tick")
+def tick():
+    return None
+"""
+
+
+@pytest.mark.e2e
+def test_a_django_projects_own_beat_schedule_and_queues_get_the_sweep(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Settings read with ``namespace="CELERY"`` that have a ``CELERY_BEAT_SCHEDULE`` and a
+    ``CELERY_TASK_QUEUES`` of their own (with ``task_create_missing_queues`` off): beat sends
+    the sweep beside the project's entries, and a worker consuming ``celery,ojs.sweep`` starts.
+    On Celery 5.4 to 5.6 the project's spellings were read before what ``install`` set, so
+    beat never scheduled a sweep and the worker exited naming the missing queue."""
+    import json
+    import os
+
+    from ojs_celery.testing import CeleryProcess
+
+    (tmp_path / "nsapp.py").write_text(NAMESPACED_APP)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path),
+           "NS_EMBEDDED": json.dumps(embedded_settings(tmp_path / "ojs"))}
+    worker = CeleryProcess(["-A", "nsapp", "worker", "-Q", "celery,ojs.sweep", "-c", "1",
+                            "--loglevel", "INFO", "-n", f"{unique('ns')}@%h"],
+                           tmp_path / "worker.log", env, cwd=tmp_path)
+    beat = CeleryProcess(["-A", "nsapp", "beat", "--loglevel", "INFO",
+                          "-s", str(tmp_path / "schedule"), "--pidfile", ""],
+                         tmp_path / "beat.log", env, cwd=tmp_path)
+    try:
+        worker.wait_ready()
+        wait_for(lambda: "Sending due task ojs-sweep" in beat.log(), 30, "beat to send a sweep")
+        assert "Sending due task tick" in beat.log()  # the project's own entry too
+        wait_for(lambda: "Task nsapp.tick[" in worker.log(), 30, "the worker to run a tick")
+    finally:
+        beat.stop()
+        worker.stop()
+
+
 def test_heartbeat_settings_are_checked_against_each_other() -> None:
     app = Celery("beats", set_as_current=False)
     app.conf.ojs = {"heartbeat_interval": 10, "worker_heartbeat_timeout": 3}
