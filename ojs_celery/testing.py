@@ -48,6 +48,10 @@ SWEEP_INTERVAL = 0.5
 #: teardown stops it, and a job still running then need not hold the session for 25 s.
 SHUTDOWN_GRACE = 2.0
 TERMINAL_STATES = ("completed", "cancelled", "discarded")
+#: Environment variables Celery reads before any setting (``celery.app.utils.Settings``): the
+#: fixtures drop them, or the app would keep the broker and result backend they name.
+CELERY_URL_VARIABLES = ("CELERY_BROKER_URL", "CELERY_BROKER_READ_URL", "CELERY_BROKER_WRITE_URL",
+                        "CELERY_RESULT_BACKEND")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -71,10 +75,20 @@ def load_app(path: str) -> Celery:
 def configure(app: Celery, settings: dict[str, Any]) -> Celery:
     """Point ``app`` at the embedded default in ``settings`` (its own ``ojs`` settings kept,
     the store replaced). It installs OJS on the app (idempotent): a Django project may leave
-    that to its Django app, whose ``ready()`` comes too late for the fixtures' worker."""
+    that to its Django app, whose ``ready()`` comes too late for the fixtures' worker.
+
+    Each setting is set under the spelling Celery reads first (a Django project's
+    ``CELERY_BROKER_URL`` would otherwise win on Celery 5.4 to 5.6), and the environment
+    variables Celery prefers to any setting (:data:`CELERY_URL_VARIABLES`) are removed from
+    this process's environment (so from the worker's): a project that keeps its broker's URL
+    there would have taken the fixtures to its real broker, result backend and store."""
+    for variable in CELERY_URL_VARIABLES:
+        os.environ.pop(variable, None)
     ojs = {"shutdown_grace_period": SHUTDOWN_GRACE, **(app.conf.get("ojs") or {}),
            **settings["ojs"], "sweep_interval": SWEEP_INTERVAL}
-    app.conf.update({**settings, "ojs": ojs})
+    for key, value in {"broker_read_url": None, "broker_write_url": None, **settings,
+                       "ojs": ojs}.items():
+        compat.set_celery_setting(app.conf, key, value)
     _forget_connections(app)
     install(app)
     get_runtime(app).configure(app.conf)  # settings read before this update are replaced

@@ -153,3 +153,63 @@ def test_the_fixtures_replace_what_the_production_settings_made_and_take_worker_
                                            "-p", "no:cacheprovider", "-p", "no:randomly",
                                            timeout=170)
     result.assert_outcomes(passed=4)
+
+
+DJANGO_STYLE_APP = '''
+import os
+
+from celery import Celery
+from ojs_celery import OJSTask, install
+
+PRODUCTION = os.environ["PROD_DIR"]
+
+
+class Settings:
+    """What django.conf.settings looks like to config_from_object(namespace="CELERY"): a
+    Django project's CELERY_* settings, pointing at production."""
+
+    CELERY_BROKER_URL = "redis://127.0.0.1:1/0"
+    CELERY_RESULT_BACKEND = f"db+sqlite:///{PRODUCTION}/results.sqlite3"
+    CELERY_OJS = {"store_url": f"sqlite:///{PRODUCTION}/store.sqlite3"}
+
+
+app = Celery("djangostyle", set_as_current=False)
+app.config_from_object(Settings, namespace="CELERY")
+install(app)
+
+
+@app.task(name="dj.double", base=OJSTask)
+def double(x):
+    return 2 * x
+'''
+
+DJANGO_STYLE_TESTS = '''
+import os
+
+
+def test_the_fixtures_use_the_embedded_default(ojs_app, ojs_worker, ojs_wait):
+    result = ojs_app.tasks["dj.double"].delay(4)
+    assert ojs_wait(result.id, timeout=60).state == "completed"
+    assert result.get(timeout=30) == 8
+    assert os.listdir(os.environ["PROD_DIR"]) == []  # no production store or results
+'''
+
+
+def test_the_fixtures_replace_a_django_projects_namespaced_settings_and_environment(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Django project's settings (``CELERY_BROKER_URL``, ``CELERY_RESULT_BACKEND``,
+    ``CELERY_OJS`` read with ``namespace="CELERY"``), and the broker's URL in the environment,
+    where a twelve-factor project keeps it (Celery prefers ``CELERY_BROKER_URL`` there to any
+    setting): the fixtures' worker and the test process use the embedded default, not the
+    production broker, result backend and store (on Celery 5.4 to 5.6 the namespaced
+    settings won over the fixtures', and on every version the environment did)."""
+    production = pytester.mkdir("production")
+    monkeypatch.setenv("PROD_DIR", str(production))
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:1/2")
+    monkeypatch.setenv("CELERY_RESULT_BACKEND", f"db+sqlite:///{production}/env-results.sqlite3")
+    pytester.makepyfile(djangostyle=DJANGO_STYLE_APP, test_dj=DJANGO_STYLE_TESTS)
+    result = pytester.runpytest_subprocess("-p", "ojs_celery.testing",
+                                           "--ojs-app=djangostyle:app",
+                                           "-p", "no:cacheprovider", timeout=170)
+    result.assert_outcomes(passed=1)
