@@ -12,7 +12,8 @@ from ojs_celery.install import install
 
 
 class Command(BaseCommand):  # type: ignore[misc]
-    help = "Enqueue and inspect Open Job Spec jobs (the ojs-celery commands; see `ojs --help`)."
+    help = ("Enqueue and inspect Open Job Spec jobs (the ojs-celery commands; see "
+            "`manage.py ojs --help`).")
 
     def run_from_argv(self, argv: list[str]) -> None:
         """Hand everything after ``manage.py ojs`` to the click commands unparsed (Django's
