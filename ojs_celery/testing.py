@@ -48,10 +48,14 @@ SWEEP_INTERVAL = 0.5
 #: teardown stops it, and a job still running then need not hold the session for 25 s.
 SHUTDOWN_GRACE = 2.0
 TERMINAL_STATES = ("completed", "cancelled", "discarded")
-#: Environment variables Celery reads before any setting (``celery.app.utils.Settings``): the
-#: fixtures drop them, or the app would keep the broker and result backend they name.
-CELERY_URL_VARIABLES = ("CELERY_BROKER_URL", "CELERY_BROKER_READ_URL", "CELERY_BROKER_WRITE_URL",
-                        "CELERY_RESULT_BACKEND")
+#: Environment variables Celery reads before any setting (``celery.app.utils.Settings``), each
+#: with the setting whose embedded value the fixtures give it where it is set: the app would
+#: otherwise keep the broker and result backend they name. Replaced, not dropped: a project's
+#: settings may require them (``os.environ["CELERY_BROKER_URL"]``, django-environ's
+#: ``env("CELERY_BROKER_URL")``), and the worker's subprocess imports those settings anew.
+CELERY_URL_VARIABLES = {"CELERY_BROKER_URL": "broker_url", "CELERY_BROKER_READ_URL": "broker_url",
+                        "CELERY_BROKER_WRITE_URL": "broker_url",
+                        "CELERY_RESULT_BACKEND": "result_backend"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -79,11 +83,16 @@ def configure(app: Celery, settings: dict[str, Any]) -> Celery:
 
     Each setting is set under the spelling Celery reads first (a Django project's
     ``CELERY_BROKER_URL`` would otherwise win on Celery 5.4 to 5.6), and the environment
-    variables Celery prefers to any setting (:data:`CELERY_URL_VARIABLES`) are removed from
-    this process's environment (so from the worker's): a project that keeps its broker's URL
-    there would have taken the fixtures to its real broker, result backend and store."""
-    for variable in CELERY_URL_VARIABLES:
-        os.environ.pop(variable, None)
+    variables Celery prefers to any setting (:data:`CELERY_URL_VARIABLES`) are given the
+    embedded default's URLs in this process's environment (so in the worker's): a project that
+    keeps its broker's URL there would have taken the fixtures to its real broker, result
+    backend and store."""
+    for variable, key in CELERY_URL_VARIABLES.items():
+        if variable in os.environ:
+            if settings.get(key):
+                os.environ[variable] = str(settings[key])
+            else:
+                del os.environ[variable]
     ojs = {"shutdown_grace_period": SHUTDOWN_GRACE, **(app.conf.get("ojs") or {}),
            **settings["ojs"], "sweep_interval": SWEEP_INTERVAL}
     for key, value in {"broker_read_url": None, "broker_write_url": None, **settings,

@@ -213,3 +213,61 @@ def test_the_fixtures_replace_a_django_projects_namespaced_settings_and_environm
                                            "--ojs-app=djangostyle:app",
                                            "-p", "no:cacheprovider", timeout=170)
     result.assert_outcomes(passed=1)
+
+
+ENV_CONFIGURED_APP = '''
+import os
+
+from celery import Celery
+from ojs_celery import OJSTask, install
+
+
+class Settings:
+    """A twelve-factor project's settings: the broker's URL is required from the
+    environment (os.environ[...], or django-environ's env("CELERY_BROKER_URL"))."""
+
+    CELERY_BROKER_URL = os.environ["CELERY_BROKER_URL"]
+    CELERY_RESULT_BACKEND = os.environ["CELERY_RESULT_BACKEND"]
+
+
+app = Celery("envconfigured", set_as_current=False)
+app.config_from_object(Settings, namespace="CELERY")
+install(app)
+
+
+@app.task(name="env.double", base=OJSTask)
+def double(x):
+    return 2 * x
+'''
+
+ENV_CONFIGURED_TESTS = '''
+import os
+
+
+def test_the_worker_starts_and_uses_the_embedded_default(ojs_app, ojs_worker, ojs_wait):
+    result = ojs_app.tasks["env.double"].delay(4)
+    assert ojs_wait(result.id, timeout=60).state == "completed"
+    assert result.get(timeout=30) == 8
+    assert os.listdir(os.environ["PROD_DIR"]) == []  # no production store or results
+'''
+
+
+def test_the_fixtures_worker_starts_for_settings_that_require_the_urls_from_the_environment(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Settings that read the broker's URL from the environment and require it there (a
+    twelve-factor project: ``os.environ["CELERY_BROKER_URL"]``, django-environ's
+    ``env("CELERY_BROKER_URL")``): the fixtures' worker, whose subprocess imports them anew,
+    starts, and it and the test process still use the embedded default. The variables were
+    once dropped from the environment, so the worker's import of the settings failed."""
+    production = pytester.mkdir("production")
+    monkeypatch.setenv("PROD_DIR", str(production))
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:1/2")
+    monkeypatch.setenv("CELERY_RESULT_BACKEND", f"db+sqlite:///{production}/env-results.sqlite3")
+    # the celery command's --broker: copied to CELERY_BROKER_URL before the worker loads the app
+    monkeypatch.setenv("CELERY_BROKER", "redis://127.0.0.1:1/3")
+    pytester.makepyfile(envconfigured=ENV_CONFIGURED_APP, test_env=ENV_CONFIGURED_TESTS)
+    result = pytester.runpytest_subprocess("-p", "ojs_celery.testing",
+                                           "--ojs-app=envconfigured:app",
+                                           "-p", "no:cacheprovider", timeout=170)
+    result.assert_outcomes(passed=1)
