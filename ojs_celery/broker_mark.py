@@ -81,12 +81,16 @@ class BrokerMarker:
         client leaves ``GET`` unprefixed, so the prefix is added here)."""
         if self._client is None:
             import redis  # only with a Redis broker, so with kombu's Redis extra
+            from kombu.transport.redis import SentinelTransport
 
             connection = self._app.connection_for_write()
+            # each of the broker's URLs once, without kombu's sleeps between rounds (2 s per
+            # pass while the broker is down): the next pass checks again. Sentinel's URLs are
+            # the sentinels, all of which kombu asks for the master in each try: one try.
+            tries = (1 if isinstance(connection.transport, SentinelTransport)
+                     else max(len(connection.alt), 1))
             try:
-                # each of the broker's URLs once, without kombu's sleeps between rounds (2 s
-                # per pass while the broker is down): the next pass checks again
-                connection.ensure_connection(max_retries=max(len(connection.alt), 1) - 1,
+                connection.ensure_connection(max_retries=tries - 1,
                                              reraise_as_library_errors=False)
                 channel = connection.channel()  # kombu's Redis channel pings the server
             except (OperationalError, *_errors(), *connection.connection_errors) as exc:
