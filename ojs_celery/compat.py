@@ -94,11 +94,15 @@ def set_celery_setting(conf: Any, key: str, value: Any) -> None:
     ``CELERY_BEAT_SCHEDULE``). Celery 5.4 to 5.6 look each spelling up in every map before the
     next spelling (see :data:`_SETTINGS_BY_MAP`), so a plain ``conf.beat_schedule = ...`` was
     shadowed there by the project's own setting (beat never scheduled the sweep); Celery 5.7
-    finds ``changes`` first whatever the spelling. Otherwise the key is set as it is, so that a
-    later ``conf.key = ...`` of the project's own still replaces it, as in Celery."""
+    finds ``changes`` first whatever the spelling, so there only a spelling ``changes`` holds
+    is kept. Otherwise the key is set as it is, so that a later ``conf.key = ...`` of the
+    project's own still replaces it, as in Celery."""
     if isinstance(conf, ConfigurationView) and conf.prefix:
+        # Celery 5.7 reads ``changes`` before the project's settings: a spelling held there
+        # only (a plain one would shadow a project's later ``conf.key = ...`` there)
+        maps = [conf.changes] if _SETTINGS_BY_MAP else conf.maps
         held = [spelling for spelling in conf._to_keys(key)
-                if any(spelling in mapping for mapping in conf.maps)]
+                if any(spelling in mapping for mapping in maps)]
         if held:
             key = held[0]
     conf[key] = value

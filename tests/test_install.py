@@ -89,6 +89,32 @@ def test_reconfiguring_replaces_the_settings_and_keeps_the_beat_entry(
     assert set(app.conf.beat_schedule) == {"mine", "ojs-sweep"}
 
 
+def test_a_namespaced_projects_later_beat_schedule_is_read_as_celery_reads_it() -> None:
+    """Settings read with ``namespace="CELERY"`` that have a ``CELERY_BEAT_SCHEDULE``, and a
+    ``conf.beat_schedule = ...`` of the project's own after ``install``: Celery reads the same
+    entries as without OJS (the project's setting on Celery 5.4 to 5.6, the later write on
+    5.7), beside the sweep (beat's start adds it again to what Celery reads). On 5.7 the sweep's
+    entry, once set under the namespaced spelling, hid the later write: the project's own
+    entries were never scheduled."""
+
+    def made(with_ojs: bool) -> Celery:
+        class Settings:
+            CELERY_BROKER_URL = "memory://"
+            CELERY_OJS = {"store_url": "sqlite:///:memory:"}
+            CELERY_BEAT_SCHEDULE = {"tick": {"task": "tick", "schedule": 5}}
+
+        app = Celery("later_schedule", set_as_current=False)
+        app.config_from_object(Settings, namespace="CELERY")
+        if with_ojs:
+            install(app)
+            assert "ojs-sweep" in app.conf.beat_schedule
+        app.conf.beat_schedule = {"later": {"task": "later", "schedule": 5}}
+        return app
+
+    assert (set(made(with_ojs=True).conf.beat_schedule) - {"ojs-sweep"}
+            == set(made(with_ojs=False).conf.beat_schedule))
+
+
 NAMESPACED_APP = """
 import json, os
 from celery import Celery
