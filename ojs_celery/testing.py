@@ -56,6 +56,12 @@ TERMINAL_STATES = ("completed", "cancelled", "discarded")
 CELERY_URL_VARIABLES = {"CELERY_BROKER_URL": "broker_url", "CELERY_BROKER_READ_URL": "broker_url",
                         "CELERY_BROKER_WRITE_URL": "broker_url",
                         "CELERY_RESULT_BACKEND": "result_backend"}
+#: Environment variables the ``celery`` command reads as its ``--broker`` and
+#: ``--result-backend`` (``BROKER_URL`` or ``CELERY_BROKER``, ``RESULT_BACKEND``), and copies to
+#: ``CELERY_BROKER_URL``/``CELERY_RESULT_BACKEND``; Celery 5.4 to 5.6 do so after they loaded
+#: (so configured) the app: the worker's subprocess gets the embedded default's URLs in them.
+CELERY_COMMAND_VARIABLES = {"BROKER_URL": "broker_url", "CELERY_BROKER": "broker_url",
+                            "RESULT_BACKEND": "result_backend"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -201,7 +207,9 @@ class WorkerProcess(CeleryProcess):
 
     def __init__(self, app_path: str, settings: dict[str, Any], log: pathlib.Path,
                  concurrency: int = 2, arguments: list[str] | None = None) -> None:
-        env = {**os.environ, APP_VARIABLE: app_path, CONF_VARIABLE: json.dumps(settings),
+        given = {variable: str(settings[key]) for variable, key in CELERY_COMMAND_VARIABLES.items()
+                 if variable in os.environ and settings.get(key)}
+        env = {**os.environ, **given, APP_VARIABLE: app_path, CONF_VARIABLE: json.dumps(settings),
                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         super().__init__(
             ["-A", f"{__name__}:worker_app", "worker", "--pool", "prefork", "--concurrency",

@@ -258,14 +258,18 @@ def test_the_fixtures_worker_starts_for_settings_that_require_the_urls_from_the_
     """Settings that read the broker's URL from the environment and require it there (a
     twelve-factor project: ``os.environ["CELERY_BROKER_URL"]``, django-environ's
     ``env("CELERY_BROKER_URL")``): the fixtures' worker, whose subprocess imports them anew,
-    starts, and it and the test process still use the embedded default. The variables were
-    once dropped from the environment, so the worker's import of the settings failed."""
+    starts, and it and the test process still use the embedded default, whatever the
+    ``celery`` command reads from the environment too. The variables were once dropped from
+    the environment, so the worker's import of the settings failed."""
     production = pytester.mkdir("production")
     monkeypatch.setenv("PROD_DIR", str(production))
     monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:1/2")
     monkeypatch.setenv("CELERY_RESULT_BACKEND", f"db+sqlite:///{production}/env-results.sqlite3")
-    # the celery command's --broker: copied to CELERY_BROKER_URL before the worker loads the app
-    monkeypatch.setenv("CELERY_BROKER", "redis://127.0.0.1:1/3")
+    # the celery command's --broker and --result-backend, which it copies to CELERY_BROKER_URL
+    # and CELERY_RESULT_BACKEND (on Celery 5.4 to 5.6 after it loaded the app)
+    monkeypatch.setenv("BROKER_URL", "redis://127.0.0.1:1/3")
+    monkeypatch.setenv("CELERY_BROKER", "redis://127.0.0.1:1/4")
+    monkeypatch.setenv("RESULT_BACKEND", f"db+sqlite:///{production}/cli-results.sqlite3")
     pytester.makepyfile(envconfigured=ENV_CONFIGURED_APP, test_env=ENV_CONFIGURED_TESTS)
     result = pytester.runpytest_subprocess("-p", "ojs_celery.testing",
                                            "--ojs-app=envconfigured:app",
