@@ -100,8 +100,11 @@ def _check_store_path(runtime: Runtime) -> None:
     messages as orphans."""
     from sqlalchemy.engine import make_url
 
-    url = make_url(runtime.settings.store_url)
-    if not url.drivername.startswith("sqlite") or not url.database:
+    store_url = runtime.settings.store_url
+    if not store_url.lower().startswith("sqlite"):
+        return  # (SQLAlchemy cannot parse every Redis URL)
+    url = make_url(store_url)
+    if not url.database:
         return
     path = sqlite_file(url)
     if path is None or os.path.isabs(url.database):
