@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import header as ojs_header
-from .envelope import CELERY_KWARGS_FIELD, Job, json_native
+from .envelope import CELERY_KWARGS_FIELD, Job, json_native, typed_json
 from .lifecycle import Record, Transition
 from .store import JobStore
 
@@ -118,14 +118,22 @@ def start(
 def carries_call(args: Any, kwargs: Any, job: Job) -> bool:
     """Whether a message's arguments are its job's. The record is the authority: a message
     written by hand with a job's id and token but other arguments is not that job's. A pickled
-    message's tuples are compared as the lists the job's JSON holds."""
+    message's tuples are compared as the lists the job's JSON holds, and the typed values a
+    Celery caller's arguments may hold (a ``datetime``, decoded by kombu from the message) as
+    the kombu typed JSON the job keeps them as (:func:`~ojs_celery.envelope.typed_json`)."""
     stored_kwargs = (job.model_extra or {}).get(CELERY_KWARGS_FIELD) or {}
     given_args = list(args or ())
     given_kwargs = dict(kwargs or {})
     if given_args == job.args and given_kwargs == stored_kwargs:
         return True
-    return bool(json_native(given_args) == json_native(job.args)
-                and json_native(given_kwargs) == json_native(stored_kwargs))
+    if (json_native(given_args) == json_native(job.args)
+            and json_native(given_kwargs) == json_native(stored_kwargs)):
+        return True
+    try:  # only a job with typed values, or a message that is not the job's, gets here
+        return bool(typed_json(given_args) == job.args
+                    and typed_json(given_kwargs) == stored_kwargs)
+    except (TypeError, ValueError):  # what kombu's JSON cannot write is not a job's
+        return False
 
 
 def _seconds(value: Any) -> float | None:

@@ -26,12 +26,22 @@ from typing import Any, NoReturn
 from celery import Celery, Task
 from celery.backends.rpc import RPCBackend
 from celery.result import AsyncResult
+from kombu import serialization
 from kombu.exceptions import EncodeError
 
-from . import header
+from . import compat, header
 from .api import enqueue_job
 from .canvas import canvas_options
-from .envelope import CELERY_SEMANTICS_FIELD, InvalidJob, json_native, parse_envelope
+from .envelope import (
+    ARGUMENT_RULES,
+    CELERY_KWARGS_FIELD,
+    CELERY_SEMANTICS_FIELD,
+    InvalidJob,
+    Job,
+    json_native,
+    parse_envelope,
+    typed_leaves,
+)
 from .producer import (
     TRUSTED_OPTIONS,
     celery_expires_at,
@@ -79,6 +89,9 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
         options = {**options, "reply_to": task.app.thread_oid}
     try:  # a try, not a context manager: free on the caller's path unless it raises
         job = parse_envelope(envelope, celery_id=True)
+    except InvalidJob as refused:  # a datetime, a Decimal, ...: see typed_call
+        job = typed_call(task.app, envelope, refused)
+    try:
         check_later_calls(task.app, options)
         celery_options = canvas_options(with_parent(task.app, options))
     except InvalidJob as refused:
@@ -136,10 +149,71 @@ def raise_refusal(refused: InvalidJob) -> NoReturn:
     raise UnencodableArguments(refused.violations) from refused
 
 
-def check_call_arguments(task: Task, args: Any, kwargs: Any) -> None:
+def check_call_arguments(task: Task, args: Any, kwargs: Any) -> dict[str, Any]:
     """Raise :class:`~ojs_celery.InvalidJob` naming what JSON cannot carry in a call's (or a
-    retry's) arguments: the job's record and its messages hold them as JSON."""
-    parse_envelope(call_arguments(task, args, kwargs), celery_id=True)
+    retry's) arguments: the job's record and its messages hold them as JSON. Returns them as
+    the job keeps them: ``args``, and ``x_celery_kwargs`` when there are any (typed values as
+    kombu's typed JSON, see :func:`typed_call`)."""
+    envelope = call_arguments(task, args, kwargs)
+    try:
+        parse_envelope(envelope, celery_id=True)
+    except InvalidJob as refused:
+        envelope = typed_arguments(envelope, refused)
+        parse_envelope(envelope, celery_id=True, typed=True)
+        refuse_unserializable(task.app, args, kwargs)
+    return envelope
+
+
+#: The envelope fields of a Celery call's arguments.
+_ARGUMENTS = ("args", CELERY_KWARGS_FIELD)
+
+
+def typed_call(app: Celery, envelope: dict[str, Any], refused: InvalidJob) -> Job:
+    """The job of a Celery call that ``refused`` says JSON cannot carry: its arguments hold
+    values that Celery's JSON serializer sends as typed values (a ``datetime``, ``date``,
+    ``time``, ``Decimal``, ``UUID``, ``bytes``, nested too), which the handler gets back as
+    those values, as in plain Celery. The job keeps them as that serializer's JSON, as a result
+    is kept (``{"__type__": "datetime", "__value__": "..."}``), and its messages carry them
+    so. Anything else raises, as :func:`raise_refusal` does. Only on the path of such calls:
+    a call of JSON data never gets here."""
+    try:
+        job = parse_envelope(typed_arguments(envelope, refused), celery_id=True, typed=True)
+        refuse_unserializable(app, envelope.get("args"), envelope.get(CELERY_KWARGS_FIELD))
+    except InvalidJob as exc:
+        raise_refusal(exc)
+    return job
+
+
+def typed_arguments(envelope: dict[str, Any], refused: InvalidJob) -> dict[str, Any]:
+    """``envelope`` with its arguments as Celery's JSON serializer writes them (typed values
+    as kombu's typed JSON; what it cannot write either, a ``set`` or an object, left for the
+    envelope's rules to name: kombu's ``EncodeError`` in plain Celery), or ``refused`` raised
+    where that cannot help: a violation outside the arguments, or one of the rules of a whole
+    field (nesting, numbers, text, and an object with exactly the keys ``__type__`` and
+    ``__value__``: data that would reach the handler as something else)."""
+    if not all(path.startswith(_ARGUMENTS) and rule not in ARGUMENT_RULES
+               for path, rule in refused.violations):
+        raise refused
+    typed = dict(envelope)
+    for name in _ARGUMENTS:
+        if name in envelope:
+            typed[name] = typed_leaves(envelope[name])
+    return typed
+
+
+def refuse_unserializable(app: Celery, args: Any, kwargs: Any) -> None:
+    """Raise :class:`UnencodableArguments` when the app's ``task_serializer`` is not JSON and
+    cannot encode a call's typed values (``msgpack`` has no ``datetime``): its messages would
+    fail after the job is stored, where plain Celery's call raises kombu's ``EncodeError``."""
+    serializer = compat.celery_setting(app, "task_serializer")
+    if serializer == "json":
+        return
+    try:
+        body: tuple[Any, ...] = (args or [], kwargs or {}, {})
+        serialization.dumps(body, serializer=serializer)  # type: ignore[no-untyped-call]
+    except EncodeError as exc:
+        raise UnencodableArguments([("args", f"must be data the task_serializer {serializer!r} "
+                                     f"can encode ({exc})")]) from None
 
 
 #: The options of a call that hold the calls made after it: its callbacks and the rest of its

@@ -16,7 +16,7 @@ from typing import Any
 from celery.app.task import Context
 from kombu.utils.json import dumps
 
-from .envelope import CELERY_KWARGS_FIELD, InvalidJob, Job
+from .envelope import CELERY_KWARGS_FIELD, InvalidJob, Job, typed_values
 from .producer import TRUSTED_OPTIONS
 
 
@@ -43,12 +43,16 @@ def _encodable(value: Any) -> bool:
 
 def celery_context(job: Job, task_name: str, options: dict[str, Any]) -> Context:
     """The request Celery's result backend needs to report ``job``'s outcome as a worker
-    would (chord member, errbacks, the rest of a chain): built from its stored options."""
+    would (chord member, errbacks, the rest of a chain): built from its stored options, with
+    the typed values they and the job's arguments keep as kombu's typed JSON read back as
+    values, as a worker's request has them from the message (a chord body or an errback
+    called from here gets its ``datetime`` arguments as such)."""
+    options = typed_values(options)
     return Context(
         id=job.id,
         task=task_name,
-        args=list(job.args),
-        kwargs=dict(job.extensions.get(CELERY_KWARGS_FIELD) or {}),
+        args=typed_values(list(job.args)),
+        kwargs=typed_values(dict(job.extensions.get(CELERY_KWARGS_FIELD) or {})),
         chord=options.get("chord"),
         group=options.get("group_id"),
         group_index=options.get("group_index"),

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Final, Literal
 
+from kombu.utils.json import dumps as kombu_dumps
+from kombu.utils.json import loads as kombu_loads
 from pydantic import (
     AwareDatetime,
     BaseModel,
@@ -520,10 +522,12 @@ def field_violations(
     return found
 
 
-def _field_violations_before_model(data: dict[Any, Any]) -> list[tuple[Any, str]]:
+def _field_violations_before_model(data: dict[Any, Any],
+                                   typed: bool = False) -> list[tuple[Any, str]]:
     """``(key, rule)`` for the top-level fields the model cannot be trusted with: a key that is
     no string, a value nested deeper than :data:`MAX_NESTING` or holding a number that is not
-    finite, an ``x_celery_*`` field that an
+    finite, a kombu type tag in the message body's fields (unless ``typed``: see
+    :func:`parse_envelope`), an ``x_celery_*`` field that an
     envelope may not set or that is malformed. One pass, on every enqueue's path."""
     found: list[tuple[Any, str]] = []
     for key, value in data.items():
@@ -534,7 +538,7 @@ def _field_violations_before_model(data: dict[Any, Any]) -> list[tuple[Any, str]
             found.append((key, _UTF8_RULE))
             continue
         rule = _UNIQUE_RULE if key == "unique" else _value_rule(
-            value, tags=key in _MESSAGE_BODY_FIELDS)
+            value, tags=not typed and key in _MESSAGE_BODY_FIELDS)
         if rule is None and key[:9].lower() == CELERY_NAMESPACE:
             rule = _celery_field_rule(key, value)
         if rule is not None:
@@ -703,7 +707,7 @@ _DECODER = json.JSONDecoder(parse_constant=_not_a_json_number)
 
 def parse_envelope(
     data: dict[str, Any] | str | bytes | Job, *, rules: Rules | None = None,
-    celery_id: bool = False, sent: int | None = None,
+    celery_id: bool = False, sent: int | None = None, typed: bool = False,
 ) -> Job:
     """Validate client input and return a new job (state unset; system fields ignored).
 
@@ -712,7 +716,9 @@ def parse_envelope(
     is touched. ``celery_id``: the id is a task id a Celery caller (``apply_async``, canvas)
     chose, which need not be a UUIDv7; an envelope from outside must carry a UUIDv7 or none.
     ``sent``: the size in bytes of the text ``data`` was decoded from (an item of a batch given
-    as text), which the 1 MiB limit applies to; text ``data`` is measured itself.
+    as text), which the 1 MiB limit applies to; text ``data`` is measured itself. ``typed``:
+    ``args`` and ``x_celery_kwargs`` are a Celery caller's, written by :func:`typed_leaves`,
+    and may hold kombu's typed JSON; an envelope from outside may not (:data:`KOMBU_TAG_RULE`).
     """
     if isinstance(data, Job):
         data = data.model_dump(mode="json", by_alias=True, exclude_none=True)
@@ -730,7 +736,7 @@ def parse_envelope(
     if isinstance(clean.get("retry"), dict):  # explicit null = absent, in the policy too
         clean["retry"] = {k: v for k, v in clean["retry"].items() if v is not None}
     violations: list[tuple[str, str]] = []
-    for key, rule in _field_violations_before_model(clean):
+    for key, rule in _field_violations_before_model(clean, typed):
         violations.append((utf8_safe(str(key)), rule))
         del clean[key]  # checked already: pydantic would only add noise (or recurse)
     named = {path for path, _ in violations}
@@ -879,7 +885,7 @@ def _data_rule(value: list[Any] | dict[Any, Any] | tuple[Any, ...],
             if not all(_utf8_key(key) for key in item):
                 return _UTF8_RULE
             if tags and item.keys() == _KOMBU_TAG_KEYS:
-                return _KOMBU_TAG_RULE
+                return KOMBU_TAG_RULE
             item = item.values()
         for child in item:
             if isinstance(child, (list, dict, tuple)):
@@ -895,8 +901,66 @@ _MESSAGE_BODY_FIELDS = frozenset({"args", CELERY_KWARGS_FIELD})
 #: ``Decimal``, ...; an unknown tag makes the message undecodable): the handler would not get
 #: the data that was stored, so the worker could never start the job.
 _KOMBU_TAG_KEYS = frozenset({"__type__", "__value__"})
-_KOMBU_TAG_RULE = ('must not hold an object with exactly the keys "__type__" and "__value__" '
-                   "(kombu's JSON reads it as a typed value, not as data)")
+KOMBU_TAG_RULE = ('must not hold an object with exactly the keys "__type__" and "__value__" '
+                  "(kombu's JSON reads it as a typed value, not as data)")
+#: The rules of a field's whole value that no typed value mends (see :func:`typed_leaves`): a
+#: Celery call whose arguments break one is refused as they are.
+ARGUMENT_RULES = frozenset({_NESTING_RULE, _UTF8_RULE, _FINITE_RULE, KOMBU_TAG_RULE})
+
+
+def typed_json(value: Any) -> Any:
+    """``value`` as the JSON data Celery's JSON serializer (kombu's) writes it: tuples as lists,
+    keys as text, and a ``datetime``, ``date``, ``time``, ``Decimal``, ``UUID`` or ``bytes``
+    (or a type registered with kombu's ``register_type``) as kombu's typed JSON,
+    ``{"__type__": "datetime", "__value__": "2030-01-02T00:00:00+00:00"}``, which kombu's
+    decoder on the worker reads back as that value. ``TypeError`` or ``ValueError`` for what
+    that serializer cannot write either (a ``set``, an object), as its ``EncodeError`` says.
+    A NaN or an infinity is written and read back: the envelope's own rules refuse it."""
+    return json.loads(kombu_dumps(value))  # type: ignore[no-untyped-call]
+
+
+def typed_leaves(value: Any) -> Any:
+    """JSON data ``value`` as :func:`typed_json` writes it, except that what kombu's JSON cannot
+    write (a ``set``, an object) is left as it is, for the envelope's rules to name where it
+    is. Walks lists, tuples and dicts, which :data:`ARGUMENT_RULES` bound in depth."""
+    if isinstance(value, (list, tuple)):
+        return [typed_leaves(item) for item in value]
+    if isinstance(value, dict):
+        return {_json_key(key): typed_leaves(item) for key, item in value.items()}
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    try:
+        return typed_json(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def holds_typed(value: Any) -> bool:
+    """Whether the JSON data ``value`` (lists, tuples and dicts walked, no deeper than
+    :data:`MAX_NESTING`: deeper data is refused elsewhere) holds an object kombu reads as a typed
+    value (exactly the keys ``__type__`` and ``__value__``)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_NESTING:
+            continue
+        if isinstance(item, dict):
+            if item.keys() == _KOMBU_TAG_KEYS:
+                return True
+            item = item.values()
+        stack.extend((child, depth + 1) for child in item
+                     if isinstance(child, (list, dict, tuple)))
+    return False
+
+
+def typed_values(value: Any) -> Any:
+    """The JSON data ``value`` with each typed value of :func:`typed_json` read back as kombu's
+    decoder reads it (a ``datetime``, a ``Decimal``, ...): what a job's stored arguments are to
+    a serializer other than JSON (``pickle``), or to Celery's canvas called in this process.
+    ``value`` itself when it holds none."""
+    if not isinstance(value, (list, dict, tuple)) or not holds_typed(value):
+        return value
+    return kombu_loads(json.dumps(value))  # type: ignore[no-untyped-call]
 
 
 def utf8_safe(text: str) -> str:

@@ -37,6 +37,7 @@ from .envelope import (
     format_epoch,
     format_timestamp,
     from_epoch,
+    typed_values,
     utf8_violations,
 )
 from .lifecycle import Publish, Record
@@ -234,8 +235,12 @@ def publish(
     # semantics (recoveries do not count), the attempts so far for the others.
     options["retries"] = celery_retries(job) if celery_semantics(job) is not None else job.attempt
     extensions = job.extensions
+    args, kwargs = list(job.args), extensions.get(CELERY_KWARGS_FIELD) or {}
+    if options["serializer"] != "json":
+        # the typed values a Celery caller's arguments and options may hold are kept as
+        # kombu's typed JSON, which that serializer would carry as dicts: give it the values
+        args, kwargs, kept = typed_values(args), typed_values(kwargs), typed_values(kept)
     options.update(kept)
-    kwargs = extensions.get(CELERY_KWARGS_FIELD) or {}
     try:
         with app.producer_or_acquire(producer) as held:
             try:
@@ -243,7 +248,7 @@ def publish(
                 if "eta" in options and compat.delays_natively(app, held, queue):
                     soonest = time.time() + compat.NATIVE_DELAY_LEAST
                     options["eta"] = from_epoch(max(request.eta or soonest, soonest))
-                app.send_task(runtime.task_name_for(job.type), args=list(job.args),
+                app.send_task(runtime.task_name_for(job.type), args=args,
                               kwargs=kwargs, producer=held, **options)
             except OperationalError:
                 abandon_connection(held)

@@ -205,9 +205,10 @@ class OJSTask(Task):  # type: ignore[misc]
         if isinstance(exc, JobError) and not exc.retryable:
             raise exc
         ctx = maybe_current_job()
+        kept: dict[str, Any] = {}  # the new arguments as the job keeps them
         if ctx is not None and (args is not None or kwargs is not None) and (
                 not self.request.is_eager or in_place_of_a_call()):
-            check_call_arguments(self, args, kwargs)  # InvalidJob, as the call would raise
+            kept = check_call_arguments(self, args, kwargs)  # InvalidJob, as the call would raise
         if ctx is None or self.request.is_eager:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         celery = celery_semantics(ctx.job) is not None
@@ -229,8 +230,8 @@ class OJSTask(Task):  # type: ignore[misc]
             delay = max(when.timestamp() - time.time(), 0.0)
         requested = RetryRequested(
             exc, delay,
-            None if args is None else json_native(list(args)),
-            None if kwargs is None else json_native(dict(kwargs)),
+            None if args is None else kept.get("args", json_native(list(args))),
+            None if kwargs is None else kept.get(CELERY_KWARGS_FIELD, json_native(dict(kwargs))),
             when,
         )
         if throw:

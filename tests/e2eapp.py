@@ -12,7 +12,7 @@ import os
 import pathlib
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import date, datetime, timezone
 from decimal import Decimal
 from typing import Any
 
@@ -381,9 +381,9 @@ def make_app(config: dict[str, Any]) -> Celery:
 
     @app.task(shared=False, name="e2e.celery_retry_with", base=OJSTask, bind=True)
     def celery_retry_with(self: OJSTask, tag: str, value: str) -> None:
-        """Retries with a keyword argument JSON cannot carry (``value``: "datetime", "object")."""
+        """Retries with a keyword argument JSON cannot carry (``value``: "set", "object")."""
         record(directory, "celery", f"{tag} retries={self.request.retries}")
-        bad = {"datetime": datetime.now(timezone.utc), "object": object()}[value]
+        bad = {"set": {1}, "object": object()}[value]
         raise self.retry(args=[tag, value], kwargs={"extra": bad}, countdown=0.1)
 
     @app.task(shared=False, name="e2e.celery_dies_once", base=OJSTask, bind=True)
@@ -445,6 +445,41 @@ def make_app(config: dict[str, Any]) -> Celery:
     def celery_returns_typed(year: int) -> dict[str, Any]:
         """A result Celery's JSON serializer carries as typed values."""
         return {"at": datetime(year, 1, 2, tzinfo=timezone.utc), "amount": Decimal("1.50")}
+
+    # Arguments Celery's JSON serializer carries as typed values (a datetime, a Decimal, ...).
+
+    @app.task(shared=False, name="e2e.typed_echo", base=OJSTask)
+    def typed_echo(*values: Any, **named: Any) -> dict[str, Any]:
+        """Records the arguments it got as Python sees them (``repr``: their types show)."""
+        record(directory, "typed", f"echo {values!r} {named!r}")
+        return {"values": list(values), "named": named}
+
+    @app.task(shared=False, name="e2e.celery_typed_retries", base=OJSTask, bind=True)
+    def celery_typed_retries(self: OJSTask, tag: str, *values: Any, **named: Any) -> Any:
+        """Retries once keeping its arguments, then once with new typed ones; returns them."""
+        record(directory, "typed", f"{tag} retries={self.request.retries} {values!r} {named!r}")
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.1)
+        if self.request.retries == 1:
+            raise self.retry(args=[tag, date(2031, 1, 1)], kwargs={"amount": Decimal("2.5")},
+                             countdown=0.1)
+        return {"values": list(values), "named": named}
+
+    @app.task(shared=False, name="e2e.celery_typed_autoretry", base=OJSTask, bind=True,
+              autoretry_for=(ValueError,), max_retries=1, default_retry_delay=0.1)
+    def celery_typed_autoretry(self: OJSTask, tag: str, when: Any) -> Any:
+        record(directory, "typed", f"{tag} retries={self.request.retries} {when!r}")
+        if self.request.retries == 0:
+            raise ValueError(f"{tag} not yet")
+        return when
+
+    @app.task(shared=False, name="e2e.ojs_typed", base=OJSTask, ojs_semantics=True)
+    def ojs_typed(tag: str, when: Any) -> Any:
+        attempt = current_job().attempt
+        record(directory, "typed", f"{tag} attempt={attempt} {when!r}")
+        if attempt == 1:
+            raise ValueError(f"{tag} not yet")
+        return when
 
     @app.task(shared=False, name="e2e.ojs_semantics", base=OJSTask, ojs_semantics=True)
     def ojs_semantics(tag: str) -> None:

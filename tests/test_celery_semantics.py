@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, timedelta, timezone
+from datetime import time as dt_time
 from decimal import Decimal
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 import redis
-from celery import Celery, chain
+from celery import Celery, chain, chord, group
 from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
 
@@ -173,10 +175,11 @@ def test_a_call_with_nan_or_an_infinity_is_refused_before_anything_is_stored(
 
 def test_a_call_with_python_objects_json_cannot_carry_is_refused_in_args_and_kwargs(
         tmp_path: Path) -> None:
-    """A ``datetime`` or ``bytes`` keyword argument is refused as one in ``args`` is: stored
-    as text, the job would no longer match its own message, which the worker would drop. The
-    refusal is also kombu's ``EncodeError``, which plain Celery raises for an ``object()``
-    argument: a migrated caller's ``except EncodeError`` still catches it."""
+    """What Celery's JSON serializer cannot write either (an ``object()``, a ``set``, a
+    ``bytearray``) is refused in ``args`` and kwargs alike. The refusal is also kombu's
+    ``EncodeError``, which plain Celery raises for them: a migrated caller's
+    ``except EncodeError`` still catches it. (A ``datetime`` or ``bytes`` is carried as a
+    typed value, as in Celery: see test_typed_arguments_*.)"""
     app = Celery("pyobjects", set_as_current=False)
     app.conf.update(embedded_settings(tmp_path))
     install(app)
@@ -186,11 +189,11 @@ def test_a_call_with_python_objects_json_cannot_carry_is_refused_in_args_and_kwa
 
     rule = "input was not a valid JSON value"
     now = datetime.now(timezone.utc)
-    for call, field in [(lambda: at.delay(b"raw"), "args[0]"),
+    for call, field in [(lambda: at.delay({b"raw"}), "args[0]"),
                         (lambda: at.delay(object()), "args[0]"),
-                        (lambda: at.delay(when=now), "x_celery_kwargs.when"),
-                        (lambda: at.apply_async(kwargs={"when": [b"raw"]}),
-                         "x_celery_kwargs.when[0]"),
+                        (lambda: at.delay(now, when=bytearray(b"x")), "x_celery_kwargs.when"),
+                        (lambda: at.apply_async(kwargs={"when": [now, {1}]}),
+                         "x_celery_kwargs.when[1]"),
                         (lambda: at.apply_async(link=at.si(object())), "link[0].args[0]")]:
         with pytest.raises(EncodeError) as refused:
             call()
@@ -223,16 +226,17 @@ def test_a_callback_or_later_link_json_cannot_carry_is_refused_at_the_call(
     rule = "input was not a valid JSON value"
     now = datetime.now(timezone.utc)
     for call, field in [
-        (lambda: add.apply_async((1,), link=add.s(now)), "link[0].args[0]"),
-        (lambda: add.apply_async((1,), link_error=[add.si(1), add.s(b=b"raw")]),
+        (lambda: add.apply_async((1,), link=add.s({now})), "link[0].args[0]"),
+        (lambda: add.apply_async((1,), link_error=[add.si(now), add.s(b={b"raw"})]),
          "link_error[1].x_celery_kwargs.b"),
-        (lambda: chain(add.s(1), add.s(2), add.s(now)).apply_async(), "chain[0].args[0]"),
+        (lambda: chain(add.s(1), add.s(2), add.s(object())).apply_async(), "chain[0].args[0]"),
     ]:
         with pytest.raises(InvalidJob) as refused:
             call()
         assert refused.value.violations == [(field, rule)]
     assert get_runtime(app).store.due("dispatch", 1e12, 10) == []  # nothing stored
     add.apply_async((1,), link=plain.s(now))  # a plain task's callback: Celery's freedom
+    add.apply_async((1,), link=add.s(now))  # a typed value, carried as in Celery
 
 
 def test_arguments_that_do_not_fit_raise_at_the_call_as_in_celery(tmp_path: Path) -> None:
@@ -534,12 +538,76 @@ def test_a_datetime_or_decimal_result_reaches_the_caller_as_in_celery(env: Env) 
         "amount": {"__type__": "decimal", "__value__": "1.50"}}
 
 
-@pytest.mark.parametrize("value", ["datetime", "object"])
+def test_typed_arguments_reach_the_handler_and_its_retries_as_in_celery(env: Env) -> None:
+    """A ``datetime``, ``date``, ``time``, ``Decimal``, ``UUID`` or ``bytes`` argument (in args
+    or kwargs, nested too) arrives in the handler as that value, as Celery's JSON serializer
+    carries it, in every attempt; ``self.retry(args=..., kwargs=...)`` may give new ones. The
+    record keeps them as that serializer's JSON. Such a call used to raise ``InvalidJob``."""
+    tag = unique("typed")
+    at = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
+    values = (at, [Decimal("1.10"), b"\xff", b"text"])
+    named = {"ref": UUID(int=7), "day": {"d": date(2030, 1, 1), "t": dt_time(3, 4, 5)}}
+    result = env.app.tasks["e2e.celery_typed_retries"].delay(tag, *values, **named)
+    assert result.get(timeout=30) == {"values": [date(2031, 1, 1)],
+                                      "named": {"amount": Decimal("2.5")}}
+    assert [line for line in env.lines("typed") if line.startswith(tag + " ")] == [
+        f"{tag} retries=0 {values!r} {named!r}",
+        f"{tag} retries=1 {values!r} {named!r}",
+        f"{tag} retries=2 {(date(2031, 1, 1),)!r} {{'amount': Decimal('2.5')}}"]
+    job = env.job(result.id)
+    assert job.args == [tag, {"__type__": "date", "__value__": "2031-01-01"}]
+    assert (job.model_extra or {})["x_celery_kwargs"] == {
+        "amount": {"__type__": "decimal", "__value__": "2.5"}}
+
+
+def test_typed_arguments_survive_autoretry_and_the_ojs_retry_policy(env: Env) -> None:
+    """The attempts Celery's ``autoretry_for`` and the OJS retry policy publish from the
+    record get the arguments back as the values the call gave."""
+    tag = unique("typedretry")
+    at = datetime(2030, 1, 2, tzinfo=timezone(timedelta(hours=5, minutes=30)))
+    auto = env.app.tasks["e2e.celery_typed_autoretry"].delay(tag + "a", when=at)
+    ojs = env.app.tasks["e2e.ojs_typed"].delay(tag + "o", Decimal("-0.5"))
+    assert auto.get(timeout=30) == at
+    assert ojs.get(timeout=30) == Decimal("-0.5")
+    assert env.job(auto.id).model_extra["x_celery_kwargs"] == {  # type: ignore[index]
+        "when": {"__type__": "datetime", "__value__": "2030-01-02T00:00:00+05:30"}}
+    assert env.job(ojs.id).args == [tag + "o", {"__type__": "decimal", "__value__": "-0.5"}]
+    runs = [line for line in env.lines("typed") if line.startswith(tag)]
+    assert sorted(runs) == sorted([f"{tag}a retries=0 {at!r}", f"{tag}a retries=1 {at!r}",
+                                   f"{tag}o attempt=1 Decimal('-0.5')",
+                                   f"{tag}o attempt=2 Decimal('-0.5')"])
+
+
+def test_typed_arguments_by_name_and_in_canvas_as_in_celery(env: Env) -> None:
+    """``send_task`` by name, a chain's later links, a group, a chord's members and body and
+    a ``link`` callback carry typed arguments to their handlers, as in plain Celery."""
+    tag = unique("typedcanvas")
+    echo = env.app.tasks["e2e.typed_echo"]
+    at = datetime(2030, 1, 2, tzinfo=timezone.utc)
+    by_name = env.app.send_task("e2e.typed_echo", args=[tag + "n", at],
+                                kwargs={"amount": Decimal("1.5")})
+    assert by_name.get(timeout=30) == {"values": [tag + "n", at],
+                                       "named": {"amount": Decimal("1.5")}}
+    chained = chain(echo.si(tag + "c1", at), echo.si(tag + "c2", UUID(int=3))).apply_async()
+    assert chained.get(timeout=30) == {"values": [tag + "c2", UUID(int=3)], "named": {}}
+    grouped = group(echo.si(tag + "g", date(2030, 1, day)) for day in (1, 2)).apply_async()
+    assert grouped.get(timeout=30) == [{"values": [tag + "g", date(2030, 1, day)], "named": {}}
+                                       for day in (1, 2)]
+    chorded = chord([echo.si(tag + "m", b"raw")], echo.s(tag + "b", when=at)).apply_async()
+    member = {"values": [tag + "m", b"raw"], "named": {}}
+    assert chorded.get(timeout=30) == {"values": [[member], tag + "b"], "named": {"when": at}}
+    linked = echo.apply_async((tag + "l",), link=echo.si(tag + "k", dt_time(1, 2)))
+    assert linked.get(timeout=30) == {"values": [tag + "l"], "named": {}}
+    wait_for(lambda: any(tag + "k" in line for line in env.lines("typed")), 30, "the link ran")
+    assert f"echo ({tag + 'k'!r}, datetime.time(1, 2)) {{}}" in env.lines("typed")
+
+
+@pytest.mark.parametrize("value", ["set", "object"])
 def test_a_retry_with_arguments_json_cannot_carry_ends_the_job_naming_them(
         env: Env, value: str) -> None:
-    """``self.retry(kwargs=...)`` is checked as the call is: a datetime stored as text would
-    no longer match the retry's message (dropped by the worker, the job left waiting), an
-    object would fail the outcome's write. The retry raises InvalidJob, which ends the job."""
+    """``self.retry(kwargs=...)`` is checked as the call is: a set or an object (which
+    Celery's JSON serializer cannot write either) would fail the outcome's write. The retry
+    raises InvalidJob, which ends the job."""
     tag = unique("retrybad")
     result = env.app.tasks["e2e.celery_retry_with"].delay(tag, value)
     job = env.wait_state(result.id, "discarded", timeout=30)
