@@ -75,7 +75,12 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
     if when is not None:
         envelope["scheduled_at"] = when.isoformat()
     envelope.update(celery_time_fields(task.app, task, options, runtime.settings))
+    parent = task.app.current_worker_task
     priority = options.get("priority", task.priority)
+    if priority is None and parent is not None and task.app.conf.task_inherit_parent_priority:
+        # as Celery's send_task gives a call made inside a running task that task's priority;
+        # kept with the job, every message of it has it (the sweeper's too)
+        priority = (getattr(parent.request, "delivery_info", None) or {}).get("priority")
     if isinstance(priority, int) and not isinstance(priority, bool):
         mapped = ojs_priority_of(task.app, priority, runtime.settings.amqp_max_priority)
         if mapped is not None:
@@ -93,7 +98,7 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
         job = typed_call(task.app, envelope, refused)
     try:
         check_later_calls(task.app, options)
-        celery_options = canvas_options(with_parent(task.app, options))
+        celery_options = canvas_options(with_parent(parent, options))
     except InvalidJob as refused:
         raise_refusal(refused)
     semantics = celery_semantics_of(task, runtime.settings)
@@ -103,13 +108,12 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
     return job.id
 
 
-def with_parent(app: Celery, options: dict[str, Any]) -> dict[str, Any]:
+def with_parent(parent: Task | None, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` with the ``parent_id`` and ``root_id`` that Celery's ``send_task`` gives a
-    call made inside a running task (that task, and its root), where the call gives none.
-    Kept with the job, every attempt's message carries them, as Celery's retry keeps its
-    request's; a retry published from the job's own attempt would otherwise name that attempt
-    as its parent."""
-    parent = app.current_worker_task
+    call made inside a running task, ``parent`` (``app.current_worker_task``: that task, and
+    its root), where the call gives none. Kept with the job, every attempt's message carries
+    them, as Celery's retry keeps its request's; a retry published from the job's own attempt
+    would otherwise name that attempt as its parent."""
     request = getattr(parent, "request", None)
     if request is None or request.id is None:
         return options

@@ -441,6 +441,22 @@ def make_app(config: dict[str, Any]) -> Celery:
         """Calls ``e2e.noop`` with a chosen id from inside a task (one pending job per id)."""
         return str(noop.apply_async(task_id=child_id).id)
 
+    @app.task(shared=False, name="e2e.celery_request_flags", base=OJSTask, bind=True)
+    def celery_request_flags(self: OJSTask, tag: str) -> int:
+        """Records what Celery's request says of each attempt's message (its ``ignore_result``,
+        its delivery priority); retries once; returns its job's priority."""
+        info = self.request.delivery_info or {}
+        record(directory, "celery", f"{tag} retries={self.request.retries} "
+               f"ignore_result={self.request.ignore_result!r} priority={info.get('priority')!r}")
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.1)
+        return current_job().job.priority
+
+    @app.task(shared=False, name="e2e.celery_spawns_flags", base=OJSTask)
+    def celery_spawns_flags(tag: str) -> str:
+        """Calls ``e2e.celery_request_flags`` from inside a task, without a priority."""
+        return str(celery_request_flags.delay(tag).id)
+
     @app.task(shared=False, name="e2e.celery_returns_typed", base=OJSTask)
     def celery_returns_typed(year: int) -> dict[str, Any]:
         """A result Celery's JSON serializer carries as typed values."""
