@@ -191,13 +191,19 @@ def typed_call(app: Celery, envelope: dict[str, Any], refused: InvalidJob) -> Jo
 def typed_arguments(envelope: dict[str, Any], refused: InvalidJob) -> dict[str, Any]:
     """``envelope`` with its arguments as Celery's JSON serializer writes them (typed values
     as kombu's typed JSON; what it cannot write either, a ``set`` or an object, left for the
-    envelope's rules to name: kombu's ``EncodeError`` in plain Celery), or ``refused`` raised
-    where that cannot help: a violation outside the arguments, or one of the rules of a whole
-    field (nesting, numbers, text, and an object with exactly the keys ``__type__`` and
+    envelope's rules to name where it is: kombu's ``EncodeError`` in plain Celery). Raises
+    ``refused`` when no argument is named in it, and :class:`~ojs_celery.InvalidJob` naming
+    the rest of it when an argument breaks a rule of its whole value that no typed value
+    mends (nesting, numbers, text, and an object with exactly the keys ``__type__`` and
     ``__value__``: data that would reach the handler as something else)."""
-    if not all(path.startswith(_ARGUMENTS) and rule not in ARGUMENT_RULES
-               for path, rule in refused.violations):
+    if not any(path.startswith(_ARGUMENTS) for path, _ in refused.violations):
         raise refused
+    if any(path in _ARGUMENTS and rule in ARGUMENT_RULES for path, rule in refused.violations):
+        # what the envelope's rules say of a value inside these fields (a datetime's "not a
+        # valid JSON value") may be wrong: only their whole-value rules, and the other fields
+        raise InvalidJob([(path, rule) for path, rule in refused.violations
+                          if (path in _ARGUMENTS and rule in ARGUMENT_RULES)
+                          or not path.startswith(_ARGUMENTS)])
     typed = dict(envelope)
     for name in _ARGUMENTS:
         if name in envelope:

@@ -159,3 +159,20 @@ def test_an_outcome_the_sweeper_reports_calls_canvas_with_the_values(app: Celery
     assert request.args == ARGS and request.kwargs == KWARGS
     errback = request.errbacks  # one signature, as the call gave it
     assert (errback["args"], errback["kwargs"]) == ([AT, b"raw"], {})
+
+
+def test_a_refusal_names_what_is_wrong_not_the_typed_values(app: Celery) -> None:
+    """A call with a typed argument and something else wrong is refused for that only: its
+    datetime is not named as an invalid JSON value beside it."""
+    echo = app.tasks["e2e.typed_echo"]
+    cases = [
+        (lambda: echo.apply_async((AT,), task_id="bad/id"), ["id"]),
+        (lambda: echo.apply_async((AT, float("nan")), {"k": {1}}), ["args"]),
+        (lambda: echo.apply_async((AT, {1}), {"k": AT}), ["args[1]"]),
+        (lambda: echo.apply_async((AT,), {"k": [AT, object()]}), ["x_celery_kwargs.k[1]"]),
+    ]
+    for call, paths in cases:
+        with pytest.raises(InvalidJob) as refused:
+            call()
+        assert [path for path, _ in refused.value.violations] == paths
+    assert sent(app) == []
