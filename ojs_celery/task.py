@@ -20,6 +20,7 @@ from celery import Task, states
 from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
+from celery.utils.serialization import raise_with_context
 
 from . import arrival, compat, lifecycle, softlimit
 from .callers import check_call_arguments, enqueue_call
@@ -216,10 +217,13 @@ class OJSTask(Task):  # type: ignore[misc]
             limit = self.max_retries if max_retries is None else max_retries
             if limit is not None and self.request.retries + 1 > limit:
                 if exc is not None:
-                    raise exc
+                    raise_with_context(exc)
+                # as Celery words it: the arguments the retry would have had
+                shown_args = self.request.args if args is None else args
+                shown_kwargs = self.request.kwargs if kwargs is None else kwargs
                 raise self.MaxRetriesExceededError(
-                    f"Can't retry {self.name}[{self.request.id}] args:{self.request.args} "
-                    f"kwargs:{self.request.kwargs}")
+                    f"Can't retry {self.name}[{self.request.id}] args:{shown_args} "
+                    f"kwargs:{shown_kwargs}", task_args=shown_args, task_kwargs=shown_kwargs)
             if not eta and countdown is None:
                 countdown = self.default_retry_delay
         delay = None if countdown is None else float(countdown)

@@ -320,6 +320,10 @@ def make_app(config: dict[str, Any]) -> Celery:
         record(directory, "celery", f"{tag} retries={self.request.retries}")
         raise self.retry(exc=ValueError(f"{tag} not yet"), countdown=1, max_retries=2)
 
+    @app.task(shared=False, name="e2e.celery_retry_past_limit", base=OJSTask, bind=True)
+    def celery_retry_past_limit(self: OJSTask, tag: str) -> None:
+        raise self.retry(args=[tag, "next"], countdown=0.1, max_retries=0)
+
     @app.task(shared=False, name="e2e.celery_retry_args", base=OJSTask, bind=True)
     def celery_retry_args(self: OJSTask, step: int, tag: str = "") -> str:
         record(directory, "celery", f"{tag} step={step} retries={self.request.retries}")

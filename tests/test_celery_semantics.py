@@ -16,6 +16,7 @@ from uuid import UUID
 import pytest
 import redis
 from celery import Celery, chain, chord, group
+from celery.exceptions import MaxRetriesExceededError
 from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
 
@@ -392,6 +393,21 @@ def test_self_retry_uses_countdown_and_max_retries(env: Env) -> None:
     # the Retry Celery's own retry makes
     assert [line.split(" ", 1)[1] for line in env.lines("retry_signal")
             if line.startswith(result.id)] == [f"Retry in 1s: ValueError('{tag} not yet')"] * 2
+
+
+def test_a_retry_past_max_retries_raises_celery_s_error_naming_the_retry_s_arguments(
+    env: Env
+) -> None:
+    """``self.retry(args=...)`` past ``max_retries`` without ``exc`` ends the job with Celery's
+    ``MaxRetriesExceededError``, worded as Celery words it: the arguments the retry would have
+    had (it named the attempt's own)."""
+    tag = unique("limit")
+    result = env.app.tasks["e2e.celery_retry_past_limit"].delay(tag)
+    env.wait_state(result.id, "discarded", timeout=40)
+    error = _failure(env, result.id).result
+    assert isinstance(error, MaxRetriesExceededError)
+    assert str(error) == (f"Can't retry e2e.celery_retry_past_limit[{result.id}] "
+                          f"args:['{tag}', 'next'] kwargs:{{}}")
 
 
 def test_retry_replaces_args_and_kwargs(env: Env) -> None:
