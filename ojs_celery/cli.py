@@ -48,7 +48,8 @@ EXIT_STORE = 4
 #: Every exit status of every command (also shown by ``--help``).
 EXIT_STATUSES = {
     0: "done",
-    EXIT_FAILED: "not done: no such job or worker, a job that already ended, a failed sweep",
+    EXIT_FAILED: "not done: no such job or worker, a job that already ended, a failed sweep; "
+                 "or output that cannot be written",
     EXIT_INVALID: "invalid input, settings or usage (one line per problem; nothing stored)",
     EXIT_DUPLICATE: "a different job with this id exists (nothing stored)",
     EXIT_STORE: "the job store cannot be reached or refused the operation (nothing stored, "
@@ -105,10 +106,12 @@ def _app(ctx: click.Context) -> Celery:
     raise click.UsageError("no app given: pass -A/--app")
 
 
-def _line(data: Any) -> None:
+def _line(data: Any, unprinted: str = "") -> None:
     """Print one JSON line. A reader that went away (``events | head -1``) ends the command
-    quietly with status 0: its BrokenPipeError is an OSError, which ``listen`` would otherwise
-    take for a lost broker and retry for ever."""
+    quietly with status 0; output that cannot be written (a full disk, ``> /dev/full``) ends
+    it with one line and status 1, naming what ``unprinted`` says was done all the same (an
+    enqueue's stored jobs). :func:`~ojs_celery.events.listen` raises its handler's errors, so
+    neither is taken for a lost broker."""
     try:
         click.echo(json.dumps(data, separators=(",", ":"), ensure_ascii=False))
         sys.stdout.flush()
@@ -116,6 +119,10 @@ def _line(data: Any) -> None:
         # Python's advice: point stdout at devnull, so the flush at exit raises nothing again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+    except OSError as exc:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _fail([f"error: cannot write the output: {exc}" + (f" ({unprinted})" if unprinted
+                                                            else "")], EXIT_FAILED)
 
 
 #: The longest problem line printed (a job id argument of 100,000 characters is echoed
@@ -195,8 +202,10 @@ def enqueue_command(ctx: click.Context, source: Any, batch: bool) -> None:
     # One byte past the limit is enough to refuse it: a bigger input is never held whole.
     text = source.read((MAX_BATCH_BYTES if batch else MAX_ENVELOPE_BYTES) + 1)
     jobs = enqueue_batch(text, app=app) if batch else [enqueue(text, app=app)]
-    for job in jobs:
-        _line(job.to_dict())
+    for index, job in enumerate(jobs):
+        rest = [j.id for j in jobs[index:]]
+        _line(job.to_dict(), unprinted=f"the job{'s' if len(rest) > 1 else ''} "
+              f"{', '.join(rest)} {'are' if len(rest) > 1 else 'is'} stored")
 
 
 @commands.command(name="get")

@@ -147,6 +147,7 @@ def listen(
     passed to kombu, whose ``limit`` also counts the idle one-second polls. A lost broker
     connection (a restart) is logged in one line and made again, waiting longer each time up
     to :data:`RECONNECT_MAX`: what was published meanwhile is lost, as the bus is best-effort.
+    What ``handler`` raises ends it (raised as it was, an ``OSError`` included).
     """
     counted = _Counted(handler, limit)
     stopping = stop or threading.Event()
@@ -169,6 +170,8 @@ def listen(
                 return
         except TimeoutError:
             return
+        except _HandlerFailed as failed:  # the handler's own error (a full disk): not the broker
+            raise failed.error from None
         except lost as exc:  # connecting (a broker still down) or consuming
             if stopping.is_set():  # the broker went away after the caller asked to stop
                 return
@@ -180,6 +183,15 @@ def listen(
         if stopping.wait(pause):
             return
         pause = min(pause * 2, RECONNECT_MAX)
+
+
+class _HandlerFailed(Exception):
+    """What :func:`listen`'s handler raised, carried past the errors taken for a lost broker
+    (an ``OSError`` writing the event out is not one) and raised again as it was."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 class _Counted:
@@ -200,7 +212,10 @@ class _Counted:
                 break
             if isinstance(event, dict):
                 self.seen += 1
-                self.handler(event)
+                try:
+                    self.handler(event)
+                except Exception as exc:  # an OSError of its own is no lost broker
+                    raise _HandlerFailed(exc) from exc
         if self.limit is not None and self.seen >= self.limit:
             self.receiver.should_stop = True
 

@@ -471,3 +471,75 @@ def test_a_directive_without_workers_is_a_usage_error_whatever_the_store(env: En
     out = run_with(env, down, "workers", "quiet")
     assert out.returncode == 2, out.stderr
     assert "give WORKER_ID(s) or --all" in out.stderr
+
+
+def test_output_that_cannot_be_written_is_one_line_and_status_1(env: Env) -> None:
+    """stdout on a full device (``> /dev/full``): ``get`` and ``sweep`` ended with a traceback,
+    and ``enqueue`` too, although its job was stored (the line now names it)."""
+    with open("/dev/full", "w") as full:
+        enqueued = subprocess.run(
+            [CLI, "-A", "tests.e2eapp:app", "enqueue", "-"], input='{"type":"e2e.add",'
+            '"args":[4,4]}', stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env=cli_env(env), timeout=60)
+        swept = subprocess.run([CLI, "-A", "tests.e2eapp:app", "sweep", "--once"], stdout=full,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env=cli_env(env),
+                               timeout=60)
+    for out in (enqueued, swept):
+        assert out.returncode == 1, out.stderr
+        [line] = out.stderr.splitlines()
+        assert line.startswith("error: cannot write the output: ") and "No space left" in line
+    match = re.search(r"the job ([0-9a-f-]{36}) is stored", enqueued.stderr)
+    assert match, enqueued.stderr
+    assert env.wait_state(match.group(1), "completed").result == 8
+
+
+def test_events_into_a_full_device_ends_with_one_line(env: Env) -> None:
+    """``events > /dev/full``: the failed write (an OSError) was taken for a lost broker, and
+    the listener said "lost the broker" and tried again for ever."""
+    with open("/dev/full", "w") as full:
+        listener = subprocess.Popen(
+            [CLI, "-A", "tests.e2eapp:app", "events", "--timeout", "60"], stdout=full,
+            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=cli_env(env))
+    assert listener.stderr is not None
+    try:
+        assert "listening" in listener.stderr.readline()
+        run(env, "enqueue", "-", stdin='{"type":"e2e.add","args":[1,1]}')
+        assert listener.wait(30) == 1
+        said = listener.stderr.read()
+    finally:
+        listener.kill()
+        listener.communicate()
+    assert "lost the broker" not in said and "Traceback" not in said, said
+    [line] = said.splitlines()
+    assert line.startswith("error: cannot write the output: ") and "No space left" in line
+
+
+def test_listen_raises_what_its_handler_raises(env: Env) -> None:
+    """An OSError from the handler (a file it writes to is full) is not a lost broker: it
+    ends ``listen`` (it was logged as "lost the broker" and retried for ever)."""
+    from ojs_celery.events import listen
+
+    app = make_app(env.config)
+    raised: list[BaseException] = []
+    ready = threading.Event()
+
+    def handler(_event: dict[str, Any]) -> None:
+        raise OSError(28, "No space left on device")
+
+    def target() -> None:
+        try:
+            listen(app, handler, ready=ready, timeout=60)
+        except BaseException as exc:  # what the test looks at
+            raised.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(15), "the listener did not start"
+        run(env, "enqueue", "-", stdin='{"type":"e2e.add","args":[1,1]}')
+        thread.join(30)
+        assert not thread.is_alive(), "listen went on after its handler failed"
+        assert len(raised) == 1 and isinstance(raised[0], OSError), raised
+        assert raised[0].errno == 28
+    finally:
+        get_runtime(app).close()
