@@ -72,9 +72,24 @@ def load_app(name: str | None) -> Celery:
                                  param_hint="-A/--app") from exc
     if not isinstance(app, Celery):
         raise click.BadParameter(f"{name!r} is not a Celery app", param_hint="-A/--app")
-    app.loader.import_default_modules()
+    _import_modules(app, name)
     install(app)
     return app
+
+
+def _import_modules(app: Celery, name: str | None) -> None:
+    """Import the app's task modules, as ``celery`` does before a command. Its configuration
+    is read then (a Django project's settings module, named by ``DJANGO_SETTINGS_MODULE``):
+    one that does not load is a usage error naming why, not a traceback; a bad setting keeps
+    its own lines (:func:`_improperly_configured`)."""
+    try:
+        app.loader.import_default_modules()
+    except (Exception, SystemExit) as exc:
+        if isinstance(exc, Exception) and _improperly_configured(exc):
+            raise
+        raise click.BadParameter(f"cannot load app {name or app.main!r}: "
+                                 f"{_load_failure(name or '', exc)}",
+                                 param_hint="-A/--app") from exc
 
 
 def _load_failure(name: str, exc: BaseException) -> str:
@@ -100,7 +115,7 @@ def _app(ctx: click.Context) -> Celery:
         return obj
     celery_app = getattr(obj, "app", None)  # inside `celery -A proj ojs ...`
     if isinstance(celery_app, Celery):
-        celery_app.loader.import_default_modules()
+        _import_modules(celery_app, None)
         install(celery_app)
         return celery_app
     raise click.UsageError("no app given: pass -A/--app")
