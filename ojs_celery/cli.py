@@ -16,6 +16,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any, NoReturn
 
 import click
@@ -30,6 +32,7 @@ from .envelope import (
     MAX_ENVELOPE_BYTES,
     DuplicateJob,
     InvalidJob,
+    Job,
     format_epoch,
     utf8_safe,
 )
@@ -121,7 +124,7 @@ def _app(ctx: click.Context) -> Celery:
     raise click.UsageError("no app given: pass -A/--app")
 
 
-def _line(data: Any, unprinted: str = "") -> None:
+def _line(data: Any, unprinted: Callable[[], str] | None = None) -> None:
     """Print one JSON line. A reader that went away (``events | head -1``) ends the command
     quietly with status 0; output that cannot be written (a full disk, ``> /dev/full``) ends
     it with one line and status 1, naming what ``unprinted`` says was done all the same (an
@@ -136,8 +139,8 @@ def _line(data: Any, unprinted: str = "") -> None:
         sys.exit(0)
     except OSError as exc:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        _fail([f"error: cannot write the output: {exc}" + (f" ({unprinted})" if unprinted
-                                                            else "")], EXIT_FAILED)
+        done = f" ({unprinted()})" if unprinted is not None else ""
+        _fail([f"error: cannot write the output: {exc}{done}"], EXIT_FAILED)
 
 
 #: The longest problem line printed (a job id argument of 100,000 characters is echoed
@@ -218,9 +221,15 @@ def enqueue_command(ctx: click.Context, source: Any, batch: bool) -> None:
     text = source.read((MAX_BATCH_BYTES if batch else MAX_ENVELOPE_BYTES) + 1)
     jobs = enqueue_batch(text, app=app) if batch else [enqueue(text, app=app)]
     for index, job in enumerate(jobs):
-        rest = [j.id for j in jobs[index:]]
-        _line(job.to_dict(), unprinted=f"the job{'s' if len(rest) > 1 else ''} "
-              f"{', '.join(rest)} {'are' if len(rest) > 1 else 'is'} stored")
+        _line(job.to_dict(), unprinted=partial(_stored, jobs, index))
+
+
+def _stored(jobs: list[Job], start: int) -> str:
+    """What an enqueue whose output could not be written from ``jobs[start]`` on did all the
+    same."""
+    ids = [job.id for job in jobs[start:]]
+    return (f"the job {ids[0]} is stored" if len(ids) == 1
+            else f"the jobs {', '.join(ids)} are stored")
 
 
 @commands.command(name="get")
