@@ -13,6 +13,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -272,10 +273,28 @@ def events_command(ctx: click.Context, limit: int | None, timeout: float | None)
                    "events (other apps' on the same exchange still show)", err=True)
     ready = threading.Event()
     threading.Thread(target=_announce, args=(ready,), daemon=True).start()
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt_within_deadline)
     try:
         listen(app, _line, limit=limit, timeout=timeout, ready=ready)
     except KeyboardInterrupt:
         pass
+
+
+#: Seconds the events command may spend ending after Ctrl-C.
+INTERRUPT_DEADLINE = 3.0
+
+
+def _interrupt_within_deadline(_signum: int, _frame: Any) -> None:
+    """Ctrl-C ends ``events`` as Python does (``KeyboardInterrupt``), within
+    :data:`INTERRUPT_DEADLINE` all the same: kombu's orderly close of the listener's connection
+    deletes its queue on the broker, which waits for ever on a frozen one (``kill -STOP``).
+    Past the deadline the process exits with status 0, as Ctrl-C does, without that close (the
+    queue expires on the broker by itself)."""
+    deadline = threading.Timer(INTERRUPT_DEADLINE, os._exit, (0,))
+    deadline.daemon = True
+    deadline.start()
+    raise KeyboardInterrupt
 
 
 @commands.command(name="sweep")

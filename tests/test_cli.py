@@ -7,6 +7,7 @@ import os
 import pathlib
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -422,6 +423,32 @@ def test_events_goes_on_after_the_broker_restarts(
         get_runtime(app).close()
     assert not any("Traceback" in line for line in said), "".join(said)
     assert sum("lost the broker" in line for line in said) >= 2
+
+
+def test_ctrl_c_ends_events_while_its_broker_is_frozen(
+    redis_server: PrivateRedis, tmp_path: pathlib.Path
+) -> None:
+    """Ctrl-C while the broker (a private Redis) is frozen (``kill -STOP``): the listener went
+    on waiting for it, in kombu's orderly close, which deletes the receiver's queue there. It
+    now ends within a few seconds, status 0, with no traceback (the queue expires on the
+    broker)."""
+    config = redis_config(tmp_path, redis_server.url)
+    listener = subprocess.Popen(
+        [CLI, "-A", "tests.e2eapp:app", "events"], stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "OJS_E2E_CONFIG": json.dumps(config), "PYTHONPATH": str(ROOT)})
+    assert listener.stderr is not None
+    try:
+        assert "listening" in listener.stderr.readline()
+        redis_server.process.send_signal(signal.SIGSTOP)
+        listener.send_signal(signal.SIGINT)
+        assert listener.wait(15) == 0
+        said = listener.stderr.read()
+    finally:
+        redis_server.process.send_signal(signal.SIGCONT)
+        listener.kill()
+        listener.communicate()
+    assert "Traceback" not in said, said
 
 
 def test_listen_ends_when_asked_while_listening_and_while_its_broker_is_down(
