@@ -162,9 +162,7 @@ def check_call_arguments(task: Task, args: Any, kwargs: Any) -> dict[str, Any]:
     try:
         parse_envelope(envelope, celery_id=True)
     except InvalidJob as refused:
-        envelope = typed_arguments(envelope, refused)
-        parse_envelope(envelope, celery_id=True, typed=True)
-        refuse_unserializable(task.app, args, kwargs)
+        envelope, _ = typed_job(task.app, envelope, refused)
     return envelope
 
 
@@ -181,11 +179,22 @@ def typed_call(app: Celery, envelope: dict[str, Any], refused: InvalidJob) -> Jo
     so. Anything else raises, as :func:`raise_refusal` does. Only on the path of such calls:
     a call of JSON data never gets here."""
     try:
-        job = parse_envelope(typed_arguments(envelope, refused), celery_id=True, typed=True)
-        refuse_unserializable(app, envelope.get("args"), envelope.get(CELERY_KWARGS_FIELD))
+        return typed_job(app, envelope, refused)[1]
     except InvalidJob as exc:
         raise_refusal(exc)
-    return job
+
+
+def typed_job(app: Celery, envelope: dict[str, Any],
+              refused: InvalidJob) -> tuple[dict[str, Any], Job]:
+    """``envelope`` with its typed arguments written as the job keeps them
+    (:func:`typed_arguments`), and its job; raises :class:`~ojs_celery.InvalidJob` for what it
+    still breaks, or what the app's serializer cannot encode (:func:`refuse_unserializable`).
+    The one check of a call's (:func:`typed_call`) and a retry's (:func:`check_call_arguments`)
+    typed arguments."""
+    typed = typed_arguments(envelope, refused)
+    job = parse_envelope(typed, celery_id=True, typed=True)
+    refuse_unserializable(app, envelope.get("args"), envelope.get(CELERY_KWARGS_FIELD))
+    return typed, job
 
 
 def typed_arguments(envelope: dict[str, Any], refused: InvalidJob) -> dict[str, Any]:

@@ -183,16 +183,35 @@ def double(x):
     return 2 * x
 '''
 
-DJANGO_STYLE_TESTS = '''
+
+#: The test run against a production-configured app (its task ``double`` named ``{task}``).
+EMBEDDED_DEFAULT_TESTS = '''
 import os
 
 
 def test_the_fixtures_use_the_embedded_default(ojs_app, ojs_worker, ojs_wait):
-    result = ojs_app.tasks["dj.double"].delay(4)
+    result = ojs_app.tasks["{task}"].delay(4)
     assert ojs_wait(result.id, timeout=60).state == "completed"
     assert result.get(timeout=30) == 8
     assert os.listdir(os.environ["PROD_DIR"]) == []  # no production store or results
 '''
+
+
+def run_against_production(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+                           module: str, app_text: str, task: str,
+                           environment: dict[str, str]) -> None:
+    """Run :data:`EMBEDDED_DEFAULT_TESTS` with the fixtures on the app ``module:app`` (text
+    ``app_text``), whose production store and results would go to ``PROD_DIR``, with
+    ``environment`` set (``{production}`` in a value: that folder); it must pass."""
+    production = pytester.mkdir("production")
+    monkeypatch.setenv("PROD_DIR", str(production))
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value.format(production=production))
+    pytester.makepyfile(**{module: app_text,
+                           f"test_{module}": EMBEDDED_DEFAULT_TESTS.format(task=task)})
+    result = pytester.runpytest_subprocess("-p", "ojs_celery.testing", f"--ojs-app={module}:app",
+                                           "-p", "no:cacheprovider", timeout=170)
+    result.assert_outcomes(passed=1)
 
 
 def test_the_fixtures_replace_a_django_projects_namespaced_settings_and_environment(
@@ -204,15 +223,10 @@ def test_the_fixtures_replace_a_django_projects_namespaced_settings_and_environm
     setting): the fixtures' worker and the test process use the embedded default, not the
     production broker, result backend and store (on Celery 5.4 to 5.6 the namespaced
     settings won over the fixtures', and on every version the environment did)."""
-    production = pytester.mkdir("production")
-    monkeypatch.setenv("PROD_DIR", str(production))
-    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:1/2")
-    monkeypatch.setenv("CELERY_RESULT_BACKEND", f"db+sqlite:///{production}/env-results.sqlite3")
-    pytester.makepyfile(djangostyle=DJANGO_STYLE_APP, test_dj=DJANGO_STYLE_TESTS)
-    result = pytester.runpytest_subprocess("-p", "ojs_celery.testing",
-                                           "--ojs-app=djangostyle:app",
-                                           "-p", "no:cacheprovider", timeout=170)
-    result.assert_outcomes(passed=1)
+    run_against_production(pytester, monkeypatch, "djangostyle", DJANGO_STYLE_APP, "dj.double", {
+        "CELERY_BROKER_URL": "redis://127.0.0.1:1/2",
+        "CELERY_RESULT_BACKEND": "db+sqlite:///{production}/env-results.sqlite3",
+    })
 
 
 ENV_CONFIGURED_APP = '''
@@ -240,18 +254,6 @@ def double(x):
     return 2 * x
 '''
 
-ENV_CONFIGURED_TESTS = '''
-import os
-
-
-def test_the_worker_starts_and_uses_the_embedded_default(ojs_app, ojs_worker, ojs_wait):
-    result = ojs_app.tasks["env.double"].delay(4)
-    assert ojs_wait(result.id, timeout=60).state == "completed"
-    assert result.get(timeout=30) == 8
-    assert os.listdir(os.environ["PROD_DIR"]) == []  # no production store or results
-'''
-
-
 def test_the_fixtures_worker_starts_for_settings_that_require_the_urls_from_the_environment(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -261,17 +263,14 @@ def test_the_fixtures_worker_starts_for_settings_that_require_the_urls_from_the_
     starts, and it and the test process still use the embedded default, whatever the
     ``celery`` command reads from the environment too. The variables were once dropped from
     the environment, so the worker's import of the settings failed."""
-    production = pytester.mkdir("production")
-    monkeypatch.setenv("PROD_DIR", str(production))
-    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:1/2")
-    monkeypatch.setenv("CELERY_RESULT_BACKEND", f"db+sqlite:///{production}/env-results.sqlite3")
-    # the celery command's --broker and --result-backend, which it copies to CELERY_BROKER_URL
-    # and CELERY_RESULT_BACKEND (on Celery 5.4 to 5.6 after it loaded the app)
-    monkeypatch.setenv("BROKER_URL", "redis://127.0.0.1:1/3")
-    monkeypatch.setenv("CELERY_BROKER", "redis://127.0.0.1:1/4")
-    monkeypatch.setenv("RESULT_BACKEND", f"db+sqlite:///{production}/cli-results.sqlite3")
-    pytester.makepyfile(envconfigured=ENV_CONFIGURED_APP, test_env=ENV_CONFIGURED_TESTS)
-    result = pytester.runpytest_subprocess("-p", "ojs_celery.testing",
-                                           "--ojs-app=envconfigured:app",
-                                           "-p", "no:cacheprovider", timeout=170)
-    result.assert_outcomes(passed=1)
+    run_against_production(pytester, monkeypatch, "envconfigured", ENV_CONFIGURED_APP,
+                           "env.double", {
+        "CELERY_BROKER_URL": "redis://127.0.0.1:1/2",
+        "CELERY_RESULT_BACKEND": "db+sqlite:///{production}/env-results.sqlite3",
+        # the celery command's --broker and --result-backend, which it copies to
+        # CELERY_BROKER_URL and CELERY_RESULT_BACKEND (on Celery 5.4 to 5.6 after it loaded
+        # the app)
+        "BROKER_URL": "redis://127.0.0.1:1/3",
+        "CELERY_BROKER": "redis://127.0.0.1:1/4",
+        "RESULT_BACKEND": "db+sqlite:///{production}/cli-results.sqlite3",
+    })
