@@ -275,6 +275,8 @@ def events_command(ctx: click.Context, limit: int | None, timeout: float | None)
     threading.Thread(target=_announce, args=(ready,), daemon=True).start()
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupt_within_deadline)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # a service manager's stop
+        signal.signal(signal.SIGTERM, _interrupt_within_deadline)
     try:
         listen(app, _line, limit=limit, timeout=timeout, ready=ready)
     except KeyboardInterrupt:
@@ -286,7 +288,7 @@ INTERRUPT_DEADLINE = 3.0
 
 
 def _interrupt_within_deadline(_signum: int, _frame: Any) -> None:
-    """Ctrl-C ends ``events`` as Python does (``KeyboardInterrupt``), within
+    """Ctrl-C (or SIGTERM) ends ``events`` as Python does (``KeyboardInterrupt``), within
     :data:`INTERRUPT_DEADLINE` all the same: kombu's orderly close of the listener's connection
     deletes its queue on the broker, which waits for ever on a frozen one (``kill -STOP``).
     Past the deadline the process exits with status 0, as Ctrl-C does, without that close (the
@@ -310,17 +312,47 @@ def sweep_command(ctx: click.Context, mode: str | None, interval: float | None) 
     settings = runtime.settings  # read here: a bad one is a usage error, not a failed pass
     if mode == "loop":
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s] %(message)s")
+        stopping = _StopRequest()
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # a service manager's stop
+            signal.signal(signal.SIGTERM, stopping.request)
         click.echo(f"sweeping every {interval or settings.sweep_interval}s "
                    "(Ctrl-C to stop)", err=True)
         try:
-            run_loop(runtime, interval)
+            run_loop(runtime, interval, stop=stopping.is_set, pause=stopping.pause)
         except KeyboardInterrupt:
             pass
+        if stopping.is_set():
+            click.echo("stopped (SIGTERM): the pass under way was finished", err=True)
         return
     report = sweep(runtime)
     _line(report.as_dict())
     if report.error:
         sys.exit(1)
+
+
+class _StopRequest:
+    """SIGTERM to ``sweep --loop``: the pass under way is finished, then the loop ends (as
+    ``celery beat`` ends on SIGTERM, with status 0). The handler only sets a flag, which
+    :meth:`pause` checks every :data:`STOP_CHECK` seconds: setting a ``threading.Event`` from
+    a signal handler can deadlock on the lock that the interrupted code holds."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def request(self, _signum: int, _frame: Any) -> None:
+        self.requested = True
+
+    def is_set(self) -> bool:
+        return self.requested
+
+    def pause(self, seconds: float) -> None:
+        until = time.monotonic() + seconds
+        while not self.requested and (left := until - time.monotonic()) > 0:
+            time.sleep(min(left, STOP_CHECK))
+
+
+#: Seconds between ``sweep --loop``'s looks at a stop request while it waits for a pass.
+STOP_CHECK = 0.2
 
 
 @commands.command(name="inspect")

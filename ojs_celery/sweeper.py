@@ -505,8 +505,11 @@ def last_sweep(runtime: Runtime) -> float | None:
 
 
 def run_loop(runtime: Runtime, interval: float | None = None,
-             stop: Callable[[], bool] = lambda: False) -> None:
-    """``ojs-celery sweep --loop``: a pass every ``interval`` seconds until ``stop()``.
+             stop: Callable[[], bool] = lambda: False,
+             pause: Callable[[float], object] = time.sleep) -> None:
+    """``ojs-celery sweep --loop``: a pass every ``interval`` seconds until ``stop()``, which
+    is asked before each pass (a pass under way is finished). ``pause`` waits between passes:
+    a stop event's ``wait`` ends the wait as soon as the event is set.
 
     No error ends it: after a failed pass it waits twice as long as after the one before
     (from ``interval`` up to :data:`MAX_BACKOFF`), and back to ``interval`` after a pass that
@@ -523,5 +526,5 @@ def run_loop(runtime: Runtime, interval: float | None = None,
                 logger.info("ojs_celery: sweep %s", report.as_dict())
         else:
             failures += 1
-        pause = every if not failures else min(every * 2 ** failures, max(MAX_BACKOFF, every))
-        time.sleep(max(pause - (time.monotonic() - began), 0.0))
+        wait = every if not failures else min(every * 2 ** failures, max(MAX_BACKOFF, every))
+        pause(max(wait - (time.monotonic() - began), 0.0))

@@ -236,7 +236,8 @@ def ojs_worker(ojs_app: Celery, ojs_app_path: str, ojs_settings: dict[str, Any],
                            arguments=ojs_worker_arguments)
     stop = threading.Event()
     sweeper = threading.Thread(target=run_loop, args=(get_runtime(ojs_app), SWEEP_INTERVAL),
-                               kwargs={"stop": stop.is_set}, name="ojs-sweeper", daemon=True)
+                               kwargs={"stop": stop.is_set, "pause": stop.wait},
+                               name="ojs-sweeper", daemon=True)
     try:
         worker.wait_ready()
         sweeper.start()

@@ -344,6 +344,28 @@ def test_sweep_once_and_loop(env: Env) -> None:
         loop.wait(10)
 
 
+def test_sigterm_ends_sweep_loop_and_events_with_status_0(env: Env) -> None:
+    """A service manager stops ``sweep --loop`` and ``events`` with SIGTERM (systemd,
+    Kubernetes, supervisord): they ended by the signal's default action, status 143 with no word
+    said. They now end as on Ctrl-C, with status 0 (``sweep --loop`` once the pass under way is
+    done, as ``celery beat`` ends on SIGTERM)."""
+    loop = subprocess.Popen([CLI, "-A", "tests.e2eapp:app", "sweep", "--loop", "--interval",
+                             "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=cli_env(env))
+    listener = events_listener(env)
+    try:
+        assert loop.stderr is not None and "sweeping every" in loop.stderr.readline()
+        loop.send_signal(signal.SIGTERM)
+        listener.send_signal(signal.SIGTERM)
+        assert loop.wait(15) == 0  # the wait for the next pass (60 s) ends at once
+        assert listener.wait(15) == 0
+        said = loop.communicate()[1] + listener.communicate()[1]
+    finally:
+        loop.kill()
+        listener.kill()
+    assert "stopped (SIGTERM)" in said and "Traceback" not in said, said
+
+
 def test_sweep_with_a_bad_setting_is_a_usage_error(env: Env) -> None:
     """``sweep --once`` read its settings inside the pass, which logs and survives anything:
     a bad setting came out as a failed pass with a traceback and exit status 1."""

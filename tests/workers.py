@@ -222,7 +222,8 @@ class SweepLoop(threading.Thread):
     def __init__(self, runtime: Runtime) -> None:
         self._stopping = threading.Event()
         super().__init__(target=run_loop, args=(runtime,),
-                         kwargs={"stop": self._stopping.is_set}, daemon=True)
+                         kwargs={"stop": self._stopping.is_set, "pause": self._stopping.wait},
+                         daemon=True)
 
     def stop(self) -> None:
         self._stopping.set()
