@@ -6,7 +6,7 @@ envelopes with ``enqueue``. See the README for the settings and the guarantees.
 
 from __future__ import annotations
 
-from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job
+from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job, purge
 from .context import JobContext, NoCurrentJob, current_job
 from .envelope import DuplicateJob, InvalidJob, Job, RetryPolicy, parse_envelope
 from .install import install
@@ -38,4 +38,5 @@ __all__ = [
     "get_job",
     "install",
     "parse_envelope",
+    "purge",
 ]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from . import arrival
+from . import arrival, lifecycle
 from .effects import carry_out, log_unpublished
 from .envelope import (
     CELERY_KWARGS_FIELD,
@@ -28,12 +30,14 @@ from .producer import (
     call_mismatch,
     celery_queue,
     check_serializer,
+    ojs_queue_of,
     publish,
     sent_together,
     with_celery_options,
 )
 from .runtime import Runtime, UnknownType, get_runtime
 from .store import DuplicateJob as StoredDuplicate
+from .store import StoreError
 
 if TYPE_CHECKING:
     from .store.redis import RedisStore
@@ -74,6 +78,59 @@ def cancel(job_id: str, *, app: Celery | None = None) -> Job:
     if job.state == "cancelled":
         return job
     raise ValueError(f"job {job_id} is already {job.state}: it cannot be cancelled")
+
+
+#: Jobs :func:`purge` reads and cancels at a time (one read and one write of the store each).
+PURGE_PAGE = 500
+#: The clocks that together index every job waiting to run: its message sent (the backstop's
+#: clock), its message not sent yet (the outbox), held in the store (a far ``scheduled_at``,
+#: a long backoff).
+WAITING_CLOCKS = (lifecycle.REDISPATCH.name, lifecycle.DISPATCH.name, lifecycle.PROMOTE.name)
+
+
+def purge(queues: Iterable[str] | None = None, *, app: Celery | None = None) -> int:
+    """Cancel every job that waits to run (``scheduled``, ``available``, ``retryable``) in
+    ``queues`` (Celery queue names; None: every queue) and return how many were cancelled.
+
+    Celery's purge empties the broker's queues, not the store, and the sweeper sends a waiting
+    job's message again when it has waited ``redispatch_after`` (the backstop for a message
+    that a broker lost): a purged job would come back. A cancelled one never runs, its message
+    purged or not; its result reads REVOKED. A running attempt is left to finish, as Celery's
+    purge leaves what a worker took."""
+    runtime = get_runtime(app)
+    store = runtime.store
+    names = None if queues is None else frozenset(
+        name for name in (_record_queue(runtime.app, queue) for queue in queues) if name)
+    rule = partial(lifecycle.purge, now=time.time(), queues=names)
+    cancelled = 0
+    try:
+        for clock in WAITING_CLOCKS:
+            cursor: str | None = None
+            while True:
+                ids, cursor = store.scan(clock, cursor, PURGE_PAGE)
+                if ids:
+                    results = store.apply_many(ids, rule)
+                    for job_id, done in zip(ids, results, strict=True):
+                        if done is None:  # it changed since it was read (a worker started it)
+                            done = store.apply(job_id, rule)
+                        if done.record is not None:
+                            carry_out(runtime, done, report_result=True)
+                            cancelled += 1
+                if cursor is None:
+                    break
+    except StoreError as exc:
+        raise StoreError(f"{exc} ({cancelled} job(s) were cancelled before it: purge again to "
+                         "go on)") from exc
+    return cancelled
+
+
+def _record_queue(app: Celery, name: str) -> str | None:
+    """A Celery queue's name in the job records; None for one that no job can have (a Celery
+    queue called ``default`` beside another default queue: see ``ojs_queue_of``)."""
+    try:
+        return ojs_queue_of(app, name)
+    except InvalidJob:
+        return None
 
 
 def enqueue_batch(

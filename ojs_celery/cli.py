@@ -25,9 +25,10 @@ import click
 from celery import Celery
 from celery.app.utils import find_app
 from celery.exceptions import ImproperlyConfigured
+from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.exceptions import SerializerNotInstalled
 
-from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job
+from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job, purge
 from .envelope import (
     MAX_BATCH_BYTES,
     MAX_ENVELOPE_BYTES,
@@ -258,6 +259,67 @@ def cancel_command(ctx: click.Context, job_id: str) -> None:
     except (JobNotFound, ValueError) as exc:
         _fail([f"error: {exc}"], EXIT_FAILED)
     _line(job.to_dict())
+
+
+@commands.command(name="purge")
+@click.option("-f", "--force", is_flag=True, help="Don't prompt for verification.")
+@click.option("-Q", "--queues", default=None,
+              help="Comma separated list of queue names to purge.")
+@click.option("-X", "--exclude-queues", default=None,
+              help="Comma separated list of queue names not to purge.")
+@click.pass_context
+def purge_command(ctx: click.Context, force: bool, queues: str | None,
+                  exclude_queues: str | None) -> None:
+    """Throw away every job waiting to run in the app's known task queues (or -Q): cancel them
+    in the job store, then empty the queues as ``celery purge`` does. Print the counts.
+
+    Use it instead of ``celery purge``, which empties the queues but not the store: the
+    sweeper would send a purged job's message again after ``redispatch_after``. Running jobs
+    are left to finish. Exit status 1 if the broker could not be reached to empty the queues
+    (the jobs are cancelled all the same: their messages never run).
+    """
+    app = _app(ctx)
+    names = sorted(set(_names(queues) or app.amqp.queues.keys()) - set(_names(exclude_queues)))
+    if not names:
+        _fail(["error: no queue to purge"], EXIT_INVALID)
+    if not force:
+        click.confirm(f"WARNING: this throws away every waiting job and message of "
+                      f"{', '.join(names)}; there is no undo. Go on?", abort=True, err=True)
+    cancelled = purge(names, app=app)
+    try:
+        messages = _empty_queues(app, names)
+    except _BrokerDown as exc:
+        _fail([f"error: the broker could not be reached to empty the queues: {exc} "
+               f"({cancelled} waiting job(s) were cancelled: their messages will not run)"],
+              EXIT_FAILED)
+    _line({"queues": names, "cancelled": cancelled, "messages": messages})
+
+
+def _names(text: str | None) -> list[str]:
+    return [name.strip() for name in (text or "").split(",") if name.strip()]
+
+
+class _BrokerDown(Exception):
+    """The broker could not be reached (its one-line reason)."""
+
+
+def _empty_queues(app: Celery, names: list[str]) -> int:
+    """Empty ``names`` on the broker as ``celery purge`` does (a queue the broker does not
+    have counts 0); how many messages went. One try to connect, not Celery's retries."""
+    with app.connection_for_write() as connection:
+        lost = (KombuOperationalError, OSError, *connection.connection_errors)
+        try:
+            connection.ensure_connection(max_retries=1)
+            channel = connection.channel()
+            emptied = 0
+            for queue in names:
+                try:
+                    emptied += channel.queue_purge(queue) or 0
+                except connection.channel_errors:  # AMQP closes the channel: take a new one
+                    channel = connection.channel()
+            return emptied
+        except lost as exc:
+            raise _BrokerDown(_one_line(exc)) from exc
 
 
 @commands.command(name="events")

@@ -73,6 +73,7 @@ from .rules import (
     orphaned,
     overdue,
     promote,
+    purge,
     redispatch,
     rejected,
     republish,
@@ -95,7 +96,7 @@ __all__ = [
     "backoff_delay", "cancel", "cancel_by_owner", "complete", "create", "deadlines", "decide",
     "dispatch_deadline", "dispatch_failed", "dispatch_failures", "expire_at", "expire_total",
     "expire_ttl", "extend", "fail", "fail_token", "heartbeat", "invisible", "make_error",
-    "matches_non_retryable", "message_eta", "orphaned", "overdue", "promote", "redispatch",
+    "matches_non_retryable", "message_eta", "orphaned", "overdue", "promote", "purge", "redispatch",
     "rejected", "republish", "resend", "resend_lost", "stalled", "start", "timeout_error",
     "waiting_deadline", "with_trace",
 ]

@@ -783,6 +783,18 @@ def cancel(record: Record, now: float, reason: str | None = None) -> Transition:
     return Transition(new, events=[("job.cancelled", data)])
 
 
+def purge(record: Record, now: float, queues: frozenset[str] | None) -> Transition:
+    """Cancel a job that waits to run (scheduled, available, retryable) in one of ``queues``
+    (record queue names; None: any). A running attempt is left to finish, as Celery's purge
+    leaves the tasks that a worker took."""
+    job = record.job
+    if job.state not in STARTABLE:
+        return rejected(f"not_waiting:{job.state}")
+    if queues is not None and job.queue not in queues:
+        return rejected("other_queue")
+    return cancel(record, now, reason="purged")
+
+
 def cancel_by_owner(record: Record, attempt: int, worker_id: str, now: float) -> Transition:
     """The handler of ``attempt`` raised Celery's ``Ignore``: the job is cancelled."""
     job = record.job
