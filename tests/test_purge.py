@@ -68,6 +68,17 @@ def test_purge_cancels_the_waiting_jobs_of_its_queues_and_empties_them(env: Env)
     assert run(env, "purge", "-f", "-Q", kept).returncode == 0
 
 
+def test_a_queue_the_broker_does_not_have_counts_nothing(env: Env) -> None:
+    """RabbitMQ answers a purge of a queue it does not have with a channel error (and closes
+    the channel): the queues after it are emptied all the same."""
+    never, then = unique("never"), unique("then")
+    waiting_in(env, then, 2)
+    out = run(env, "purge", "-f", "-Q", f"{never},{then}")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"queues": sorted([never, then]), "cancelled": 2,
+                                      "messages": 2}
+
+
 def test_purge_leaves_a_running_job_to_finish(env: Env) -> None:
     running = enqueue({"type": "e2e.sleep", "args": [2], "queue": env.config["queue"]},
                       app=env.app).id
