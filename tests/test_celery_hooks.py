@@ -1,0 +1,174 @@
+"""Differential: the same tasks under plain Celery and with ``base=OJSTask`` (``install(app)``),
+each on a real prefork ``celery worker`` (Redis broker and result backend), and what a user of
+each sees compared: the task class's hooks and their arguments, Celery's signals, the result
+backend (``track_started``, ``update_state``, ``ignore_result``, ``forget``, a failure's
+traceback).
+
+The differences that are the OJS design (README, "Celery callers": ``shadow``, a terminated
+attempt's ``task_postrun``, the traceback's OJS frames above the handler's) are not compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from ojs_celery.testing import CeleryProcess
+from tests import services
+from tests.hooksapp import make_app, seen
+from tests.test_task_events import task_events
+from tests.workers import ROOT, forget_redis_names, unique, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+MODES = ("plain", "ojs")
+
+
+@dataclass
+class Side:
+    """One side of the comparison: its app, its worker and the task events it saw."""
+
+    mode: str
+    config: dict[str, Any]
+    app: Celery
+    worker: CeleryProcess
+    events: list[dict[str, Any]]
+
+    def observed(self) -> list[dict[str, Any]]:
+        return seen(self.config["dir"])
+
+    def events_of(self, task_id: str, type_: str) -> list[dict[str, Any]]:
+        return [e for e in list(self.events) if e.get("uuid") == task_id and e["type"] == type_]
+
+
+@pytest.fixture(scope="module")
+def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Side]]:
+    """A plain Celery worker and an OJS one, started together, each with ``-E``."""
+    url = services.redis_url()
+    started: dict[str, Side] = {}
+    with ExitStack() as stack:
+        names: list[str] = []  # filled below; removed last, once the workers are stopped
+        stack.callback(forget_redis_names, url, names)
+        for mode in MODES:
+            directory = tmp_path_factory.mktemp(f"hooks-{mode}")
+            config = {"ojs": mode == "ojs", "queue": unique("q"), "broker_url": url,
+                      "result_backend": url, "event_exchange": unique("ev"),
+                      "dir": str(directory),
+                      "store": {"store_url": url, "store_prefix": unique("t")}}
+            names += [config["queue"], config["event_exchange"],
+                      config["store"]["store_prefix"]]
+            app = make_app(config)
+            events = stack.enter_context(task_events(app))
+            env = {**os.environ, "OJS_HOOKS_CONFIG": json.dumps(config),
+                   "PYTHONPATH": str(ROOT)}
+            worker = CeleryProcess(
+                ["-A", "tests.hooksapp:app", "worker", "--pool", "prefork", "--concurrency",
+                 "2", "--loglevel", "INFO", "-E", "--queues", config["queue"], "--hostname",
+                 f"{unique('w')}@%h", "--without-gossip", "--without-mingle"],
+                directory / "worker.log", env, cwd=ROOT)
+            stack.callback(worker.stop)
+            started[mode] = Side(mode, config, app, worker, events)
+        for side in started.values():
+            side.worker.wait_ready(60)
+        yield started
+
+
+def both(sides: dict[str, Side], call: Any) -> dict[str, Any]:
+    """``call(app)`` on each side, the plain one first."""
+    return {mode: call(sides[mode].app) for mode in MODES}
+
+
+def comparable(observations: list[dict[str, Any]]) -> Counter[str]:
+    """Observations as a multiset, without what differs between any two runs (ids, host
+    names, the text of a traceback)."""
+    counted: Counter[str] = Counter()
+    for observation in observations:
+        item = dict(observation)
+        if isinstance(item.get("einfo"), list):
+            item["einfo"] = item["einfo"][0]
+        item.pop("frames", None)
+        request = item.get("request")
+        if isinstance(request, dict):
+            item["request"] = {name: (value if name in ("retries", "delivery_info", "is_eager",
+                                                        "ignore_result") else value is not None)
+                               for name, value in request.items()}
+        counted[json.dumps(item, sort_keys=True)] += 1
+    return counted
+
+
+def test_hooks_and_signals_get_the_arguments_plain_celery_gives_them(
+        sides: dict[str, Side]) -> None:
+    """``before_start``, ``on_success``, ``on_failure``, ``on_retry``, ``after_return`` and
+    ``task_received``/``prerun``/``postrun``/``success``/``failure``/``retry``: the same calls
+    with the same arguments (the request's fields in a hook included), for a success, a
+    failure, a ``self.retry`` and an exception in ``throws``."""
+
+    def run(app: Celery) -> list[Any]:
+        calls = [app.tasks["d.ok"].apply_async((1, 2), {"k": 3}),
+                 app.tasks["d.fail"].delay(5, k="x"),
+                 app.tasks["d.retry_once"].delay(7),
+                 app.tasks["d.expected"].delay()]
+        return [call.get(timeout=30, propagate=False) for call in calls]
+
+    results = both(sides, run)
+    assert [repr(value) for value in results["ojs"]] == [repr(value)
+                                                        for value in results["plain"]]
+    for side in sides.values():  # the last hook and signal of the last attempt
+        wait_for(lambda side=side: sum(o["what"] == "task_postrun"  # type: ignore[misc]
+                                       for o in side.observed()) >= 5, 15, "task_postrun")
+    plain, ojs = (comparable(sides[mode].observed()) for mode in MODES)
+    assert ojs == plain, {"only plain": plain - ojs, "only ojs": ojs - plain}
+    failures = [o for o in sides["ojs"].observed() if o["what"] == "on_failure"]
+    assert failures and all(o["frames"] for o in failures)  # the handler's own frames
+
+
+def test_the_result_backend_shows_what_it_shows_under_plain_celery(
+        sides: dict[str, Side]) -> None:
+    """``track_started`` (STARTED, its pid and hostname), ``update_state`` (PROGRESS and its
+    meta in ``.info``), ``ignore_result`` with and without ``store_errors_even_if_ignored``,
+    ``forget``, ``get(propagate=False)`` and ``.traceback`` of a failure, ``starmap`` and
+    ``chunks``."""
+
+    def run(app: Celery) -> dict[str, Any]:
+        seen_: dict[str, Any] = {}
+        directory = pathlib.Path(app.conf.hooks_dir)
+        for name, state in (("d.started", "STARTED"), ("d.progress", "PROGRESS")):
+            flag = directory / unique("flag")
+            running = app.tasks[name].delay(str(flag))
+            wait_for(lambda running=running, state=state: running.state == state,  # type: ignore[misc]
+                     15, f"{name} {state}")
+            info = running.info
+            seen_[name] = [running.state, sorted(info) if name == "d.started" else info]
+            flag.touch()
+            seen_[name].append(running.get(timeout=20))
+        failed = app.tasks["d.fail"].delay(1)
+        seen_["failure"] = [repr(failed.get(timeout=20, propagate=False)), failed.state,
+                            (failed.traceback or "").strip().splitlines()[-1]]
+        quiet_fail, quiet_ok = app.tasks["d.quiet_fail"].delay(), app.tasks["d.quiet_ok"].delay()
+        done = app.tasks["d.ok"].delay(4, 4)
+        seen_["forgotten"] = done.get(timeout=20)
+        done.forget()
+        seen_["forgotten_state"] = done.state
+        seen_["quiet_fail"] = [wait_for(lambda: quiet_fail.state != "PENDING" and quiet_fail.state,
+                                        15, "quiet_fail's error"), repr(quiet_fail.result)]
+        seen_["quiet_ok"] = [quiet_ok.ignored, quiet_ok.state]
+        seen_["starmap"] = app.tasks["d.ok"].starmap([(1, 1), (2, 2)]).delay().get(timeout=20)
+        seen_["chunks"] = app.tasks["d.ok"].chunks([(1, 1), (2, 2), (3, 3)], 2).delay().get(
+            timeout=20)
+        return seen_
+
+    for side in sides.values():
+        side.app.conf.hooks_dir = side.config["dir"]
+    seen_ = both(sides, run)
+    assert seen_["ojs"] == seen_["plain"]
+    assert seen_["plain"]["d.progress"][:2] == ["PROGRESS", {"done": 1, "of": 2}]
+    assert seen_["plain"]["d.started"][:2] == ["STARTED", ["hostname", "pid"]]
