@@ -55,9 +55,12 @@ DEFAULT_QUEUE = "default"
 #: (see :mod:`ojs_celery.canvas`), the call's ``ignore_result``, ``reply_to``: where the
 #: ``rpc://`` result backend sends the result (the caller's queue, for every attempt's message
 #: as Celery's retry keeps it, not the queue of the worker that republishes it), and the call's
-#: custom ``headers`` (:func:`custom_headers`), which Celery's retry keeps too.
+#: custom ``headers`` (:func:`custom_headers`), which Celery's retry keeps too; ``argsrepr``/
+#: ``kwargsrepr``: what Celery's events, logs, ``inspect`` and Flower show in place of the
+#: arguments (Celery's way to hide sensitive ones), kept for every attempt, retries included.
 TRUSTED_OPTIONS = ("link", "link_error", "chain", "chord", "group_id", "group_index",
-                   "parent_id", "root_id", "ignore_result", "reply_to", "headers")
+                   "parent_id", "root_id", "ignore_result", "reply_to", "headers", "argsrepr",
+                   "kwargsrepr")
 
 #: Message header names that are Celery's own (its protocol's, its request's) or OJS's: a
 #: call's ``headers`` entry of such a name would rewrite the message's id, retries or token,
@@ -235,7 +238,9 @@ def publish(
     # semantics (recoveries do not count), the attempts so far for the others.
     options["retries"] = celery_retries(job) if celery_semantics(job) is not None else job.attempt
     extensions = job.extensions
-    args, kwargs = list(job.args), extensions.get(CELERY_KWARGS_FIELD) or {}
+    # a tuple, as Celery's calls and retries send positional arguments: the arguments'
+    # ``argsrepr`` (events, logs, ``inspect``) reads ``(1, 2)`` as under plain Celery
+    args, kwargs = tuple(job.args), extensions.get(CELERY_KWARGS_FIELD) or {}
     name = runtime.task_name_for(job.type)
     # the handler's self.request.ignore_result: the call's (kept), else the task's, as Celery's
     # apply_async sends it (Celery 5.7's send_task would send None)

@@ -2,7 +2,7 @@
 each on a real prefork ``celery worker`` (Redis broker and result backend), and what a user of
 each sees compared: the task class's hooks and their arguments, Celery's signals, the result
 backend (``track_started``, ``update_state``, ``ignore_result``, ``forget``, a failure's
-traceback).
+traceback) and the task events (``argsrepr``/``kwargsrepr``, Celery's way to hide arguments).
 
 The differences that are the OJS design (README, "Celery callers": ``shadow``, a terminated
 attempt's ``task_postrun``, the traceback's OJS frames above the handler's) are not compared.
@@ -172,3 +172,37 @@ def test_the_result_backend_shows_what_it_shows_under_plain_celery(
     assert seen_["ojs"] == seen_["plain"]
     assert seen_["plain"]["d.progress"][:2] == ["PROGRESS", {"done": 1, "of": 2}]
     assert seen_["plain"]["d.started"][:2] == ["STARTED", ["hostname", "pid"]]
+
+
+def test_a_calls_argsrepr_and_kwargsrepr_hide_its_arguments_as_in_celery(
+        sides: dict[str, Side]) -> None:
+    """Celery's way to keep sensitive arguments out of its events, logs, ``inspect`` and
+    Flower: ``apply_async(argsrepr=..., kwargsrepr=...)``. The events of an OJS job show them,
+    as plain Celery's do, and so do its retries' (Celery's own retry shows the arguments
+    again); without them the arguments read as Celery writes a call's, ``(1, 2)``."""
+    hidden = {"argsrepr": "(<secret>,)", "kwargsrepr": "{'token': <hidden>}"}
+
+    def run(app: Celery) -> dict[str, str]:
+        return {"hidden": app.tasks["d.ok"].apply_async((1, 2), {"k": 3}, **hidden).id,
+                "shown": app.tasks["d.ok"].delay(1, 2).id,
+                "retried": app.tasks["d.retry_once"].apply_async((7,), **hidden).id}
+
+    ids = both(sides, run)
+    for mode, side in sides.items():
+        for task_id in ids[mode].values():
+            side.app.AsyncResult(task_id).get(timeout=30)
+
+    def shown(mode: str, key: str, type_: str) -> list[tuple[str, str]]:
+        side = sides[mode]
+        return wait_for(lambda: [(e["args"], e["kwargs"]) for e in side.events_of(
+            ids[mode][key], type_)], 15, f"{type_} of {key} ({mode})")
+
+    for type_ in ("task-sent", "task-received"):
+        assert shown("plain", "hidden", type_) == [("(<secret>,)", "{'token': <hidden>}")]
+        assert shown("ojs", "hidden", type_) == shown("plain", "hidden", type_)
+        assert shown("ojs", "shown", type_) == shown("plain", "shown", type_) == [
+            ("(1, 2)", "{}")]
+    received = wait_for(lambda: len(sides["ojs"].events_of(ids["ojs"]["retried"],
+                                                           "task-received")) == 2 and
+                        shown("ojs", "retried", "task-received"), 15, "the retry's event")
+    assert set(received) == {("(<secret>,)", "{'token': <hidden>}")}
