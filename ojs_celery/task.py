@@ -76,6 +76,9 @@ REPLACE_REFUSED = (
     "job's id, which an OJS job cannot hand over. Return the work's result instead, or start "
     "it as its own job (sig.delay()) or as the next link of a chain"
 )
+#: Where a request keeps what its task's ``before_start`` raised (see
+#: :func:`_raised_in_the_attempt`), and the mark of a ``before_start`` so wrapped.
+BEFORE_START_RAISED = "ojs_before_start_raised"
 #: The reason of the Reject that sends back a job the draining worker will not start.
 SHUTTING_DOWN = "the worker is shutting down"
 
@@ -112,6 +115,9 @@ class OJSTask(Task):  # type: ignore[misc]
         if cls.acks_late is not True:
             cls.ojs_acks_late_asked = cls.acks_late
             cls.acks_late = True
+        before_start = cls.before_start
+        if before_start is not Task.before_start and not hasattr(before_start, BEFORE_START_RAISED):
+            cls.before_start = _raised_in_the_attempt(before_start)
 
     @property
     def ojs(self) -> JobContext | None:
@@ -291,6 +297,9 @@ class OJSTask(Task):  # type: ignore[misc]
         """The task's body as Celery's worker calls it: through the ``__call__`` of a project
         base class that comes after OJSTask in the task's classes (one that opens a database
         session, say), else ``run``."""
+        raised = getattr(self.request, BEFORE_START_RAISED, None)
+        if raised is not None:  # the task's before_start refused it (_raised_in_the_attempt)
+            raise raised
         if _project_call(type(self)):
             return super().__call__(*args, **kwargs)
         return self.run(*args, **kwargs)
@@ -480,6 +489,28 @@ class OJSTask(Task):  # type: ignore[misc]
         if exc is None or isinstance(exc, (Reject, Retry, RetryRequested)):
             raise RuntimeError(str((record.job.error or {}).get("message", "discarded")))
         raise exc
+
+
+def _raised_in_the_attempt(before_start: Callable[..., None]) -> Callable[..., None]:
+    """A task class's ``before_start`` (Celery 5.2+ calls it in the worker just before the
+    task's ``__call__``), whose exception fails the attempt as the handler's would: Celery fails
+    the task on it without calling ``__call__``, where the job is started and its outcome
+    written, so the job would stay waiting in the store for ever (and its message be sent again
+    by the sweeper's redispatch) while Celery's result says FAILURE. The exception is kept in
+    the request and raised in place of the handler once the attempt has started (a duplicate
+    message is dropped as any is); eager mode, which keeps no record, raises it at once."""
+
+    @functools.wraps(before_start)
+    def kept_for_the_attempt(self: Task, task_id: str, args: Any, kwargs: Any) -> None:
+        try:
+            before_start(self, task_id, args, kwargs)
+        except Exception as exc:
+            if self.request.is_eager:
+                raise
+            setattr(self.request, BEFORE_START_RAISED, exc)
+
+    setattr(kept_for_the_attempt, BEFORE_START_RAISED, True)
+    return kept_for_the_attempt
 
 
 #: :func:`_project_call`'s answers, by task class.

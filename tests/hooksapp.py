@@ -61,8 +61,6 @@ def make_app(config: dict[str, Any]) -> Celery:
         task_send_sent_event=True,
         worker_send_task_events=True,
         result_expires=600,
-        task_soft_time_limit=20,
-        task_time_limit=25,
         result_extended=bool(config.get("result_extended")),
     )
     if ojs:
@@ -74,32 +72,42 @@ def make_app(config: dict[str, Any]) -> Celery:
         """A project's task class with every hook Celery calls."""
 
         def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
-            note(directory, what="before_start", task_id=task_id == self.request.id,
-                 args=args, kwargs=kwargs)
+            note(directory, what="before_start", name=self.name,
+                 task_id=task_id == self.request.id, args=args, kwargs=kwargs)
 
         def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
-            note(directory, what="on_success", retval=retval, task_id=task_id == self.request.id,
-                 args=args, kwargs=kwargs, request=request_fields(self))
+            note(directory, what="on_success", name=self.name, retval=retval,
+                 task_id=task_id == self.request.id, args=args, kwargs=kwargs,
+                 request=request_fields(self))
 
         def on_failure(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
-            note(directory, what="on_failure", exc=described(exc),
+            note(directory, what="on_failure", name=self.name, exc=described(exc),
                  task_id=task_id == self.request.id, args=args, kwargs=kwargs,
                  einfo=[type(einfo).__name__, described(einfo.exception)],
                  frames=_handler_frames(einfo), request=request_fields(self))
 
         def on_retry(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
-            note(directory, what="on_retry", exc=described(exc),
+            note(directory, what="on_retry", name=self.name, exc=described(exc),
                  task_id=task_id == self.request.id, args=args, kwargs=kwargs,
                  einfo=[type(einfo).__name__, described(einfo.exception)],
                  request=request_fields(self))
 
         def after_return(self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any,
                          einfo: Any) -> None:
-            note(directory, what="after_return", status=status, retval=described(retval),
-                 task_id=task_id == self.request.id, args=args, kwargs=kwargs,
+            note(directory, what="after_return", name=self.name, status=status,
+                 retval=described(retval), task_id=task_id == self.request.id, args=args,
+                 kwargs=kwargs,
                  einfo=None if einfo is None else type(einfo).__name__)
 
+    class Guarded(Hooks):
+        """A task class whose ``before_start`` refuses the task (a lock not acquired, say)."""
+
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            super().before_start(task_id, args, kwargs)
+            raise PermissionError("refused before start")
+
     base: type = type("OJSHooks", (Hooks, OJSTask), {}) if ojs else Hooks
+    guarded: type = type("OJSGuarded", (Guarded, OJSTask), {}) if ojs else Guarded
 
     @app.task(shared=False, name="d.ok", base=base, bind=True)
     def ok(self: Task, a: int, b: int, k: int = 0) -> int:
@@ -141,21 +149,19 @@ def make_app(config: dict[str, Any]) -> Celery:
     def quiet_ok() -> int:
         return 1
 
-    @app.task(shared=False, name="d.sleep", base=base)
-    def sleep(seconds: float) -> float:
-        time.sleep(seconds)
-        return seconds
-
     @app.task(shared=False, name="d.always_retry", base=base, bind=True, max_retries=1,
               default_retry_delay=0)
     def always_retry(self: Task, countdown: float) -> None:
         raise self.retry(exc=KeyError("again"), countdown=countdown)
 
-    @signals.task_revoked.connect(weak=False)
-    def revoked(sender: Any = None, request: Any = None, terminated: Any = None,
-                signum: Any = None, expired: Any = None, **_: Any) -> None:
-        note(directory, what="task_revoked", name=sender.name, terminated=terminated,
-             signum=str(signum), expired=expired, request_id=getattr(request, "id", None))
+    @app.task(shared=False, name="d.guarded", base=guarded)
+    def guarded_task(a: int) -> int:
+        note(directory, what="ran", name="d.guarded")
+        return a
+
+    @app.task(shared=False, name="d.parent", base=base, bind=True)
+    def parent(self: Task) -> None:
+        ok.delay(1, 1)
 
     @signals.task_prerun.connect(weak=False)
     def prerun(sender: Any = None, task_id: Any = None, task: Any = None, args: Any = None,

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
+from ojs_celery import get_job
 from ojs_celery.testing import CeleryProcess
 from tests import services
 from tests.hooksapp import make_app, seen
@@ -105,38 +106,73 @@ def comparable(observations: list[dict[str, Any]]) -> Counter[str]:
     return counted
 
 
+def observed_alike(sides: dict[str, Side], call: Any, runs: int) -> dict[str, Any]:
+    """Run ``call(app)`` on each side and return what it returned; assert that the hooks and
+    signals of its ``runs`` task runs (attempts) were called alike on both sides, once the
+    last run's ``task_postrun`` (the last of them) was seen."""
+    first = {mode: len(side.observed()) for mode, side in sides.items()}
+    returned = both(sides, call)
+    seen_: dict[str, list[dict[str, Any]]] = {}
+    for mode, side in sides.items():
+        def done(side: Side = side, mode: str = mode) -> bool:
+            seen_[mode] = side.observed()[first[mode]:]
+            return sum(o["what"] == "task_postrun" for o in seen_[mode]) >= runs
+        wait_for(done, 15, f"{runs} task_postrun ({mode})")
+    plain, ojs = (comparable(seen_[mode]) for mode in MODES)
+    assert ojs == plain, {"only plain": plain - ojs, "only ojs": ojs - plain}
+    return returned
+
+
 def test_hooks_and_signals_get_the_arguments_plain_celery_gives_them(
         sides: dict[str, Side]) -> None:
     """``before_start``, ``on_success``, ``on_failure``, ``on_retry``, ``after_return`` and
     ``task_received``/``prerun``/``postrun``/``success``/``failure``/``retry``: the same calls
     with the same arguments (the request's fields in a hook included), for a success, a
-    failure, a ``self.retry`` and an exception in ``throws``."""
+    failure, a ``self.retry``, a retry past ``max_retries`` and an exception in ``throws``."""
 
-    def run(app: Celery) -> list[Any]:
+    def run(app: Celery) -> list[str]:
         calls = [app.tasks["d.ok"].apply_async((1, 2), {"k": 3}),
                  app.tasks["d.fail"].delay(5, k="x"),
                  app.tasks["d.retry_once"].delay(7),
+                 app.tasks["d.always_retry"].delay(0),
                  app.tasks["d.expected"].delay()]
-        return [call.get(timeout=30, propagate=False) for call in calls]
+        return [repr(call.get(timeout=30, propagate=False)) for call in calls]
 
-    results = both(sides, run)
-    assert [repr(value) for value in results["ojs"]] == [repr(value)
-                                                        for value in results["plain"]]
-    for side in sides.values():  # the last hook and signal of the last attempt
-        wait_for(lambda side=side: sum(o["what"] == "task_postrun"  # type: ignore[misc]
-                                       for o in side.observed()) >= 5, 15, "task_postrun")
-    plain, ojs = (comparable(sides[mode].observed()) for mode in MODES)
-    assert ojs == plain, {"only plain": plain - ojs, "only ojs": ojs - plain}
+    results = observed_alike(sides, run, runs=7)
+    assert results["ojs"] == results["plain"]
     failures = [o for o in sides["ojs"].observed() if o["what"] == "on_failure"]
     assert failures and all(o["frames"] for o in failures)  # the handler's own frames
+
+
+def test_an_exception_in_before_start_fails_the_job_as_it_fails_the_task(
+        sides: dict[str, Side]) -> None:
+    """Celery fails a task whose class's ``before_start`` raises, without running it (and
+    calls ``on_failure``, ``after_return``, ``task_failure``); the OJS job ends as it would on
+    the handler's exception: discarded with that error, not waiting in the store for ever."""
+
+    def run(app: Celery) -> dict[str, Any]:
+        refused = app.tasks["d.guarded"].delay(3)
+        return {"id": refused.id, "result": repr(refused.get(timeout=30, propagate=False)),
+                "state": refused.state}
+
+    results = observed_alike(sides, run, runs=1)
+    assert results["plain"]["state"] == results["ojs"]["state"] == "FAILURE"
+    assert results["plain"]["result"] == results["ojs"]["result"] == (
+        "PermissionError('refused before start')")
+    for side in sides.values():
+        assert not [o for o in side.observed() if o == {"what": "ran", "name": "d.guarded"}]
+    job = wait_for(lambda: (found := get_job(results["ojs"]["id"], app=sides["ojs"].app))
+                   and found.state != "available" and found, 15, "the job's end")
+    assert (job.state, job.attempt, (job.error or {}).get("type")) == (
+        "discarded", 1, "PermissionError")
 
 
 def test_the_result_backend_shows_what_it_shows_under_plain_celery(
         sides: dict[str, Side]) -> None:
     """``track_started`` (STARTED, its pid and hostname), ``update_state`` (PROGRESS and its
     meta in ``.info``), ``ignore_result`` with and without ``store_errors_even_if_ignored``,
-    ``forget``, ``get(propagate=False)`` and ``.traceback`` of a failure, ``starmap`` and
-    ``chunks``."""
+    ``forget``, ``get(propagate=False)`` and ``.traceback`` of a failure, the ``children`` of
+    a task that called another, ``starmap`` and ``chunks``."""
 
     def run(app: Celery) -> dict[str, Any]:
         seen_: dict[str, Any] = {}
@@ -162,6 +198,9 @@ def test_the_result_backend_shows_what_it_shows_under_plain_celery(
                                         15, "quiet_fail's error"), repr(quiet_fail.result)]
         seen_["quiet_ok"] = [quiet_ok.ignored, quiet_ok.state]
         seen_["starmap"] = app.tasks["d.ok"].starmap([(1, 1), (2, 2)]).delay().get(timeout=20)
+        parent = app.tasks["d.parent"].delay()
+        parent.get(timeout=20)
+        seen_["children"] = [child.get(timeout=20) for child in parent.children or []]
         seen_["chunks"] = app.tasks["d.ok"].chunks([(1, 1), (2, 2), (3, 3)], 2).delay().get(
             timeout=20)
         return seen_
@@ -206,3 +245,4 @@ def test_a_calls_argsrepr_and_kwargsrepr_hide_its_arguments_as_in_celery(
                                                            "task-received")) == 2 and
                         shown("ojs", "retried", "task-received"), 15, "the retry's event")
     assert set(received) == {("(<secret>,)", "{'token': <hidden>}")}
+
