@@ -173,8 +173,11 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
         report.warnings.append(f"acks_late={asked!r}: ignored: OJS tasks always ack late (a "
                                "message is acknowledged when its attempt's outcome is written)")
     for option, what in NO_EQUIVALENT.items():
-        if getattr(task, option, _CELERY_DEFAULTS[option]) != _CELERY_DEFAULTS[option]:
-            report.warnings.append(f"{option}={getattr(task, option)!r}: {what}")
+        # an OJS task's track_started is kept in ojs_track_started (OJSTask.on_bound)
+        value = getattr(task, "ojs_track_started" if is_ojs and option == "track_started"
+                        else option, _CELERY_DEFAULTS[option])
+        if value != _CELERY_DEFAULTS[option]:
+            report.warnings.append(f"{option}={value!r}: {what}")
     if getattr(task, "serializer", None) == "pickle" and conf.get("task_serializer") != "pickle":
         report.warnings.append("serializer='pickle': OJS jobs travel as JSON")
     if report.ojs_type is not None and not re.fullmatch(TYPE_PATTERN, report.ojs_type):

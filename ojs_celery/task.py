@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -102,6 +103,9 @@ class OJSTask(Task):  # type: ignore[misc]
     #: What the task's options or ``task_annotations`` asked for instead of ``acks_late=True``
     #: (overridden when the task is bound; the migration report names it), else None.
     ojs_acks_late_asked: Any = None
+    #: The task's ``track_started`` (its option or ``task_track_started``), which OJS applies
+    #: itself once the store has started the attempt (see ``on_bound``).
+    ojs_track_started: bool = False
     Request = "ojs_celery.request:OJSRequest"
 
     @classmethod
@@ -115,6 +119,11 @@ class OJSTask(Task):  # type: ignore[misc]
         if cls.acks_late is not True:
             cls.ojs_acks_late_asked = cls.acks_late
             cls.acks_late = True
+        if cls.track_started:
+            # Celery's trace writes STARTED before ``__call__``, so also for a message the store
+            # then drops: a cancelled, failed or expired job's result would read STARTED for
+            # ever. STARTED is written once the attempt has started (``_call_handler``).
+            cls.ojs_track_started, cls.track_started = True, False
         before_start = cls.before_start
         if before_start is not Task.before_start and not hasattr(before_start, BEFORE_START_RAISED):
             cls.before_start = _raised_in_the_attempt(before_start)
@@ -300,6 +309,11 @@ class OJSTask(Task):  # type: ignore[misc]
         raised = getattr(self.request, BEFORE_START_RAISED, None)
         if raised is not None:  # the task's before_start refused it (_raised_in_the_attempt)
             raise raised
+        if self.ojs_track_started and not self.request.ignore_result:
+            # as Celery's trace writes it (Task.track_started), in the attempt the store started
+            self.backend.store_result(self.request.id, {"pid": os.getpid(),
+                                                        "hostname": self.request.hostname},
+                                      states.STARTED, request=self.request)
         if _project_call(type(self)):
             return super().__call__(*args, **kwargs)
         return self.run(*args, **kwargs)

@@ -22,7 +22,9 @@ from typing import Any
 import pytest
 from celery import Celery
 
+import ojs_celery
 from ojs_celery import get_job
+from ojs_celery.migration import build_report
 from ojs_celery.testing import CeleryProcess
 from tests import services
 from tests.hooksapp import make_app, seen
@@ -246,3 +248,46 @@ def test_a_calls_argsrepr_and_kwargsrepr_hide_its_arguments_as_in_celery(
                         shown("ojs", "retried", "task-received"), 15, "the retry's event")
     assert set(received) == {("(<secret>,)", "{'token': <hidden>}")}
 
+
+def test_track_started_leaves_a_cancelled_jobs_result_revoked_when_its_message_arrives(
+        sides: dict[str, Side]) -> None:
+    """``track_started``: Celery's trace writes STARTED before the task's ``__call__``, where
+    the store decides whether the attempt starts. A job cancelled while its message waits
+    (``ojs_celery.cancel``: REVOKED at once) keeps REVOKED when the message reaches the worker
+    and is dropped, as a plain task revoked by Celery keeps it; STARTED is written for an
+    attempt that starts (the result backend test above)."""
+    side = sides["ojs"]
+    flag = pathlib.Path(side.config["dir"]) / unique("flag")
+    flag.touch()
+    waiting = side.app.tasks["d.started"].apply_async((str(flag),), countdown=1)
+    ojs_celery.cancel(waiting.id, app=side.app)
+    assert waiting.state == "REVOKED"
+    wait_for(lambda: {"what": "task_postrun", "name": "d.started", "args": [str(flag)],
+                      "kwargs": {}, "retval": ["Ignore", ""], "state": "IGNORED"}
+             in side.observed(), 15, "the cancelled job's message to be dropped")
+    assert side.app.AsyncResult(waiting.id).state == "REVOKED"
+
+
+def test_the_migration_report_still_names_an_ojs_tasks_track_started() -> None:
+    """OJS keeps an OJS task's ``track_started`` (option or ``task_track_started``) in
+    ``ojs_track_started`` and turns Celery's off; the migration report reads the task's own."""
+    app = Celery("tracked", set_as_current=False)
+    app.conf.update(broker_url="memory://", task_track_started=True,
+                    ojs={"store_url": "sqlite:///:memory:"})
+    ojs_celery.install(app)
+
+    @app.task(name="tracked.ojs", base=ojs_celery.OJSTask, time_limit=5, shared=False)
+    def tracked() -> None:
+        return None
+
+    @app.task(name="tracked.plain", shared=False)
+    def plain() -> None:
+        return None
+
+    app.finalize()
+    task = app.tasks["tracked.ojs"]
+    assert (task.track_started, task.ojs_track_started) == (False, True)
+    assert app.tasks["tracked.plain"].track_started is True  # plain tasks keep Celery's
+    report = {task.name: task.warnings for task in build_report(app).tasks}
+    for name in ("tracked.ojs", "tracked.plain"):
+        assert any(w.startswith("track_started=True") for w in report[name]), report[name]
