@@ -21,6 +21,7 @@ from celery import Task, states
 from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
+from celery.utils.imports import symbol_by_name
 from celery.utils.serialization import raise_with_context
 
 from . import arrival, compat, lifecycle, softlimit
@@ -106,7 +107,8 @@ class OJSTask(Task):  # type: ignore[misc]
     #: The task's ``track_started`` (its option or ``task_track_started``), which OJS applies
     #: itself once the store has started the attempt (see ``on_bound``).
     ojs_track_started: bool = False
-    Request = "ojs_celery.request:OJSRequest"
+    #: A project class's own Request is made a subclass of it (see ``_project_request``).
+    Request: Any = "ojs_celery.request:OJSRequest"
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -124,6 +126,9 @@ class OJSTask(Task):  # type: ignore[misc]
             # then drops: a cancelled, failed or expired job's result would read STARTED for
             # ever. STARTED is written once the attempt has started (``_call_handler``).
             cls.ojs_track_started, cls.track_started = True, False
+        project_request = _project_request(cls)
+        if project_request is not None:
+            cls.Request = project_request
         before_start = cls.before_start
         if before_start is not Task.before_start and not hasattr(before_start, BEFORE_START_RAISED):
             cls.before_start = _raised_in_the_attempt(before_start)
@@ -525,6 +530,27 @@ def _raised_in_the_attempt(before_start: Callable[..., None]) -> Callable[..., N
 
     setattr(kept_for_the_attempt, BEFORE_START_RAISED, True)
     return kept_for_the_attempt
+
+
+def _project_request(cls: type) -> type | None:
+    """The worker ``Request`` class of a task whose project class (or options) gives one of its
+    own (Celery's "custom requests": ``on_timeout``, ``on_failure`` in the worker's main
+    process), made a subclass of OJS's: whichever of OJSTask and the project class comes first,
+    one of the two was silently dropped (the project's hooks, or the main process's handling
+    of an OJS attempt's hard time limit and lost child, which left the job active until the
+    sweeper). The project's methods come first and reach OJS's through ``super()``, as they
+    reach Celery's. None: no such class, or it is OJS's already."""
+    for klass in cls.__mro__:
+        given = vars(klass).get("Request")
+        if given is None or klass is OJSTask or issubclass(Task, klass):
+            continue  # OJS's and Celery's own
+        from .request import OJSRequest  # the worker's (not imported by producers)
+
+        project = symbol_by_name(given)
+        if issubclass(project, OJSRequest):
+            return None
+        return type(f"OJS{project.__name__}", (project, OJSRequest), {})
+    return None
 
 
 #: :func:`_project_call`'s answers, by task class.

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from celery import Celery, Task, signals
+from celery.worker.request import Request
 
 from ojs_celery import OJSTask, install
 
@@ -106,7 +107,38 @@ def make_app(config: dict[str, Any]) -> Celery:
             super().before_start(task_id, args, kwargs)
             raise PermissionError("refused before start")
 
+    class TimedRequest(Request):  # type: ignore[misc]
+        """A project's worker request class (Celery's "custom requests"), whose hooks run in
+        the worker's main process."""
+
+        def on_timeout(self, soft: bool, timeout: float) -> None:
+            note(directory, what="request.on_timeout", name=self.task.name, soft=soft)
+            super().on_timeout(soft, timeout)
+
+        def on_failure(self, exc_info: Any, send_failed_event: bool = True,
+                       return_ok: bool = False) -> None:
+            note(directory, what="request.on_failure", name=self.task.name,
+                 exc=described(exc_info.exception))
+            super().on_failure(exc_info, send_failed_event=send_failed_event,
+                               return_ok=return_ok)
+
+    class Timed(Hooks):
+        Request = TimedRequest
+
     base: type = type("OJSHooks", (Hooks, OJSTask), {}) if ojs else Hooks
+    # OJSTask first (the README's order for a project base class), and last
+    timed_first: type = type("OJSTimedFirst", (OJSTask, Timed), {}) if ojs else Timed
+    timed_last: type = type("OJSTimedLast", (Timed, OJSTask), {}) if ojs else Timed
+
+    @app.task(shared=False, name="d.timed_first", base=timed_first, time_limit=1)
+    def timed_first_task(seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    @app.task(shared=False, name="d.timed_last", base=timed_last, time_limit=1)
+    def timed_last_task(seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
     guarded: type = type("OJSGuarded", (Guarded, OJSTask), {}) if ojs else Guarded
 
     @app.task(shared=False, name="d.ok", base=base, bind=True)

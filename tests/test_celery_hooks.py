@@ -182,7 +182,7 @@ def test_the_result_backend_shows_what_it_shows_under_plain_celery(
         for name, state in (("d.started", "STARTED"), ("d.progress", "PROGRESS")):
             flag = directory / unique("flag")
             running = app.tasks[name].delay(str(flag))
-            wait_for(lambda running=running, state=state: running.state == state,  # type: ignore[misc]
+            wait_for(lambda running=running, state=state: running.state == state,
                      15, f"{name} {state}")
             info = running.info
             seen_[name] = [running.state, sorted(info) if name == "d.started" else info]
@@ -291,3 +291,36 @@ def test_the_migration_report_still_names_an_ojs_tasks_track_started() -> None:
     report = {task.name: task.warnings for task in build_report(app).tasks}
     for name in ("tracked.ojs", "tracked.plain"):
         assert any(w.startswith("track_started=True") for w in report[name]), report[name]
+
+
+def test_a_project_request_class_runs_its_hooks_and_the_ojs_job_still_ends(
+        sides: dict[str, Side]) -> None:
+    """A project's task class with its own worker ``Request`` (Celery's "custom requests"):
+    at a hard time limit its ``on_timeout`` and ``on_failure`` run in the worker's main process
+    as under plain Celery, whether OJSTask comes before the project class or after it, and the
+    OJS job ends on its timeout (OJS's own request handles the attempt)."""
+    names = ("d.timed_first", "d.timed_last")
+
+    def run(app: Celery) -> list[tuple[str, str]]:
+        calls = [app.tasks[name].delay(5) for name in names]
+        return [(call.id, type(call.get(timeout=30, propagate=False)).__name__)
+                for call in calls]
+
+    results = both(sides, run)
+    for mode in MODES:
+        assert [ended for _, ended in results[mode]] == ["TimeLimitExceeded"] * 2
+
+    def hooks(side: Side) -> Counter[str]:
+        return Counter(f"{o['what']} {o['name']}" for o in side.observed()
+                       if o["what"].startswith("request.") and o["name"] in names)
+
+    expected = Counter(f"request.{hook} {name}" for hook in ("on_timeout", "on_failure")
+                       for name in names)
+    for side in sides.values():
+        wait_for(lambda side=side: hooks(side) == expected, 15,
+                 f"the request hooks ({side.mode}): {hooks(side)}")
+    ojs = sides["ojs"]
+    for job_id, _ in results["ojs"]:
+        job = wait_for(lambda job_id=job_id: (found := get_job(job_id, app=ojs.app))
+                       and found.state == "discarded" and found, 15, f"job {job_id}'s end")
+        assert (job.error or {}).get("type") == "timeout"
