@@ -138,7 +138,9 @@ def broker_driver(app: Celery) -> str:
 
 
 def time_limits(job: Job, start_at: float) -> tuple[float | None, float]:
-    """``(soft, hard)`` for an attempt starting at ``start_at``, clamped to the total deadline."""
+    """``(soft, hard)`` for an attempt starting at ``start_at``, clamped to the total deadline;
+    whole seconds as ints, as a Celery caller's ``time_limit=9`` travels (the worker's
+    ``TimeLimitExceeded(9)``, ``self.request.timelimit`` ``[9, 5]``)."""
     hard = float(job.timeout + job.grace_period)
     soft: float | None = float(job.timeout) if job.grace_period > 0 else None
     if job.total_timeout is not None and job.created_at is not None:
@@ -148,7 +150,11 @@ def time_limits(job: Job, start_at: float) -> tuple[float | None, float]:
             soft = min(soft, hard)
     if soft is not None and soft >= hard:
         soft = None
-    return soft, hard
+    return (None if soft is None else _whole(soft)), _whole(hard)
+
+
+def _whole(seconds: float) -> float:
+    return int(seconds) if seconds.is_integer() else seconds
 
 
 #: The serializers this process has encoded with (a failure is not kept: an app may register

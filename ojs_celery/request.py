@@ -281,7 +281,7 @@ class OJSRequest(Request):  # type: ignore[misc]
                 self._ack_without_failure(self._ojs_failure_recorded or "stale", exc)
                 return
             if isinstance(exc, TimeLimitExceeded):
-                self._hard_timeout(float(exc.args[0]) if exc.args else 0.0)
+                self._hard_timeout(exc.args[0] if exc.args else 0.0)  # as billiard has it
                 return
             if isinstance(exc, SoftTimeLimitExceeded) and self._ojs_soft_limit_before_start():
                 return
