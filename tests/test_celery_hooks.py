@@ -1,8 +1,10 @@
 """Differential: the same tasks under plain Celery and with ``base=OJSTask`` (``install(app)``),
 each on a real prefork ``celery worker`` (Redis broker and result backend), and what a user of
-each sees compared: the task class's hooks and their arguments, Celery's signals, the result
-backend (``track_started``, ``update_state``, ``ignore_result``, ``forget``, a failure's
-traceback) and the task events (``argsrepr``/``kwargsrepr``, Celery's way to hide arguments).
+each sees compared: the task class's hooks and their arguments (an exception in
+``before_start`` included), a project's own worker ``Request`` class at a hard time limit,
+Celery's signals, the result backend (``track_started``, ``update_state``, ``ignore_result``,
+``forget``, a failure's traceback) and the task events (``argsrepr``/``kwargsrepr``, Celery's
+way to hide arguments).
 
 The differences that are the OJS design (README, "Celery callers": ``shadow``, a terminated
 attempt's ``task_postrun``, the traceback's OJS frames above the handler's) are not compared.
