@@ -679,7 +679,9 @@ class JobStore(ABC):
         An entry is None where that job's compare-and-set lost a race: the caller applies
         the rule to it again with :meth:`apply` (which re-reads). Every other entry is what
         :meth:`apply` would have returned: each job still changes by one compare-and-set, so
-        concurrent callers never apply a rule twice.
+        concurrent callers never apply a rule twice. A batch that fails with a lost reply is
+        read back (:meth:`_settle_many`): a job that carries its write is written, as in
+        :meth:`apply`, and the others are None.
         """
         results: list[Transition | None] = []
         writes: list[Write] = []
@@ -696,14 +698,39 @@ class JobStore(ABC):
                 writes.append((transition.record, record, self._deadlines(transition.record)))
                 written.append(index)
         if writes:
-            for index, won, (new, previous, _) in zip(
-                written, self._cas_many(writes), writes, strict=True
-            ):
+            try:
+                wins = self._cas_many(writes)
+            except (StoreTimeout, StoreRefused):
+                raise  # not answering (a read would wait as long again), or rolled back
+            except StoreError as failure:
+                wins = self._settle_many(writes, failure)
+            for index, won, (new, previous, _) in zip(written, wins, writes, strict=True):
                 if won:
                     new.version = previous.version + 1
                 else:
                     results[index] = None
         return results
+
+    def _settle_many(self, writes: Sequence[Write], failure: StoreError) -> list[bool]:
+        """Which writes of a batch that failed with ``failure`` were done: each job whose
+        record carries its write's nonce (a lost reply, redis-py's own tries of it included;
+        on Redis, where a batch is not one transaction, the writes before one the server
+        refused). The others count as not written: the caller decides them again on fresh
+        data. Raises ``failure`` when none was done, or the batch cannot be read back.
+
+        Without this, a sweeper whose batch was written but not answered ended its pass and
+        never carried out what it wrote (the events, the end of the running attempt, the
+        outcome in Celery's result backend), and no later pass would: the jobs were no
+        longer due."""
+        try:
+            current = self._load_many([new.job.id for new, _, _ in writes])
+        except StoreError as unread:
+            raise failure from unread
+        wins = [record is not None and record.nonce == new.nonce
+                for record, (new, _, _) in zip(current, writes, strict=True)]
+        if not any(wins):
+            raise failure
+        return wins
 
     def ack_dispatch(self, job_id: str, token: int) -> bool:
         return self._ack_dispatch(job_id, token)

@@ -1,0 +1,276 @@
+"""The job store's writes other than the insert and the worker's start and completion
+(``test_fencing_replies``), when the server did the write and its reply was lost, and, for
+contrast, when the request never reached the server.
+
+A proxy between the store's client and the server (a private ``redis-server``, or the shared
+PostgreSQL) forwards a chosen request and drops its reply, closing both sides (redis-py then
+sends the command again on a new connection, with its own retries; psycopg raises), or drops the
+request itself. What each caller does then is checked through the store: the sweeper's batch of
+compare-and-sets (the transitions it wrote are carried out: their outcome reaches Celery's result
+backend), a worker's directive (taken once at least, never lost) and a dead worker's removal
+(its jobs are recovered as ``worker_death``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
+
+import pytest
+from celery import Celery
+from celery.result import AsyncResult
+
+from ojs_celery import enqueue, lifecycle
+from ojs_celery.envelope import parse_envelope
+from ojs_celery.runtime import get_runtime
+from ojs_celery.store import JobStore, StoreError, open_store
+from ojs_celery.store.redis import RedisStore
+from ojs_celery.store.workers import WorkerInfo
+from ojs_celery.sweeper import sweep
+from tests.e2eapp import make_app
+from tests.services import postgres_url
+from tests.test_fencing_replies import forget, private_redis  # noqa: F401 - a fixture
+from tests.workers import filesystem_config, unique
+
+Match = Callable[[bytes], bool]
+
+
+class LosingProxy:
+    """Forwards TCP both ways. Armed with ``match`` (a test of a request's bytes), the next
+    matching request either reaches the server and its reply is dropped (``lose="reply"``:
+    the write is done, the client's connection is closed), or is dropped itself
+    (``lose="request"``: nothing is done); both sides are closed. ``times``: how many matching
+    requests in a row (redis-py sends a command again twice after a lost connection)."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self._lock = threading.Lock()
+        self._match: Match | None = None
+        self._times = 0
+        self._lose = "reply"
+        #: The requests cut so far.
+        self.cut: list[bytes] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self, match: Match, lose: str = "reply", times: int = 1) -> None:
+        with self._lock:
+            self._match, self._lose, self._times = match, lose, times
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._match, self._times = None, 0
+
+    def _take(self, data: bytes) -> str | None:
+        """How to cut ``data`` (``"reply"``, ``"request"``), or None: forward it."""
+        with self._lock:
+            if self._match is None or self._times <= 0 or not self._match(data):
+                return None
+            self._times -= 1
+            self.cut.append(data)
+            return self._lose
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            cutting = threading.Event()
+            threading.Thread(target=self._up, args=(client, server, cutting), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, cutting),
+                             daemon=True).start()
+
+    def _up(self, client: socket.socket, server: socket.socket, cutting: threading.Event) -> None:
+        try:
+            while data := client.recv(65536):
+                how = self._take(data)
+                if how == "request":
+                    break
+                if how == "reply":
+                    cutting.set()
+                server.sendall(data)
+                if how == "reply":
+                    return  # the reply's arrival closes both sides
+        except OSError:
+            pass
+        _close(client)
+        _close(server)
+
+    def _down(self, server: socket.socket, client: socket.socket,
+              cutting: threading.Event) -> None:
+        try:
+            while data := server.recv(65536):
+                if cutting.is_set():
+                    break  # the write is done; its reply goes nowhere
+                client.sendall(data)
+        except OSError:
+            pass
+        _close(client)
+        _close(server)
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+@pytest.fixture(params=["redis", "postgres"])
+def proxied_url(request: pytest.FixtureRequest) -> Iterator[tuple[str, LosingProxy]]:
+    """A store URL (a private Redis, or the shared PostgreSQL) reached through the proxy."""
+    if request.param == "redis":
+        upstream: tuple[str, int] = request.getfixturevalue("private_redis")
+        proxy = LosingProxy(upstream)
+        url = f"redis://127.0.0.1:{proxy.port}/0"
+    else:
+        real = postgres_url()
+        parts = urlsplit(real)
+        proxy = LosingProxy((parts.hostname or "127.0.0.1", parts.port or 5432))
+        netloc = parts.netloc.rsplit("@", 1)
+        host = f"127.0.0.1:{proxy.port}"
+        url = real.replace(parts.netloc, f"{netloc[0]}@{host}" if len(netloc) == 2 else host)
+    try:
+        yield url, proxy
+    finally:
+        proxy.disarm()
+        proxy.close()
+
+
+def warm(store: JobStore) -> None:
+    """Load every script the tests cut (Redis) and prepare the lane's statements
+    (PostgreSQL), so that a cut request is the write itself, not one Redis answers with
+    ``NOSCRIPT`` before it is loaded and sent again."""
+    job = parse_envelope({"type": "t.job", "args": ["warm"]})
+    store.create(job)
+    store.apply_many([job.id], lambda r: lifecycle.cancel(r, time.time()))
+    store.meta.send_directive("warm", "quiet")
+    store.meta.take_directive("warm")
+    store.workers.save(WorkerInfo(worker_id="warm", hostname="h", pid=1, last_beat=1.0))
+    store.remove_worker("warm")
+
+
+@pytest.fixture
+def proxied(proxied_url: tuple[str, LosingProxy]) -> Iterator[tuple[JobStore, LosingProxy]]:
+    url, proxy = proxied_url
+    store = open_store(url, prefix=f"l{uuid.uuid4().hex[:10]}")
+    try:
+        store.ping()  # connect (and create the tables) before any cut
+        warm(store)
+        yield store, proxy
+    finally:
+        proxy.disarm()
+        forget(store)
+
+
+@contextlib.contextmanager
+def proxied_app(url: str, tmp_path: pathlib.Path) -> Iterator[Celery]:
+    """An app (filesystem broker and result backend) whose job store is behind the proxy."""
+    config = filesystem_config(tmp_path)
+    config["ojs"] = {"store_url": url, "store_prefix": unique("l"), "events": False}
+    app = make_app(config)
+    store = get_runtime(app).store
+    try:
+        warm(store)
+        yield app
+    finally:
+        get_runtime(app).flush()
+        forget(store)
+        app.close()
+
+
+def batch_cas(store: JobStore) -> Match:
+    """The request of a batch of compare-and-sets: the script's call on Redis (not another
+    script's), the lane's prepared statement on PostgreSQL."""
+    if isinstance(store, RedisStore):
+        sha = store._cas_script.sha.upper().encode()
+        return lambda data: sha in data.upper()
+    return lambda data: b"OJS_CELERY_CAS_" in data.upper()
+
+
+def every_try(store: JobStore) -> int:
+    """Cuts that make a write fail for its caller: redis-py sends a command three times."""
+    return 3 if isinstance(store, RedisStore) else 1
+
+
+# ------------------------------------------------------------------ the sweeper's batch write
+
+
+def test_a_sweep_batch_whose_reply_was_lost_returns_what_it_wrote(
+    proxied: tuple[JobStore, LosingProxy],
+) -> None:
+    """Every try of the batch is done and its reply lost (redis-py's retries included): the
+    batch is read back and each job that carries the batch's write is its transition, as a
+    single write's lost reply is settled (before: StoreError, and the sweeper never carried
+    out the transitions it had written)."""
+    store, proxy = proxied
+    jobs = [parse_envelope({"type": "t.job", "args": [n]}) for n in range(3)]
+    for job in jobs:
+        store.create(job)
+    ids = [job.id for job in jobs]
+    proxy.arm(batch_cas(store), times=every_try(store))
+    done = store.apply_many(ids, lambda r: lifecycle.cancel(r, time.time()))
+    assert len(proxy.cut) == every_try(store)
+    records = store.get_records(ids)
+    assert [r.job.state for r in records if r is not None] == ["cancelled"] * 3
+    assert [t.record.nonce for t in done if t is not None and t.record is not None] == [
+        r.nonce for r in records if r is not None]
+
+
+def test_a_sweep_batch_whose_request_was_lost_is_decided_again(
+    proxied: tuple[JobStore, LosingProxy],
+) -> None:
+    """The contrast: the batch never reached the server. Nothing of it is taken for done:
+    each job is left to the caller to decide again (None), and that write goes through."""
+    store, proxy = proxied
+    jobs = [parse_envelope({"type": "t.job", "args": [n]}) for n in range(2)]
+    for job in jobs:
+        store.create(job)
+    ids = [job.id for job in jobs]
+    proxy.arm(batch_cas(store), lose="request", times=every_try(store))
+    try:
+        done = store.apply_many(ids, lambda r: lifecycle.cancel(r, time.time()))
+    except StoreError:
+        done = [None, None]  # an outage: the sweeper ends its pass, the jobs stay due
+    assert done == [None, None]
+    assert [r.job.state for r in store.get_records(ids) if r is not None] == ["available"] * 2
+    again = [store.apply(job_id, lambda r: lifecycle.cancel(r, time.time())) for job_id in ids]
+    assert all(t.applied for t in again)
+
+
+def test_a_sweep_whose_write_lost_its_reply_reports_the_outcome(
+    proxied_url: tuple[str, LosingProxy], tmp_path: pathlib.Path,
+) -> None:
+    """An attempt past its execution deadline, no attempts left: the sweeper discards it, and
+    the reply to that write is lost on every try. The pass still carries the transition out:
+    the job's FAILURE reaches Celery's result backend (before: the pass ended with a StoreError
+    and the job, discarded in the store, was never reported: ``AsyncResult.get()`` waited for
+    ever, since no later pass finds a terminal job due)."""
+    url, proxy = proxied_url
+    with proxied_app(url, tmp_path) as app:
+        runtime = get_runtime(app)
+        store = runtime.store
+        job = enqueue({"type": "e2e.add", "args": [1, 2], "timeout": 10, "grace_period": 5,
+                       "retry": {"max_attempts": 1}}, app=app)
+        start = time.time()
+        assert store.start(job.id, 1, "worker_a", now=start).applied
+        proxy.arm(batch_cas(store), times=every_try(store))
+        report = sweep(runtime, now=start + 17)
+        assert proxy.cut, "the sweep's write was not cut"
+        assert report.error is None and report.applied["execution"] == 1, report
+        stored = store.get(job.id)
+        assert stored is not None and stored.state == "discarded"
+        assert AsyncResult(job.id, app=app).state == "FAILURE"
