@@ -274,3 +274,43 @@ def test_a_sweep_whose_write_lost_its_reply_reports_the_outcome(
         stored = store.get(job.id)
         assert stored is not None and stored.state == "discarded"
         assert AsyncResult(job.id, app=app).state == "FAILURE"
+
+
+# ------------------------------------------------------------------ a worker's directive
+
+
+def deleting(store: JobStore) -> Match:
+    """A request that deletes a meta value: a script on Redis, a DELETE on PostgreSQL."""
+    word = b"EVALSHA" if isinstance(store, RedisStore) else b"DELETE"
+    return lambda data: word in data.upper()
+
+
+def takes(store: JobStore, worker_id: str, times: int) -> list[str | None]:
+    """What ``times`` beats take as the worker's directive ("error": the beat failed)."""
+    got: list[str | None] = []
+    for _ in range(times):
+        try:
+            got.append(store.meta.take_directive(worker_id))
+        except StoreError:
+            got.append("error")
+    return got
+
+
+@pytest.mark.parametrize("lose", ["reply", "request"])
+def test_a_directive_whose_taking_was_cut_is_still_delivered(
+    proxied: tuple[JobStore, LosingProxy], lose: str,
+) -> None:
+    """The write that takes a directive away (so that the next beat does not get it again) is
+    cut, before or after the server did it: the worker still gets the directive, once at least
+    (applying it again is harmless: quiet, resume and terminate set a state), and it is gone
+    after. Before: a lost reply lost the directive (redis-py sent the take again, which found
+    nothing; PostgreSQL's beat failed after the delete was done)."""
+    store, proxy = proxied
+    worker_id = unique("w")
+    store.meta.send_directive(worker_id, "terminate")
+    # one lost reply: redis-py sends the command again at once
+    proxy.arm(deleting(store), lose=lose, times=1 if lose == "reply" else every_try(store))
+    got = takes(store, worker_id, 3)
+    assert proxy.cut, "the taking was not cut"
+    assert "terminate" in got, got
+    assert got[-1] is None and store.meta.pending_directive(worker_id) is None, got

@@ -93,6 +93,11 @@ class MetaArea(ABC):
         """Read and delete a value in one atomic step: of several takers, one gets it."""
 
     @abstractmethod
+    def _drop(self, key: str, expected: str) -> bool:
+        """Delete the key if it still holds ``expected``, in one atomic step; False if not
+        (deleted already, or replaced)."""
+
+    @abstractmethod
     def _swap(self, key: str, expected: str | None, value: str) -> bool:
         """Write ``value`` if the key still holds ``expected`` (None: no value), in one atomic
         step: of several writers from the same value, one wins."""
@@ -104,8 +109,24 @@ class MetaArea(ABC):
         self._put(directive_key(worker_id), directive)
 
     def take_directive(self, worker_id: str) -> str | None:
-        """The directive waiting for ``worker_id``, at most once."""
-        return self._take(directive_key(worker_id))
+        """The directive waiting for ``worker_id``, at least once: read, then deleted if it is
+        still the one read. A delete whose reply was lost (done or not) still returns the
+        directive; one not done returns it again at the next beat, which is harmless (a
+        directive sets a state: quiet, running, terminate). A delete the store refused (an
+        error reply: read-only, no permission) raises, the directive left for a later beat.
+        A read and delete in one step lost the directive with its reply: redis-py sent it
+        again, which found nothing, and a PostgreSQL beat failed after the delete was done."""
+        from .base import StoreError, answered  # base imports this module
+
+        key = directive_key(worker_id)
+        directive = self._get(key)
+        if directive is not None:
+            try:
+                self._drop(key, directive)
+            except StoreError as failure:
+                if answered(failure):
+                    raise
+        return directive
 
     def pending_directive(self, worker_id: str) -> str | None:
         """The directive waiting for ``worker_id``, left in place (for display)."""

@@ -459,6 +459,7 @@ class RedisMetaArea(MetaArea):
         self._meta_key = f"{prefix}:meta"
         self._take_script = client.register_script(script("take_meta"))
         self._swap_script = client.register_script(script("swap_meta"))
+        self._drop_script = client.register_script(script("drop_meta"))
 
     @_wrap_errors
     def _put(self, key: str, value: str) -> None:
@@ -473,6 +474,10 @@ class RedisMetaArea(MetaArea):
     def _take(self, key: str) -> str | None:
         value: str | None = self._take_script([self._meta_key], [key])
         return value
+
+    @_wrap_errors
+    def _drop(self, key: str, expected: str) -> bool:
+        return bool(self._drop_script([self._meta_key], [key, expected]))
 
     @_wrap_errors
     def _swap(self, key: str, expected: str | None, value: str) -> bool:

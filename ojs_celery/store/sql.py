@@ -1015,6 +1015,8 @@ class SQLMetaArea(MetaArea):
         self._delete = (
             sa.delete(meta).where(meta.c.key == sa.bindparam("k_key")).returning(meta.c.value)
         )
+        self._drop_if = sa.delete(meta).where(meta.c.key == sa.bindparam("k_key"),
+                                              meta.c.value == sa.bindparam("k_old"))
         self._add = store.dialect_insert(meta).on_conflict_do_nothing(index_elements=[meta.c.key])
         self._replace = (
             sa.update(meta)
@@ -1038,6 +1040,12 @@ class SQLMetaArea(MetaArea):
         with self._store.engine.connect() as conn:
             value = conn.execute(self._delete, {"k_key": key}).scalar()
         return None if value is None else str(value)
+
+    @_wrap_errors
+    def _drop(self, key: str, expected: str) -> bool:
+        with self._store.engine.connect() as conn:
+            result = conn.execute(self._drop_if, {"k_key": key, "k_old": expected})
+            return bool(result.rowcount == 1)
 
     @_wrap_errors
     def _swap(self, key: str, expected: str | None, value: str) -> bool:
