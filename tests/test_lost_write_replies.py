@@ -314,3 +314,66 @@ def test_a_directive_whose_taking_was_cut_is_still_delivered(
     assert proxy.cut, "the taking was not cut"
     assert "terminate" in got, got
     assert got[-1] is None and store.meta.pending_directive(worker_id) is None, got
+
+
+# ------------------------------------------------------------------ a dead worker's removal
+
+
+def removal(store: JobStore, worker_id: str) -> Match:
+    """The request that removes ``worker_id``'s record (not a read of it)."""
+    name = worker_id.upper().encode()
+    if isinstance(store, RedisStore):
+        return lambda data: name in data.upper() and b"HGET" not in data.upper()
+    return lambda data: name in data.upper() and b"DELETE" in data.upper()
+
+
+def dead_worker_with_a_job(store: JobStore, now: float) -> tuple[str, str]:
+    """A worker last heard 40 s ago (declared dead after 30 s) running a job it started then
+    (not stalled yet: 60 s); their ids."""
+    job = parse_envelope({"type": "e2e.add", "args": [1, 2]})
+    store.create(job, now=now - 41)
+    worker_id = unique("w")
+    assert store.start(job.id, 1, worker_id, now=now - 40).applied
+    store.workers.save(WorkerInfo(worker_id=worker_id, hostname="h", pid=1,
+                                  last_beat=now - 40, active_job_ids=[job.id]))
+    return worker_id, job.id
+
+
+def test_a_removal_whose_reply_was_lost_is_the_callers(
+    proxied: tuple[JobStore, LosingProxy],
+) -> None:
+    """The removal is done and its reply lost: the caller is told it removed the worker (the
+    sweeper then recovers its jobs), not that another sweeper did (before: redis-py sent it
+    again, which found nothing to remove; PostgreSQL raised)."""
+    store, proxy = proxied
+    worker_id = unique("w")
+    store.workers.save(WorkerInfo(worker_id=worker_id, hostname="h", pid=1, last_beat=1.0))
+    proxy.arm(removal(store, worker_id))
+    assert store.remove_worker(worker_id) is True
+    assert proxy.cut and store.workers.get(worker_id) is None
+
+
+@pytest.mark.parametrize("lose", ["reply", "request"])
+def test_a_dead_worker_whose_removal_was_cut_has_its_jobs_recovered(
+    proxied_url: tuple[str, LosingProxy], tmp_path: pathlib.Path, lose: str,
+) -> None:
+    """The sweeper's removal of a dead worker is cut: its running job is recovered as
+    ``worker_death`` by that pass (lost reply) or the next one (lost request), not left
+    active until its stall clock (a reserved job: until the broker's redelivery)."""
+    url, proxy = proxied_url
+    with proxied_app(url, tmp_path) as app:
+        runtime = get_runtime(app)
+        store = runtime.store
+        now = time.time()
+        worker_id, job_id = dead_worker_with_a_job(store, now)
+        proxy.arm(removal(store, worker_id), lose=lose, times=every_try(store))
+        for _ in range(2):
+            sweep(runtime, now=now)
+            stored = store.get(job_id)
+            assert stored is not None
+            if stored.state != "active":
+                break
+        assert proxy.cut, "the removal was not cut"
+        assert stored.state == "retryable", stored.state
+        assert stored.error is not None and stored.error["type"] == "worker_death"
+        assert store.workers.get(worker_id) is None

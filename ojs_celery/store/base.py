@@ -553,7 +553,12 @@ class JobStore(ABC):
         """Remove a worker's record and what was left for it in the meta area (a directive,
         the drain's marks of ``job_ids``): at its shutdown, or when a sweeper declares it
         dead. False if there was no record (another sweeper removed it first)."""
-        removed = self.workers.remove(worker_id)
+        try:
+            removed = self.workers.remove(worker_id)
+        except StoreTimeout:
+            raise  # not answering: a read would wait as long again
+        except StoreError as failure:  # a lost reply (redis-py's own tries of it included)
+            removed = self._settle_removal(worker_id, failure)
         if removed:
             try:  # leftovers are small: their loss must not stop a dead worker's recovery
                 self.meta.forget_worker(worker_id, job_ids)
@@ -561,6 +566,22 @@ class JobStore(ABC):
                 logger.warning("ojs_celery: worker %s is removed but what was left for it "
                                "stays in the store's meta area: %s", worker_id, exc)
         return removed
+
+    def _settle_removal(self, worker_id: str, failure: StoreError) -> bool:
+        """Whether a worker's removal that failed with ``failure`` (a lost reply) was done:
+        its record is gone. Taken as this caller's removal, so that the caller (a sweeper)
+        recovers the worker's jobs; if another sweeper removed it at the same moment, both
+        recover them, which costs nothing (each recovery is a compare-and-set fenced on the
+        worker; a job held but not started gets one more message, dropped by fencing).
+        Raises ``failure`` when the record is still there (the next pass removes it) or
+        cannot be read."""
+        try:
+            gone = self.workers.get(worker_id) is None
+        except StoreError as unread:
+            raise failure from unread
+        if not gone:
+            raise failure
+        return True
 
     def get(self, job_id: str) -> Job | None:
         record = self._load(job_id)

@@ -6,10 +6,11 @@ the fields of :data:`~ojs_celery.store.base.RECORD_FIELDS` (``""`` stands for No
 ``record.lua``);
 ``P:due:{clock}`` is a sorted set of job ids scored by that clock's deadline; ``P:worker:{id}``
 is a hash whose ``data`` is the worker's JSON, ``P:workers`` a sorted set of worker ids by last
-beat, and ``P:meta`` a hash. Every write is one ``EVALSHA``, so the hash and the deadline index
-change together, atomically, in one round trip; reads are one command. The batch primitives
-send many of those in one pipeline (one round trip, each command still atomic on its own).
-The scripts are the ``*.lua`` files beside this module, read once per process.
+beat (``P:removed-worker:{id}``, for a few minutes, the nonce of the worker's removal: see
+``remove_worker.lua``), and ``P:meta`` a hash. Every write is one ``EVALSHA``, so the hash and
+the deadline index change together, atomically, in one round trip; reads are one command. The
+batch primitives send many of those in one pipeline (one round trip, each command still atomic
+on its own). The scripts are the ``*.lua`` files beside this module, read once per process.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .base import (
     decode_job,
     encode_job,
     mask_secrets,
+    new_nonce,
     store_errors,
 )
 from .meta import MetaArea
@@ -403,6 +405,11 @@ class RedisStore(JobStore):
         return f"RedisStore({self.url!r}, prefix={self.prefix!r})"  # masked
 
 
+#: Seconds a worker's removal keeps its mark (``remove_worker.lua``): long enough for redis-py's
+#: own tries of the script after a lost reply, which follow at once.
+REMOVAL_MARK_KEPT = 300
+
+
 class RedisWorkerRegistry(WorkerRegistry):
     """Worker records: ``P:worker:{id}`` hashes and the ``P:workers`` sorted set by last beat."""
 
@@ -410,7 +417,9 @@ class RedisWorkerRegistry(WorkerRegistry):
         self.client = client
         self._worker_prefix = f"{prefix}:worker:"
         self._workers_key = f"{prefix}:workers"
+        self._removed_prefix = f"{prefix}:removed-worker:"
         self._list_script = client.register_script(script("list_workers"))
+        self._remove_script = client.register_script(script("remove_worker"))
 
     @_wrap_errors
     def save(self, info: WorkerInfo) -> None:
@@ -431,11 +440,13 @@ class RedisWorkerRegistry(WorkerRegistry):
 
     @_wrap_errors
     def remove(self, worker_id: str) -> bool:
-        pipe = self.client.pipeline(transaction=True)
-        pipe.delete(self._worker_prefix + worker_id)
-        pipe.zrem(self._workers_key, worker_id)
-        deleted, _ = pipe.execute()
-        return bool(deleted)
+        """One script that leaves a short-lived mark with its nonce: redis-py sends a command
+        again when its reply is lost, and a plain delete sent again finds nothing and said
+        False ("another sweeper removed it"), so the sweeper left the dead worker's jobs to
+        their stall and visibility clocks."""
+        keys = [self._worker_prefix + worker_id, self._workers_key,
+                self._removed_prefix + worker_id]
+        return bool(self._remove_script(keys, [worker_id, new_nonce(), str(REMOVAL_MARK_KEPT)]))
 
     @_wrap_errors
     def all(self) -> list[WorkerInfo]:
