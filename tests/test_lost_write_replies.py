@@ -377,3 +377,46 @@ def test_a_dead_worker_whose_removal_was_cut_has_its_jobs_recovered(
         assert stored.state == "retryable", stored.state
         assert stored.error is not None and stored.error["type"] == "worker_death"
         assert store.workers.get(worker_id) is None
+
+
+# ------------------------------------------------------------------ a start, then the beat
+
+
+def test_a_start_whose_reply_was_lost_and_its_beat_extended_is_still_applied(
+    proxied: tuple[JobStore, LosingProxy],
+) -> None:
+    """A worker's start is done and every try's reply lost; before the start reads the record
+    back, the worker's beat (another thread, which lists the message it holds) extends the
+    attempt, so the record no longer carries the start's nonce. The start is still its own:
+    the attempt is this worker's, with this token, started at this start's time, and only its
+    owner writes an active attempt. Before: refused as a ``duplicate``, the message dropped
+    and the job left active, running nowhere, until its stall clock (with no attempts left,
+    discarded without having run)."""
+    store, proxy = proxied
+    job = parse_envelope({"type": "t.job", "args": []})
+    store.create(job)
+    hint = store.get_record(job.id)
+    load = store._load  # type: ignore[attr-defined]
+    beats: list[bool] = []
+
+    def beat_then_load(job_id: str) -> lifecycle.Record | None:
+        store._load = load  # type: ignore[attr-defined]
+        proxy.disarm()
+        beats.append(store.extend(job_id, 1, "w1", stall=True).applied)
+        return load(job_id)  # type: ignore[no-any-return]
+
+    proxy.arm(lambda data: b"EVALSHA" in data.upper() or b"OJS_CELERY_CAS_" in data.upper(),
+              times=10)  # the lane's try and redis-py's three
+    store._load = beat_then_load  # type: ignore[attr-defined]
+    try:
+        started = store.start(job.id, 1, "w1", now=time.time(), hint=hint)
+    finally:
+        store._load = load  # type: ignore[attr-defined]
+    assert proxy.cut and beats == [True]  # the start landed; the beat found it and extended it
+    assert started.applied and started.record is not None, started.reason
+    assert started.record.job.state == "active" and started.record.job.attempt == 1
+    assert [name for name, _ in started.events] == ["job.started"]
+    stored = store.get_record(job.id)
+    assert stored is not None and stored.nonce == started.record.nonce  # the current record
+    # a second message with the same token is still a duplicate
+    assert store.start(job.id, 1, "w1", hint=stored).reason == "duplicate"

@@ -19,6 +19,7 @@ it reads the record again, instead of mistaking itself for a lost race.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -640,7 +641,7 @@ class JobStore(ABC):
             transition = rule(record)
             transition.previous = record
             if transition.record is None:
-                mine = lost.get(record.nonce)
+                mine = lost.get(record.nonce) or _extended_start(record, lost)
                 if mine is not None:  # refused because our own write, unanswered, was done
                     return mine
                 if hint is not None and record is hint:
@@ -899,6 +900,29 @@ class JobStore(ABC):
         if missing:
             self.forget_missing("retention", missing)
         return sum(self._delete_many(expired)) if expired else 0
+
+
+def _extended_start(record: Record, lost: dict[str, Transition]) -> Transition | None:
+    """The unanswered write among ``lost`` that started the attempt ``record`` holds, which
+    its owner has written since (the worker's beat extends an attempt of a message it holds:
+    the record no longer carries the start's nonce), as a transition to ``record``; else None.
+
+    Only an active attempt: its owner alone writes it (extend, heartbeat), and those writes
+    keep the state, attempt, token, worker and start time, which together name one start
+    (another start of the same token is refused, and its time would differ). A terminal or
+    retryable record is written by others too (a sweeper's recovery), so there only the
+    nonce tells."""
+    if record.job.state != "active":
+        return None
+    for transition in lost.values():
+        new = transition.record
+        started = any(name == "job.started" for name, _ in transition.events)
+        if (started and new is not None and new.origin == record.origin
+                and new.worker_id == record.worker_id and new.token == record.token
+                and new.job.attempt == record.job.attempt
+                and new.job.started_at == record.job.started_at):
+            return dataclasses.replace(transition, record=record)
+    return None
 
 
 # ---------------------------------------------------------------------- row codec (all backends)
