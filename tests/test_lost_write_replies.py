@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -161,6 +162,8 @@ def warm(store: JobStore) -> None:
     store.meta.take_directive("warm")
     store.workers.save(WorkerInfo(worker_id="warm", hostname="h", pid=1, last_beat=1.0))
     store.remove_worker("warm")
+    store.ack_dispatch_many([("warm", 1)])
+    store._delete_many([("warm", 1)])  # type: ignore[attr-defined]
 
 
 @pytest.fixture
@@ -420,3 +423,90 @@ def test_a_start_whose_reply_was_lost_and_its_beat_extended_is_still_applied(
     assert stored is not None and stored.nonce == started.record.nonce  # the current record
     # a second message with the same token is still a duplicate
     assert store.start(job.id, 1, "w1", hint=stored).reason == "duplicate"
+
+
+# ------------------------------------------------------------------ the other writes, checked
+
+
+def _started(store: JobStore) -> str:
+    job = parse_envelope({"type": "t.job", "args": [], "retry": {"max_attempts": 3}})
+    store.create(job)
+    assert store.start(job.id, 1, "w1").applied
+    return job.id
+
+
+def _acked(store: JobStore) -> str:
+    job = parse_envelope({"type": "t.job", "args": []})
+    store.create(job)  # owes its message: the outbox entry
+    return job.id
+
+
+def _pruned(store: JobStore) -> str:
+    job_id = _started(store)
+    assert store.complete(job_id, 1, "w1", None, now=1.0).applied  # retention long past
+    return job_id
+
+
+#: name: (prepare, the write, PostgreSQL's request of it (a batch: its COMMIT), what the record
+#: then shows)
+WRITES: dict[str, tuple[Callable[[JobStore], str], Callable[[JobStore, str], Any], bytes,
+                        Callable[[lifecycle.Record | None], bool]]] = {
+    "cancel": (_acked, lambda s, j: s.cancel(j), b"OJS_CELERY_CAS_",
+               lambda r: r is not None and r.job.state == "cancelled"),
+    "fail": (_started, lambda s, j: s.fail(j, 1, "w1", lifecycle.make_error("E", "boom")),
+             b"OJS_CELERY_CAS_",
+             lambda r: r is not None and r.job.state == "retryable" and r.token == 2),
+    "heartbeat": (_started, lambda s, j: s.heartbeat(j, 1, "w1", progress=0.5),
+                  b"OJS_CELERY_CAS_",
+                  lambda r: r is not None and (r.job.progress or {}).get("progress") == 0.5),
+    "extend": (_started, lambda s, j: s.extend(j, 1, "w1", stall=True), b"OJS_CELERY_CAS_",
+               lambda r: r is not None and r.job.state == "active"),
+    "ack_dispatch": (_acked, lambda s, j: s.ack_dispatch_many([(j, 1)]), b"UPDATE",
+                     lambda r: r is not None and r.dispatch_due is None),
+    "prune": (_pruned, lambda s, j: s.prune(), b"COMMIT", lambda r: r is None),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITES))
+def test_a_write_whose_reply_was_lost_is_done_once(
+    proxied: tuple[JobStore, LosingProxy], name: str,
+) -> None:
+    """The compare-and-sets (a cancel, a worker's fail, heartbeat and beat's extension), the
+    outbox's acknowledgement and pruning, each done by the server and its reply lost once:
+    the record shows the write, once. A compare-and-set is settled (redis-py's try finds its
+    own nonce; PostgreSQL's read finds it) and answers as applied; an acknowledgement and a
+    prune may answer False or raise (the outbox leaves the entry to the sweeper, which
+    republishes a message fencing drops; the sweep's pass ends), and nothing waits on them."""
+    store, proxy = proxied
+    prepare, write, pg_request, shows = WRITES[name]
+    job_id = prepare(store)
+    word = b"EVALSHA" if isinstance(store, RedisStore) else pg_request
+    proxy.arm(lambda data: word in data.upper())
+    try:
+        done = write(store, job_id)
+    except StoreError:
+        assert name in ("ack_dispatch", "prune") and not isinstance(store, RedisStore)
+        done = None
+    assert proxy.cut, "the write was not cut"
+    if isinstance(done, lifecycle.Transition):
+        assert done.applied, done.reason
+    assert shows(store.get_record(job_id))
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_an_insert_whose_request_was_lost_is_sent_again(
+    proxied: tuple[JobStore, LosingProxy], batch: bool,
+) -> None:
+    """The contrast to a lost reply (``test_fencing_replies``): the insert never reached the
+    server. The read that settles it finds no record, the insert is sent again and the caller
+    gets the job, stored once, not ``StoreUncertain``."""
+    store, proxy = proxied
+    jobs = [parse_envelope({"type": "t.job", "args": [n]}) for n in range(2 if batch else 1)]
+    word = b"EVALSHA" if isinstance(store, RedisStore) else b"COMMIT" if batch else b"INSERT"
+    proxy.arm(lambda data: word in data.upper(), lose="request")
+    made = store.create_many(jobs) if batch else [store.create(jobs[0])]
+    assert proxy.cut, "the insert was not cut"
+    records = store.get_records([job.id for job in jobs])
+    assert [r.origin for r in records if r is not None] == [
+        t.record.origin for t in made if t.record is not None]
+
