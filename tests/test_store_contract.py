@@ -21,7 +21,14 @@ import pytest
 from ojs_celery import lifecycle
 from ojs_celery.envelope import Job, format_timestamp, from_epoch
 from ojs_celery.lifecycle import Policy, Publish, Record, Transition
-from ojs_celery.store import DuplicateJob, JobStore, StoreError, WorkerInfo, open_store
+from ojs_celery.store import (
+    BrokerMark,
+    DuplicateJob,
+    JobStore,
+    StoreError,
+    WorkerInfo,
+    open_store,
+)
 from tests.services import postgres_url, redis_url
 
 T0 = 1_700_000_000.0
@@ -860,6 +867,22 @@ def test_meta(store: JobStore) -> None:
     meta.clear_draining("w-1", "j-1")  # clearing what is not there is no error
     assert not meta.is_draining("w-1", "j-1")
     assert meta.last_sweep() == T0 + 2
+
+
+def test_broker_mark_swaps_one_writer_wins(store: JobStore) -> None:
+    """Of the sweepers that swap the broker mark from the same value (none included), exactly
+    one is told it won. (PostgreSQL told every first writer it lost: the driver's row count of
+    an ``INSERT ... ON CONFLICT DO NOTHING`` is -1.)"""
+    meta = store.meta
+    assert meta.broker_mark() is None
+    first = meta.swap_broker_mark(None, BrokerMark("m1"))
+    assert first is not None and first.mark == "m1"
+    assert meta.swap_broker_mark(None, BrokerMark("m2")) is None
+    lost = meta.swap_broker_mark(first, BrokerMark("m3", lost_before=T0))
+    assert lost is not None and lost.republishing
+    assert meta.swap_broker_mark(first, BrokerMark("m4")) is None
+    stored = meta.broker_mark()
+    assert stored is not None and (stored.mark, stored.lost_before) == ("m3", T0)
 
 
 def test_clear_and_prefix_isolation(make_store: MakeStore) -> None:

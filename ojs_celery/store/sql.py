@@ -1017,7 +1017,10 @@ class SQLMetaArea(MetaArea):
         )
         self._drop_if = sa.delete(meta).where(meta.c.key == sa.bindparam("k_key"),
                                               meta.c.value == sa.bindparam("k_old"))
-        self._add = store.dialect_insert(meta).on_conflict_do_nothing(index_elements=[meta.c.key])
+        # RETURNING, not the row count: psycopg reports -1 for an INSERT ... ON CONFLICT
+        # DO NOTHING, which told every first writer it had lost
+        self._add = (store.dialect_insert(meta).on_conflict_do_nothing(index_elements=[meta.c.key])
+                     .returning(meta.c.key))
         self._replace = (
             sa.update(meta)
             .where(meta.c.key == sa.bindparam("k_key"), meta.c.value == sa.bindparam("k_old"))
@@ -1051,8 +1054,7 @@ class SQLMetaArea(MetaArea):
     def _swap(self, key: str, expected: str | None, value: str) -> bool:
         with self._store.engine.connect() as conn:
             if expected is None:
-                result = conn.execute(self._add, {"key": key, "value": value})
-            else:
-                result = conn.execute(self._replace,
-                                      {"k_key": key, "k_old": expected, "k_new": value})
+                return conn.execute(self._add, {"key": key, "value": value}).first() is not None
+            result = conn.execute(self._replace,
+                                  {"k_key": key, "k_old": expected, "k_new": value})
             return bool(result.rowcount == 1)
