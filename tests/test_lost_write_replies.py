@@ -30,7 +30,7 @@ from celery.result import AsyncResult
 from ojs_celery import enqueue, lifecycle
 from ojs_celery.envelope import parse_envelope
 from ojs_celery.runtime import get_runtime
-from ojs_celery.store import JobStore, StoreError, open_store
+from ojs_celery.store import BrokerMark, JobStore, StoreError, open_store
 from ojs_celery.store.redis import RedisStore
 from ojs_celery.store.workers import WorkerInfo
 from ojs_celery.sweeper import sweep
@@ -510,3 +510,33 @@ def test_an_insert_whose_request_was_lost_is_sent_again(
     assert [r.origin for r in records if r is not None] == [
         t.record.origin for t in made if t.record is not None]
 
+
+# ------------------------------------------------------------------ the sweepers' broker mark
+
+
+def test_a_broker_mark_swap_whose_reply_was_lost_is_the_callers(
+    proxied: tuple[JobStore, LosingProxy],
+) -> None:
+    """The swap of the sweepers' mark of the broker's data is done and its reply lost: redis-py
+    sends it again, which finds the value it writes already there, and the caller is told it
+    swapped (before: "another sweeper changed it first", and the pass that saw the broker lose
+    its data left the republishing to the next pass, a sweep interval later). PostgreSQL
+    raises (the pass ends; the next one finds the mark written)."""
+    store, proxy = proxied
+    first = store.meta.swap_broker_mark(None, BrokerMark("m1"))
+    assert first is not None
+    after = BrokerMark("m2", lost_before=time.time())
+    word = b"EVALSHA" if isinstance(store, RedisStore) else b"UPDATE"
+    proxy.arm(lambda data: word in data.upper())
+    try:
+        swapped = store.meta.swap_broker_mark(first, after)
+    except StoreError:
+        assert not isinstance(store, RedisStore)
+        swapped = None
+    else:
+        assert swapped is not None and swapped.mark == "m2"
+    assert proxy.cut, "the swap was not cut"
+    stored = store.meta.broker_mark()
+    assert stored is not None and stored.mark == "m2" and stored.republishing
+    # a swap from a value no longer there still loses
+    assert store.meta.swap_broker_mark(first, BrokerMark("m3")) is None

@@ -100,7 +100,9 @@ class MetaArea(ABC):
     @abstractmethod
     def _swap(self, key: str, expected: str | None, value: str) -> bool:
         """Write ``value`` if the key still holds ``expected`` (None: no value), in one atomic
-        step: of several writers from the same value, one wins."""
+        step: of several writers from the same value, one wins (on Redis, a key that holds
+        ``value`` already counts as written: the same swap sent again by redis-py after its
+        reply was lost finds it so)."""
 
     # ------------------------------------------------------------------ directives
 
