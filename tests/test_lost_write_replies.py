@@ -467,30 +467,34 @@ WRITES: dict[str, tuple[Callable[[JobStore], str], Callable[[JobStore, str], Any
 }
 
 
+@pytest.mark.parametrize("lose", ["reply", "request"])
 @pytest.mark.parametrize("name", list(WRITES))
 def test_a_write_whose_reply_was_lost_is_done_once(
-    proxied: tuple[JobStore, LosingProxy], name: str,
+    proxied: tuple[JobStore, LosingProxy], name: str, lose: str,
 ) -> None:
     """The compare-and-sets (a cancel, a worker's fail, heartbeat and beat's extension), the
     outbox's acknowledgement and pruning, each done by the server and its reply lost once:
     the record shows the write, once. A compare-and-set is settled (redis-py's try finds its
     own nonce; PostgreSQL's read finds it) and answers as applied; an acknowledgement and a
     prune may answer False or raise (the outbox leaves the entry to the sweeper, which
-    republishes a message fencing drops; the sweep's pass ends), and nothing waits on them."""
+    republishes a message fencing drops; the sweep's pass ends), and nothing waits on them.
+    The contrast, a request that never arrived: a compare-and-set is decided again and
+    written; the others are sent again (Redis) or raise with nothing done (PostgreSQL)."""
     store, proxy = proxied
     prepare, write, pg_request, shows = WRITES[name]
     job_id = prepare(store)
     word = b"EVALSHA" if isinstance(store, RedisStore) else pg_request
-    proxy.arm(lambda data: word in data.upper())
+    proxy.arm(lambda data: word in data.upper(), lose=lose)
+    failed = False
     try:
         done = write(store, job_id)
     except StoreError:
         assert name in ("ack_dispatch", "prune") and not isinstance(store, RedisStore)
-        done = None
+        done, failed = None, True
     assert proxy.cut, "the write was not cut"
     if isinstance(done, lifecycle.Transition):
         assert done.applied, done.reason
-    assert shows(store.get_record(job_id))
+    assert shows(store.get_record(job_id)) is not (failed and lose == "request")
 
 
 @pytest.mark.parametrize("batch", [False, True])
