@@ -30,10 +30,11 @@ from celery.result import AsyncResult
 from ojs_celery import enqueue, lifecycle
 from ojs_celery.envelope import parse_envelope
 from ojs_celery.runtime import get_runtime
-from ojs_celery.store import BrokerMark, JobStore, StoreError, open_store
+from ojs_celery.store import BrokerMark, JobStore, StoreError, StoreUncertain, open_store
 from ojs_celery.store.redis import RedisStore
 from ojs_celery.store.workers import WorkerInfo
 from ojs_celery.sweeper import sweep
+from tests.conftest import messages
 from tests.e2eapp import make_app
 from tests.services import postgres_url
 from tests.test_fencing_replies import forget, private_redis  # noqa: F401 - a fixture
@@ -57,14 +58,30 @@ class LosingProxy:
         self._match: Match | None = None
         self._times = 0
         self._lose = "reply"
+        self._then: Callable[[], object] | None = None
         #: The requests cut so far.
         self.cut: list[bytes] = []
+        #: Set: new connections are closed at once (the store is gone; see :meth:`refuse`).
+        self.refusing = threading.Event()
+        self._open: list[socket.socket] = []
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def arm(self, match: Match, lose: str = "reply", times: int = 1) -> None:
+    def arm(self, match: Match, lose: str = "reply", times: int = 1,
+            then: Callable[[], object] | None = None) -> None:
+        """Cut the next ``times`` requests that ``match``; ``then`` is called once a cut
+        reply is dropped (or a request, with ``lose="request"``), before the client sees it."""
         with self._lock:
-            self._match, self._lose, self._times = match, lose, times
+            self._match, self._lose, self._times, self._then = match, lose, times, then
+
+    def refuse(self) -> None:
+        """The store is gone: the connections open now are closed (an idle pooled one would
+        still answer a read), and new ones once they are made."""
+        self.refusing.set()
+        with self._lock:
+            for sock in self._open:
+                _close(sock)
+            self._open.clear()
 
     def disarm(self) -> None:
         with self._lock:
@@ -79,13 +96,24 @@ class LosingProxy:
             self.cut.append(data)
             return self._lose
 
+    def _after_cut(self) -> None:
+        with self._lock:
+            then, self._then = self._then, None
+        if then is not None:
+            then()
+
     def _accept(self) -> None:
         while not self._closed:
             try:
                 client, _ = self.listener.accept()
             except OSError:
                 return
+            if self.refusing.is_set():
+                _close(client)
+                continue
             server = socket.create_connection(self.upstream)
+            with self._lock:
+                self._open += [client, server]
             cutting = threading.Event()
             threading.Thread(target=self._up, args=(client, server, cutting), daemon=True).start()
             threading.Thread(target=self._down, args=(server, client, cutting),
@@ -96,6 +124,7 @@ class LosingProxy:
             while data := client.recv(65536):
                 how = self._take(data)
                 if how == "request":
+                    self._after_cut()
                     break
                 if how == "reply":
                     cutting.set()
@@ -112,6 +141,7 @@ class LosingProxy:
         try:
             while data := server.recv(65536):
                 if cutting.is_set():
+                    self._after_cut()
                     break  # the write is done; its reply goes nowhere
                 client.sendall(data)
         except OSError:
@@ -148,6 +178,7 @@ def proxied_url(request: pytest.FixtureRequest) -> Iterator[tuple[str, LosingPro
         yield url, proxy
     finally:
         proxy.disarm()
+        proxy.refusing.clear()
         proxy.close()
 
 
@@ -544,3 +575,42 @@ def test_a_broker_mark_swap_whose_reply_was_lost_is_the_callers(
     assert stored is not None and stored.mark == "m2" and stored.republishing
     # a swap from a value no longer there still loses
     assert store.meta.swap_broker_mark(first, BrokerMark("m3")) is None
+
+
+# ------------------------------------------------------------------ a Celery caller's insert
+
+
+def inserting(store: JobStore) -> Match:
+    word = b"EVALSHA" if isinstance(store, RedisStore) else b"INSERT"
+    return lambda data: word in data.upper()
+
+
+@pytest.mark.parametrize("gone", [False, True])
+def test_an_apply_async_whose_insert_lost_its_reply(
+    proxied_url: tuple[str, LosingProxy], tmp_path: pathlib.Path, gone: bool,
+) -> None:
+    """``.apply_async()`` of an OJS task whose insert is done and its reply lost: it returns,
+    the job stored once and its message published once. With the store gone after the cut
+    (no read can settle it), it raises StoreUncertain naming the job, which is stored: the
+    caller can look it up (its message went out while the insert was in flight, or stays
+    owed in the outbox)."""
+    url, proxy = proxied_url
+    with proxied_app(url, tmp_path) as app:
+        store = get_runtime(app).store
+        before = len(messages(app))
+        # gone: the store is gone once the insert's reply is lost
+        proxy.arm(inserting(store), then=proxy.refuse if gone else None)
+        if gone:
+            with pytest.raises(StoreUncertain) as caught:
+                app.tasks["e2e.add"].apply_async((1, 2))
+            proxy.refusing.clear()
+            job_id = caught.value.job_id
+        else:
+            job_id = app.tasks["e2e.add"].apply_async((1, 2)).id
+        assert proxy.cut, "the insert was not cut"
+        stored = store.get_record(job_id)
+        assert stored is not None and stored.job.args == [1, 2]
+        assert stored.job.state == "available"
+        assert len(messages(app)) - before <= 1  # never twice; owed if not sent
+        if not gone:
+            assert len(messages(app)) - before == 1
