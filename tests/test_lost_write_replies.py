@@ -20,7 +20,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import pytest
@@ -29,11 +30,12 @@ from celery.result import AsyncResult
 
 from ojs_celery import enqueue, lifecycle
 from ojs_celery.envelope import parse_envelope
-from ojs_celery.runtime import get_runtime
+from ojs_celery.runtime import Runtime, get_runtime
 from ojs_celery.store import BrokerMark, JobStore, StoreError, StoreUncertain, open_store
 from ojs_celery.store.redis import RedisStore
 from ojs_celery.store.workers import WorkerInfo
 from ojs_celery.sweeper import sweep
+from ojs_celery.worker.registry import Registry
 from tests.conftest import messages
 from tests.e2eapp import make_app
 from tests.services import postgres_url
@@ -348,6 +350,33 @@ def test_a_directive_whose_taking_was_cut_is_still_delivered(
     assert proxy.cut, "the taking was not cut"
     assert "terminate" in got, got
     assert got[-1] is None and store.meta.pending_directive(worker_id) is None, got
+
+
+def saving(store: JobStore, worker_id: str) -> Match:
+    """The request that saves ``worker_id``'s record (a beat's write, not a read of it)."""
+    name = worker_id.upper().encode()
+    word = b"MULTI" if isinstance(store, RedisStore) else b"INSERT"
+    return lambda data: name in data.upper() and word in data.upper()
+
+
+def test_a_beat_whose_save_was_cut_leaves_the_directive_for_the_next(
+    proxied: tuple[JobStore, LosingProxy],
+) -> None:
+    """A beat's save of the worker's record fails (its request lost on every try): the beat
+    fails, and the operator's directive waits for the next beat. Before, the beat took the
+    directive first, and the failed beat lost it."""
+    store, proxy = proxied
+    worker_id = unique("w")
+    info = WorkerInfo(worker_id=worker_id, hostname="h", pid=1, last_beat=1.0)
+    registry = Registry(cast(Runtime, SimpleNamespace(store=store)), worker_id)
+    registry.register(info)
+    store.meta.send_directive(worker_id, "quiet")
+    proxy.arm(saving(store, worker_id), lose="request", times=every_try(store))
+    with pytest.raises(StoreError):
+        registry.beat(info)
+    assert proxy.cut, "the save was not cut"
+    assert registry.beat(info) == ("quiet", True)
+    assert store.meta.pending_directive(worker_id) is None
 
 
 # ------------------------------------------------------------------ a dead worker's removal

@@ -27,12 +27,13 @@ class Registry:
 
     def beat(self, info: WorkerInfo) -> tuple[str | None, bool]:
         """Save the beat; returns the pending directive (taken) and whether the worker was
-        still registered before this beat (False: it was declared dead meanwhile)."""
+        still registered before this beat (False: it was declared dead meanwhile). The
+        directive is taken last: a beat that fails before (its save refused) leaves it for
+        the next beat, where taking it first lost it with the failed beat."""
         store = self.runtime.store
-        directive = store.meta.take_directive(self.worker_id)
         known = store.workers.get(self.worker_id) is not None
         store.workers.save(info)
-        return directive, known
+        return store.meta.take_directive(self.worker_id), known
 
     def deregister(self) -> None:
         self.runtime.store.remove_worker(self.worker_id)
