@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 from celery import Task, states
@@ -83,6 +84,12 @@ REPLACE_REFUSED = (
 BEFORE_START_RAISED = "ojs_before_start_raised"
 #: The reason of the Reject that sends back a job the draining worker will not start.
 SHUTTING_DOWN = "the worker is shutting down"
+#: The request whose handler OJS is running through the ``__call__`` methods its task's classes
+#: put before OJSTask's (see :meth:`OJSTask.__init_subclass__`); None outside them.
+_own_calls_of: ContextVar[Any] = ContextVar("ojs_own_calls_of", default=None)
+#: The attribute that marks the ``__call__`` :func:`_fenced_first` put in place of a class's
+#: own, and holds that own one.
+OWN_CALL = "_ojs_own_call"
 
 
 class OJSTask(Task):  # type: ignore[misc]
@@ -109,6 +116,18 @@ class OJSTask(Task):  # type: ignore[misc]
     ojs_track_started: bool = False
     #: A project class's own Request is made a subclass of it (see ``_project_request``).
     Request: Any = "ojs_celery.request:OJSRequest"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A ``__call__`` that comes before OJSTask's in a subclass's method order (Flask's
+        ``class FlaskTask(OJSTask)`` whose ``__call__`` opens the app context and calls
+        ``self.run``) would take the place of the fenced start and the outcome's write: the
+        worker would run the job and never record it, and the sweeper would send it again
+        and again. Such a ``__call__`` is kept as the project's own, which the handler runs
+        inside the fencing, as a base class's after OJSTask is (:meth:`_call_handler`)."""
+        super().__init_subclass__(**kwargs)
+        found = cls.__call__
+        if found is not OJSTask.__call__ and not hasattr(found, OWN_CALL):
+            cls.__call__ = _fenced_first(found)  # type: ignore[method-assign]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -266,10 +285,12 @@ class OJSTask(Task):  # type: ignore[misc]
     # ------------------------------------------------------------------ running
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _own_calls_of.get() is self.request:  # a project's own __call__'s super().__call__
+            return self._after_own_calls(args, kwargs)
         if self.request.is_eager:
-            return run_eagerly(self, lambda: self.run(*args, **kwargs))
+            return run_eagerly(self, lambda: self._call_handler(args, kwargs))
         if self.request.called_directly:  # as Celery: the request and current_task are set
-            return super().__call__(*args, **kwargs)
+            return self._call_handler(args, kwargs)
         if not arrival.has_header(self.request):
             # A message without an ``ojs`` header (published before ``install()``, or by a
             # plain Celery producer): it runs as the plain Celery task it was sent as, and its
@@ -308,20 +329,38 @@ class OJSTask(Task):  # type: ignore[misc]
             softlimit.hold()
 
     def _call_handler(self, args: Any, kwargs: Any) -> Any:
-        """The task's body as Celery's worker calls it: through the ``__call__`` of a project
-        base class that comes after OJSTask in the task's classes (one that opens a database
-        session, say), else ``run``."""
+        """The task's body as Celery's worker calls it: through the project's own ``__call__``
+        of a class before OJSTask in the task's classes (Flask's ``FlaskTask``), then through
+        that of a base class after it (one that opens a database session, say), else
+        ``run``. The same in eager mode and in a direct call, as Celery runs them."""
         raised = getattr(self.request, BEFORE_START_RAISED, None)
         if raised is not None:  # the task's before_start refused it (_raised_in_the_attempt)
             raise raised
-        if self.ojs_track_started and not self.request.ignore_result:
+        if self.ojs_track_started and not self.request.ignore_result and not (
+                self.request.is_eager or self.request.called_directly):
             # as Celery's trace writes it (Task.track_started), in the attempt the store started
+            # (Celery's eager mode and a direct call write none)
             self.backend.store_result(self.request.id, {"pid": os.getpid(),
                                                         "hostname": self.request.hostname},
                                       states.STARTED, request=self.request)
-        if _project_call(type(self)):
-            return super().__call__(*args, **kwargs)
-        return self.run(*args, **kwargs)
+        if hasattr(type(self).__call__, OWN_CALL):
+            reset = _own_calls_of.set(self.request)
+            try:
+                return type(self).__call__(self, *args, **kwargs)
+            finally:
+                _own_calls_of.reset(reset)
+        return self._after_own_calls(args, kwargs)
+
+    def _after_own_calls(self, args: Any, kwargs: Any) -> Any:
+        """What follows OJSTask's ``__call__`` in the method order: a base class's own
+        ``__call__`` (and for a direct call Celery's, which sets the request), else ``run``."""
+        reset = _own_calls_of.set(None)  # a call the handler makes is a call of its own
+        try:
+            if self.request.called_directly or _project_call(type(self)):
+                return super().__call__(*args, **kwargs)
+            return self.run(*args, **kwargs)
+        finally:
+            _own_calls_of.reset(reset)
 
     def _start(
         self, runtime: Runtime, job_id: str, worker_id: str, args: Any, kwargs: Any
@@ -551,6 +590,22 @@ def _project_request(cls: type) -> type | None:
             return None
         return type(f"OJS{project.__name__}", (project, OJSRequest), {})
     return None
+
+
+def _fenced_first(own: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``__call__`` that takes the place of ``own`` (a class's own, before OJSTask's in
+    its method order): OJSTask's, whose handler then runs ``own`` (see
+    :meth:`OJSTask._call_handler`); ``own`` itself while that handler runs it, so that its
+    ``super().__call__`` reaches the next one in the order, and OJSTask's last."""
+
+    @functools.wraps(own)
+    def __call__(self: OJSTask, *args: Any, **kwargs: Any) -> Any:
+        if _own_calls_of.get() is self.request:
+            return own(self, *args, **kwargs)
+        return OJSTask.__call__(self, *args, **kwargs)
+
+    setattr(__call__, OWN_CALL, own)
+    return __call__
 
 
 #: :func:`_project_call`'s answers, by task class.

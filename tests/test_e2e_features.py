@@ -363,6 +363,23 @@ def test_a_project_base_class_call_runs_as_under_celery(env: Env) -> None:
     assert f"e2e.project {result.id}" in env.lines("project_calls")
 
 
+@pytest.mark.parametrize("spelling", ["run", "super"])
+def test_a_task_class_whose_own_call_comes_first_runs_its_jobs_fenced(env: Env,
+                                                                     spelling: str) -> None:
+    """Flask's task class with OJSTask as its base (``class FlaskTask(OJSTask)``, its own
+    ``__call__`` before OJSTask's): each attempt starts and ends in the store, inside the
+    class's ``__call__`` (the app context), once per attempt, Celery's retry included."""
+    name = f"e2e.flask_{spelling}"
+    result = env.app.tasks[name].delay(7, retries=1)
+    job = env.wait_state(result.id, "completed")
+    assert job.result == {"a": 7, "context": name, "job": result.id, "id": result.id}
+    assert job.attempt == 2 and result.get(timeout=10) == job.result
+    assert [line for line in env.lines("own_calls") if result.id in line] == [
+        f"{name} {result.id}"] * 2
+    assert [line for line in env.lines("runs") if result.id in line] == [
+        f"{name} {result.id} attempt=1", f"{name} {result.id} attempt=2"]
+
+
 def test_a_direct_call_has_its_request_as_under_celery(env: Env) -> None:
     project = env.app.tasks["e2e.project"]
     assert project(3) == {"a": 3, "id": None, "args": [3]}  # request.args set, as Celery sets it
