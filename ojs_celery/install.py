@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from celery import Celery, signals
+from celery import Celery, Task, signals
 from celery.exceptions import ImproperlyConfigured
 from kombu import entity
 from kombu.exceptions import KombuError
@@ -186,7 +186,10 @@ def _add_sweep_task(app: Celery) -> None:
     """The ``ojs_celery.sweep`` task (see :func:`_add_beat_entry` for its schedule)."""
 
     faults = sweep_faults()
-    base = type("OJSSweepTask", (_BeatSaysPublishFailures, app.Task), {})
+    # never an OJS task, also where the app's task class (task_cls) is one: beat's sweeps
+    # would be OJS jobs, refused on the sweep queue
+    plain = Task if getattr(app.Task, "__ojs_task__", False) else app.Task
+    base = type("OJSSweepTask", (_BeatSaysPublishFailures, plain), {})
     signals.before_task_publish.connect(_stamp_sweep, weak=False, dispatch_uid="ojs-sweep-stamp")
 
     # send_events=False: a pass every sweep_interval would fill Celery's task events (Flower

@@ -163,11 +163,18 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
     # an OJS task without it lost it; a plain task with it would lose it once migrated
     if own is not None and is_ojs != isinstance(task, own):
         own_name = own.__qualname__
-        report.warnings.append(
-            f"base=OJSTask takes the place of the app's task class "
-            f"{own.__module__}.{own_name} (task_cls): what it adds (methods, hooks such as "
-            f"on_failure) is not on an OJS task; give it a base with both: "
-            f"class OJS{own_name}(OJSTask, {own_name})")
+        if getattr(own, "__ojs_task__", False):  # Flask's FlaskTask(OJSTask) as task_cls
+            report.warnings.append(
+                f"base=OJSTask takes the place of the app's task class "
+                f"{own.__module__}.{own_name} (task_cls), an OJS task class itself: what it "
+                f"adds (its __call__, methods, hooks such as on_failure) is not on this task; "
+                f"leave out base=OJSTask (or give base={own_name})")
+        else:
+            report.warnings.append(
+                f"base=OJSTask takes the place of the app's task class "
+                f"{own.__module__}.{own_name} (task_cls): what it adds (methods, hooks such as "
+                f"on_failure) is not on an OJS task; give it a base with both: "
+                f"class OJS{own_name}(OJSTask, {own_name})")
     asked = getattr(task, "ojs_acks_late_asked", None) if is_ojs else None
     if asked is not None:
         report.warnings.append(f"acks_late={asked!r}: ignored: OJS tasks always ack late (a "

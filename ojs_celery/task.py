@@ -87,6 +87,9 @@ SHUTTING_DOWN = "the worker is shutting down"
 #: The request whose handler OJS is running through the ``__call__`` methods its task's classes
 #: put before OJSTask's (see :meth:`OJSTask.__init_subclass__`); None outside them.
 _own_calls_of: ContextVar[Any] = ContextVar("ojs_own_calls_of", default=None)
+#: The module of Celery's own tasks (``celery.chord_unlock``, ``celery.starmap``, ...), which
+#: stay plain Celery tasks when the app's task class is an OJS one (see :meth:`OJSTask.__new__`).
+CELERY_BUILTINS = "celery.app.builtins"
 #: The attribute that marks the ``__call__`` :func:`_fenced_first` put in place of a class's
 #: own, and holds that own one.
 OWN_CALL = "_ojs_own_call"
@@ -116,6 +119,17 @@ class OJSTask(Task):  # type: ignore[misc]
     ojs_track_started: bool = False
     #: A project class's own Request is made a subclass of it (see ``_project_request``).
     Request: Any = "ojs_celery.request:OJSRequest"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Celery makes its own tasks from the app's task class (``task_cls``): when that is an
+        OJS task class (Flask's ``FlaskTask(OJSTask)`` as ``task_cls``), they are made plain
+        Celery tasks, as without OJS. As OJS tasks, envelopes could reach them, and through
+        ``celery.starmap`` or ``celery.chain`` any task of the app."""
+        if cls.__module__ == CELERY_BUILTINS:
+            own = {key: value for key, value in vars(cls).items()
+                   if key not in ("__dict__", "__weakref__")}
+            return Task.__new__(type(cls.__name__, (Task,), own))
+        return super().__new__(cls)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A ``__call__`` that comes before OJSTask's in a subclass's method order (Flask's

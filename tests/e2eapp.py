@@ -22,6 +22,7 @@ from celery import Celery, Task, signals
 from celery.exceptions import Ignore, Reject
 
 from ojs_celery import JobError, OJSTask, current_job, install, unacked
+from ojs_celery.context import maybe_current_job
 from ojs_celery.store import JobStore, StoreTimeout
 
 #: What a Flask-style task class's own ``__call__`` opens around the handler (the app context).
@@ -36,8 +37,22 @@ def record(directory: str, name: str, line: str) -> None:
         handle.write(line + "\n")
 
 
+class AppContextTask(OJSTask):  # type: ignore[misc]
+    """Flask's documented task class, with OJSTask as its base, as the app's task class
+    (``task_cls``, with ``config["ojs_task_cls"]``): every task given no ``base=`` is an OJS
+    task, Celery's own tasks and the sweep excepted."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        reset = flask_app_context.set("task_cls")
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            flask_app_context.reset(reset)
+
+
 def make_app(config: dict[str, Any]) -> Celery:
-    app = Celery(f"e2e_{config['queue']}", set_as_current=False)
+    task_cls = {"task_cls": AppContextTask} if config.get("ojs_task_cls") else {}
+    app = Celery(f"e2e_{config['queue']}", set_as_current=False, **task_cls)
     app.conf.update(
         broker_url=config["broker_url"],
         result_backend=config["result_backend"],
@@ -247,6 +262,12 @@ def make_app(config: dict[str, Any]) -> Celery:
     @app.task(shared=False, name="e2e.callback")
     def callback(result: Any, tag: str = "") -> None:
         record(directory, "callbacks", f"{tag} {json.dumps(result)}")
+
+    @app.task(shared=False, name="e2e.app_class")
+    def app_class(x: int) -> dict[str, Any]:
+        """A task given no base: an OJS task where the app's task class is one."""
+        ctx = maybe_current_job()
+        return {"x": x, "context": flask_app_context.get(), "job": ctx and ctx.job_id}
 
     @app.task(shared=False, name="e2e.plain")
     def plain(x: int) -> int:
