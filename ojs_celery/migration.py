@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from celery import Celery, Task
-from celery.utils.imports import symbol_by_name
 
 from .envelope import QUEUE_PATTERN, TYPE_PATTERN, Job
 from .install import check_sweep_queue
@@ -162,17 +161,18 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
     own = _own_task_class(app)
     # an OJS task without it lost it; a plain task with it would lose it once migrated
     if own is not None and is_ojs != isinstance(task, own):
-        own_name = own.__qualname__
+        # a class made in a function (Flask's make_celery) has "<locals>" in its qualname
+        own_name, where = own.__name__, f"{own.__module__}.{own.__qualname__}"
         if getattr(own, "__ojs_task__", False):  # Flask's FlaskTask(OJSTask) as task_cls
             report.warnings.append(
                 f"base=OJSTask takes the place of the app's task class "
-                f"{own.__module__}.{own_name} (task_cls), an OJS task class itself: what it "
+                f"{where} (task_cls), an OJS task class itself: what it "
                 f"adds (its __call__, methods, hooks such as on_failure) is not on this task; "
                 f"leave out base=OJSTask (or give base={own_name})")
         else:
             report.warnings.append(
                 f"base=OJSTask takes the place of the app's task class "
-                f"{own.__module__}.{own_name} (task_cls): what it adds (methods, hooks such as "
+                f"{where} (task_cls): what it adds (methods, hooks such as "
                 f"on_failure) is not on an OJS task; give it a base with both: "
                 f"class OJS{own_name}(OJSTask, {own_name})")
     asked = getattr(task, "ojs_acks_late_asked", None) if is_ojs else None
@@ -215,14 +215,17 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
 
 
 def _own_task_class(app: Celery) -> type | None:
-    """The app's task class (Celery's ``task_cls``, the base of every task given no ``base=``)
-    when it is the project's own: ``base=OJSTask`` takes its place, so an OJS task loses what
-    it adds unless its base has both (``class ProjectTask(OJSTask, Base)``). None for Celery's
-    own classes, whose additions ``OJSTask`` has, and for one that cannot be imported."""
+    """The app's task class (Celery's ``task_cls``, or a class set as ``app.Task`` as Flask's
+    older ``make_celery`` pattern does: the base of every task given no ``base=``) when it is
+    the project's own: ``base=OJSTask`` takes its place, so an OJS task loses what it adds
+    unless its base has both (``class ProjectTask(OJSTask, Base)``). None for Celery's own
+    classes, whose additions ``OJSTask`` has, and for one that cannot be imported."""
     try:
-        cls = symbol_by_name(app.task_cls)
+        bound = app.Task
     except Exception:  # the report reads the app; Celery names that error itself
         return None
+    # Celery's app.Task is its subclass of task_cls that holds the app (its own ``_app``)
+    cls = next((klass for klass in bound.__mro__ if "_app" not in vars(klass)), Task)
     if not isinstance(cls, type) or cls is Task or not issubclass(cls, Task):
         return None
     if f"{cls.__module__}.{cls.__qualname__}" in COVERED_TASK_CLASSES:

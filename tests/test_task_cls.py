@@ -1,6 +1,8 @@
-"""An app whose task class (Celery's ``task_cls``) is an OJS task class: Flask's documented
-``FlaskTask``, migrated by giving it OJSTask as its base. Every task given no ``base=`` is then
-an OJS task; Celery's own tasks and the sweep stay plain Celery tasks, as without OJS."""
+"""An app's own task class, the base of every task given no ``base=``. As an OJS task class
+(Flask's documented ``FlaskTask`` as ``task_cls``, migrated by giving it OJSTask as its base),
+every task given no ``base=`` is an OJS task; Celery's own tasks and the sweep stay plain Celery
+tasks, as without OJS. As a plain one set as ``app.Task`` (Flask's older ``make_celery``), the
+migration report names it as it names a ``task_cls``."""
 
 from __future__ import annotations
 
@@ -17,19 +19,25 @@ from ojs_celery.migration import build_report
 from ojs_celery.runtime import get_runtime
 from ojs_celery.sweeper import SWEEP_TASK
 from tests.conftest import start_env
-from tests.e2eapp import AppContextTask
+from tests.e2eapp import AppContextTask, flask_app_context
 from tests.workers import wait_for
+
+
+def nowhere_app(**options: Any) -> Celery:
+    """An eager app whose broker and store point where nothing listens: a refusal must come
+    before both."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    app = Celery("task_cls", set_as_current=False, **options)
+    app.conf.update(broker_url=f"redis://127.0.0.1:{port}/0", task_always_eager=True,
+                    ojs={"store_url": f"redis://127.0.0.1:{port}/0"})
+    return app
 
 
 @pytest.fixture
 def app() -> Iterator[Celery]:
-    """Its broker and store point where nothing listens: a refusal must come before both."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    app = Celery("task_cls", set_as_current=False, task_cls=AppContextTask)
-    app.conf.update(broker_url=f"redis://127.0.0.1:{port}/0",
-                    ojs={"store_url": f"redis://127.0.0.1:{port}/0"})
+    app = nowhere_app(task_cls=AppContextTask)
     install(app)
 
     @app.task(shared=False, name="cls.mine")
@@ -70,6 +78,35 @@ def test_the_migration_report_says_to_leave_out_base_ojstask(app: Celery) -> Non
     [lost] = [w for w in tasks["cls.based"].warnings if "task_cls" in w]
     assert "leave out base=OJSTask" in lost and "(OJSTask, AppContextTask)" not in lost
     assert not any("task_cls" in w for w in tasks["cls.mine"].warnings)
+
+
+def test_a_plain_task_class_set_as_app_task_is_named_as_a_task_cls_is() -> None:
+    """Flask's older ``make_celery``: ``celery.Task = ContextTask``. A task given
+    ``base=OJSTask`` loses its app context; one whose base has both keeps it."""
+    app = nowhere_app()
+
+    class ContextTask(app.Task):  # type: ignore[name-defined,misc]
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            reset = flask_app_context.set("app.Task")
+            try:
+                return self.run(*args, **kwargs)
+            finally:
+                flask_app_context.reset(reset)
+
+    app.Task = ContextTask
+    install(app)
+    both = type("OJSContextTask", (OJSTask, ContextTask), {})
+
+    def context() -> str | None:
+        return flask_app_context.get()
+
+    lost = app.task(shared=False, name="c.lost", base=OJSTask)(context)
+    kept = app.task(shared=False, name="c.kept", base=both)(context)
+    tasks = {task.name: task for task in build_report(app).tasks}
+    [named] = [w for w in tasks["c.lost"].warnings if "task_cls" in w]
+    assert "ContextTask" in named and "class OJSContextTask(OJSTask, ContextTask)" in named
+    assert not any("task_cls" in w for w in tasks["c.kept"].warnings)
+    assert (lost.delay().get(), kept.delay().get()) == (None, "app.Task")
 
 
 def test_its_tasks_run_as_jobs_in_its_call_and_beat_sends_the_sweeps(
