@@ -368,13 +368,15 @@ class OJSTask(Task):  # type: ignore[misc]
     def _after_own_calls(self, args: Any, kwargs: Any) -> Any:
         """What follows OJSTask's ``__call__`` in the method order: a base class's own
         ``__call__`` (and for a direct call Celery's, which sets the request), else ``run``."""
-        reset = _own_calls_of.set(None)  # a call the handler makes is a call of its own
-        try:
-            if self.request.called_directly or _project_call(type(self)):
-                return super().__call__(*args, **kwargs)
-            return self.run(*args, **kwargs)
-        finally:
-            _own_calls_of.reset(reset)
+        if _own_calls_of.get() is not None:  # a call the handler makes is a call of its own
+            reset = _own_calls_of.set(None)
+            try:
+                return self._after_own_calls(args, kwargs)
+            finally:
+                _own_calls_of.reset(reset)
+        if self.request.called_directly or _project_call(type(self)):
+            return super().__call__(*args, **kwargs)
+        return self.run(*args, **kwargs)
 
     def _start(
         self, runtime: Runtime, job_id: str, worker_id: str, args: Any, kwargs: Any
