@@ -122,9 +122,9 @@ def test_eager_runs_the_projects_own_calls_as_celery_does_with_the_job(app: Cele
     plain, ojs = plain_result.get(), ojs_result.get()
     assert plain["opened"] and ojs["opened"] == plain["opened"]
     assert ojs["a"] == 4 and ojs["request_args"] == plain["request_args"]
-    # the request's id as Celery shows it (Celery 5.4's Task.__call__ pushes a request with
-    # the arguments only: no id), and current_job() inside every own call
-    assert (ojs["id"] == ojs_result.id) == (plain["id"] == plain_result.id)
+    # the request's id where Celery shows it (Celery 5.4's Task.__call__ pushes a request
+    # with the arguments only, no id, where the calls reach it), and current_job() in them all
+    assert ojs["id"] == ojs_result.id or plain["id"] is None
     assert ojs["job"] == ojs_result.id
 
 
