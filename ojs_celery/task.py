@@ -119,6 +119,9 @@ class OJSTask(Task):  # type: ignore[misc]
     ojs_track_started: bool = False
     #: A project class's own Request is made a subclass of it (see ``_project_request``).
     Request: Any = "ojs_celery.request:OJSRequest"
+    #: Whether a class before OJSTask in the method order has its own ``__call__``, which the
+    #: handler runs (set by ``__init_subclass__``).
+    ojs_own_calls = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """Celery makes its own tasks from the app's task class (``task_cls``): when that is an
@@ -142,6 +145,7 @@ class OJSTask(Task):  # type: ignore[misc]
         found = cls.__call__
         if found is not OJSTask.__call__ and not hasattr(found, OWN_CALL):
             cls.__call__ = _fenced_first(found)  # type: ignore[method-assign]
+            cls.ojs_own_calls = True
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -299,12 +303,13 @@ class OJSTask(Task):  # type: ignore[misc]
     # ------------------------------------------------------------------ running
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _own_calls_of.get() is self.request:  # a project's own __call__'s super().__call__
-            return self._after_own_calls(args, kwargs)
+        marked = _own_calls_of.get()
+        if marked is not None and marked is self.request:  # an own __call__'s super().__call__
+            return self._after_own_calls(args, kwargs, self.request.called_directly)
         if self.request.is_eager:
             return run_eagerly(self, lambda: self._call_handler(args, kwargs))
         if self.request.called_directly:  # as Celery: the request and current_task are set
-            return self._call_handler(args, kwargs)
+            return self._call_handler(args, kwargs, direct=True)
         if not arrival.has_header(self.request):
             # A message without an ``ojs`` header (published before ``install()``, or by a
             # plain Celery producer): it runs as the plain Celery task it was sent as, and its
@@ -342,7 +347,7 @@ class OJSTask(Task):  # type: ignore[misc]
         finally:
             softlimit.hold()
 
-    def _call_handler(self, args: Any, kwargs: Any) -> Any:
+    def _call_handler(self, args: Any, kwargs: Any, direct: bool = False) -> Any:
         """The task's body as Celery's worker calls it: through the project's own ``__call__``
         of a class before OJSTask in the task's classes (Flask's ``FlaskTask``), then through
         that of a base class after it (one that opens a database session, say), else
@@ -357,24 +362,25 @@ class OJSTask(Task):  # type: ignore[misc]
             self.backend.store_result(self.request.id, {"pid": os.getpid(),
                                                         "hostname": self.request.hostname},
                                       states.STARTED, request=self.request)
-        if hasattr(type(self).__call__, OWN_CALL):
+        if self.ojs_own_calls:
             reset = _own_calls_of.set(self.request)
             try:
                 return type(self).__call__(self, *args, **kwargs)
             finally:
                 _own_calls_of.reset(reset)
-        return self._after_own_calls(args, kwargs)
+        return self._after_own_calls(args, kwargs, direct)
 
-    def _after_own_calls(self, args: Any, kwargs: Any) -> Any:
+    def _after_own_calls(self, args: Any, kwargs: Any, direct: bool) -> Any:
         """What follows OJSTask's ``__call__`` in the method order: a base class's own
-        ``__call__`` (and for a direct call Celery's, which sets the request), else ``run``."""
+        ``__call__`` (and for a ``direct`` call Celery's, which sets the request), else
+        ``run``."""
         if _own_calls_of.get() is not None:  # a call the handler makes is a call of its own
             reset = _own_calls_of.set(None)
             try:
-                return self._after_own_calls(args, kwargs)
+                return self._after_own_calls(args, kwargs, direct)
             finally:
                 _own_calls_of.reset(reset)
-        if self.request.called_directly or _project_call(type(self)):
+        if direct or _project_call(type(self)):
             return super().__call__(*args, **kwargs)
         return self.run(*args, **kwargs)
 
@@ -616,7 +622,8 @@ def _fenced_first(own: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(own)
     def __call__(self: OJSTask, *args: Any, **kwargs: Any) -> Any:
-        if _own_calls_of.get() is self.request:
+        marked = _own_calls_of.get()
+        if marked is not None and marked is self.request:
             return own(self, *args, **kwargs)
         return OJSTask.__call__(self, *args, **kwargs)
 
