@@ -82,10 +82,11 @@ def cancel(job_id: str, *, app: Celery | None = None) -> Job:
 
 #: Jobs :func:`purge` reads and cancels at a time (one read and one write of the store each).
 PURGE_PAGE = 500
-#: The clocks that together index every job waiting to run: its message sent (the backstop's
-#: clock), its message not sent yet (the outbox), held in the store (a far ``scheduled_at``,
-#: a long backoff).
-WAITING_CLOCKS = (lifecycle.REDISPATCH.name, lifecycle.DISPATCH.name, lifecycle.PROMOTE.name)
+#: The clocks that together index every job waiting to run: held in the store (a far
+#: ``scheduled_at``, a long backoff), its message not sent yet (the outbox), its message sent
+#: (the backstop's clock). Read in that order, the order a job moves on in while the purge
+#: runs (a sweeper promotes it, publishes it): one read in the other order found it in none.
+WAITING_CLOCKS = (lifecycle.PROMOTE.name, lifecycle.DISPATCH.name, lifecycle.REDISPATCH.name)
 
 
 def purge(queues: Iterable[str] | None = None, *, app: Celery | None = None) -> int:

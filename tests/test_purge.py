@@ -141,3 +141,37 @@ def test_the_rule_cancels_a_waiting_job_of_its_queues_only(state: str) -> None:
     for queues in (frozenset({"q"}), None):
         done = purge_rule(Record(job=job), 0.0, queues)
         assert done.record is not None and done.record.job.state == "cancelled"
+
+
+
+@pytest.mark.parametrize("before", ["promote", "dispatch", "redispatch"])
+def test_a_job_the_sweeper_moves_on_during_the_purge_is_cancelled(app: Any, before: str
+                                                                  ) -> None:
+    """A held job that comes due while a purge runs moves from the promote clock to the
+    redispatch clock (the sweeper publishes it), whichever clock the purge reads then: the
+    purge reads the clocks in that order, so that a job moved on is found in a clock read
+    later. (Read the other way round, a job promoted once the redispatch clock was read was
+    in none of the clocks read after it, and its message ran.)"""
+    from ojs_celery.runtime import get_runtime
+    from ojs_celery.sweeper import sweep
+
+    runtime = get_runtime(app)
+    held = enqueue({"type": "e2e.add", "args": [1, 1], "queue": "held",
+                    "scheduled_at": "2999-01-01T00:00:00Z"}, app=app).id
+    due = runtime.store._load(held)
+    assert due is not None and due.promote_at is not None
+    scan, swept = runtime.store.scan, []
+
+    def scan_with_a_sweep_before(clock: str, cursor: str | None, limit: int) -> Any:
+        if clock == before and not swept:  # a pass, as the purge runs
+            swept.append(sweep(runtime, now=due.promote_at + 1))
+        return scan(clock, cursor, limit)
+
+    runtime.store.scan = scan_with_a_sweep_before  # type: ignore[method-assign]
+    try:
+        assert purge(["held"], app=app) == 1
+    finally:
+        del runtime.store.scan
+    job = get_job(held, app=app)  # None: cancelled first, then pruned by the pass (year 2999)
+    assert swept and (job is None or job.state == "cancelled"), job
+
