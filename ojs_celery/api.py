@@ -111,12 +111,21 @@ def purge(queues: Iterable[str] | None = None, *, app: Celery | None = None) -> 
                 ids, cursor = store.scan(clock, cursor, PURGE_PAGE)
                 if ids:
                     results = store.apply_many(ids, rule)
+                    failure: StoreError | None = None
                     for job_id, done in zip(ids, results, strict=True):
                         if done is None:  # it changed since it was read (a worker started it)
-                            done = store.apply(job_id, rule)
+                            if failure is not None:
+                                continue
+                            try:
+                                done = store.apply(job_id, rule)
+                            except StoreError as exc:  # raised once the page's written
+                                failure = exc         # cancellations are carried out: no
+                                continue              # later purge finds them
                         if done.record is not None:
                             carry_out(runtime, done, report_result=True)
                             cancelled += 1
+                    if failure is not None:
+                        raise failure
                 if cursor is None:
                     break
     except StoreError as exc:

@@ -175,3 +175,39 @@ def test_a_job_the_sweeper_moves_on_during_the_purge_is_cancelled(app: Any, befo
     job = get_job(held, app=app)  # None: cancelled first, then pruned by the pass (year 2999)
     assert swept and (job is None or job.state == "cancelled"), job
 
+
+def test_a_store_error_half_way_through_a_page_still_carries_out_what_was_cancelled(
+        app: Any) -> None:
+    """A page's batch wrote some cancellations and left one to decide again (a worker started
+    it first, or the batch's reply was lost half way), and the store failed for that one: the
+    cancellations written are still carried out (their results read REVOKED, or a waiter
+    waits for ever, and no later purge finds them: they no longer wait), then the error is
+    raised."""
+    from ojs_celery.runtime import get_runtime
+    from ojs_celery.store import StoreError
+
+    runtime = get_runtime(app)
+    ids = [enqueue({"type": "e2e.add", "args": [n, 1], "queue": "half"}, app=app).id
+           for n in range(3)]
+    store = runtime.store
+    apply_many = store.apply_many
+
+    def first_left_to_decide_again(job_ids: list[str], rule: Any) -> list[Any]:
+        written = iter(apply_many([job_id for job_id in job_ids if job_id != ids[0]], rule))
+        return [None if job_id == ids[0] else next(written) for job_id in job_ids]
+
+    def down(job_id: str, rule: Any) -> Any:
+        raise StoreError("the store went away")
+
+    store.apply_many = first_left_to_decide_again  # type: ignore[method-assign]
+    store.apply = down  # type: ignore[method-assign]
+    try:
+        with pytest.raises(StoreError, match="purge again"):
+            purge(["half"], app=app)
+    finally:
+        del store.apply_many, store.apply
+    for job_id in ids[1:]:
+        job = get_job(job_id, app=app)
+        assert job is not None and job.state == "cancelled"
+        assert AsyncResult(job_id, app=app).state == "REVOKED"
+    assert purge(["half"], app=app) == 1  # what the error left waiting
