@@ -91,7 +91,8 @@ WAITING_CLOCKS = (lifecycle.PROMOTE.name, lifecycle.DISPATCH.name, lifecycle.RED
 
 def purge(queues: Iterable[str] | None = None, *, app: Celery | None = None) -> int:
     """Cancel every job that waits to run (``scheduled``, ``available``, ``retryable``) in
-    ``queues`` (Celery queue names; None: every queue) and return how many were cancelled.
+    ``queues`` (Celery queue names, or one name; None: every queue) and return how many were
+    cancelled.
 
     Celery's purge empties the broker's queues, not the store, and the sweeper sends a waiting
     job's message again when it has waited ``redispatch_after`` (the backstop for a message
@@ -100,6 +101,8 @@ def purge(queues: Iterable[str] | None = None, *, app: Celery | None = None) -> 
     purge leaves what a worker took."""
     runtime = get_runtime(app)
     store = runtime.store
+    if isinstance(queues, str):  # one queue, not the queues named by its letters
+        queues = [queues]
     names = None if queues is None else frozenset(
         name for name in (_record_queue(runtime.app, queue) for queue in queues) if name)
     rule = partial(lifecycle.purge, now=time.time(), queues=names)

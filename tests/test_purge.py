@@ -211,3 +211,14 @@ def test_a_store_error_half_way_through_a_page_still_carries_out_what_was_cancel
         assert job is not None and job.state == "cancelled"
         assert AsyncResult(job_id, app=app).state == "REVOKED"
     assert purge(["half"], app=app) == 1  # what the error left waiting
+
+
+def test_purge_in_code_of_one_queue_named_as_text(app: Any) -> None:
+    """``purge("emails")``: text is one queue's name, not the queues of its letters (which
+    cancelled nothing and said 0, or cancelled the jobs of a queue called ``e``)."""
+    waiting = [enqueue({"type": "e2e.add", "args": [1, 1], "queue": name}, app=app).id
+               for name in ("emails", "e")]
+    assert purge("emails", app=app) == 1
+    first, other = (get_job(job_id, app=app) for job_id in waiting)
+    assert first is not None and first.state == "cancelled"
+    assert other is not None and other.state == "available"
