@@ -82,6 +82,8 @@ REPLACE_REFUSED = (
 #: Where a request keeps what its task's ``before_start`` raised (see
 #: :func:`_raised_in_the_attempt`), and the mark of a ``before_start`` so wrapped.
 BEFORE_START_RAISED = "ojs_before_start_raised"
+#: Set in a request while its task's outermost wrapped ``before_start`` runs.
+BEFORE_START_RUNNING = "ojs_before_start_running"
 #: The reason of the Reject that sends back a job the draining worker will not start.
 SHUTTING_DOWN = "the worker is shutting down"
 #: The request whose handler OJS is running through the ``__call__`` methods its task's classes
@@ -355,7 +357,7 @@ class OJSTask(Task):  # type: ignore[misc]
         raised = getattr(self.request, BEFORE_START_RAISED, None)
         if raised is not None:  # the task's before_start refused it (_raised_in_the_attempt)
             raise raised
-        if self.ojs_track_started and not self.request.ignore_result and not (
+        if self.ojs_track_started and not _ignores_result(self) and not (
                 self.request.is_eager or self.request.called_directly):
             # as Celery's trace writes it (Task.track_started), in the attempt the store started
             # (Celery's eager mode and a direct call write none)
@@ -571,6 +573,14 @@ class OJSTask(Task):  # type: ignore[misc]
         raise exc
 
 
+def _ignores_result(task: Task) -> bool:
+    """Whether the attempt's result is not stored, as Celery's trace reads it: the call's own
+    ``ignore_result``, else the task's (a message without one, Celery 5.7's ``send_task``,
+    sends None)."""
+    asked = vars(task.request).get("ignore_result")
+    return bool(task.ignore_result if asked is None else asked)
+
+
 def _raised_in_the_attempt(before_start: Callable[..., None]) -> Callable[..., None]:
     """A task class's ``before_start`` (Celery 5.2+ calls it in the worker just before the
     task's ``__call__``), whose exception fails the attempt as the handler's would: Celery fails
@@ -582,12 +592,17 @@ def _raised_in_the_attempt(before_start: Callable[..., None]) -> Callable[..., N
 
     @functools.wraps(before_start)
     def kept_for_the_attempt(self: Task, task_id: str, args: Any, kwargs: Any) -> None:
+        request = self.request
+        if request.is_eager or getattr(request, BEFORE_START_RUNNING, False):
+            before_start(self, task_id, args, kwargs)  # eager, or a subclass's super() call:
+            return                                     # raised as written, to the outermost
+        setattr(request, BEFORE_START_RUNNING, True)
         try:
             before_start(self, task_id, args, kwargs)
         except Exception as exc:
-            if self.request.is_eager:
-                raise
-            setattr(self.request, BEFORE_START_RAISED, exc)
+            setattr(request, BEFORE_START_RAISED, exc)
+        finally:
+            setattr(request, BEFORE_START_RUNNING, False)
 
     setattr(kept_for_the_attempt, BEFORE_START_RAISED, True)
     return kept_for_the_attempt
@@ -600,16 +615,19 @@ def _project_request(cls: type) -> type | None:
     one of the two was silently dropped (the project's hooks, or the main process's handling
     of an OJS attempt's hard time limit and lost child, which left the job active until the
     sweeper). The project's methods come first and reach OJS's through ``super()``, as they
-    reach Celery's. None: no such class, or it is OJS's already."""
+    reach Celery's (a project's subclass of OJS's is taken as it is, and Celery's own, named
+    by a project class, is OJS's). None: no project class gives one."""
     for klass in cls.__mro__:
         given = vars(klass).get("Request")
         if given is None or klass is OJSTask or issubclass(Task, klass):
             continue  # OJS's and Celery's own
         from .request import OJSRequest  # the worker's (not imported by producers)
 
-        project = symbol_by_name(given)
-        if issubclass(project, OJSRequest):
-            return None
+        project: type = symbol_by_name(given)
+        if issubclass(OJSRequest, project):  # Celery's own Request, named by a project class:
+            return OJSRequest                # OJS's extends it
+        if issubclass(project, OJSRequest):  # the project's subclass of OJS's, wherever its
+            return project                   # class stands in the order
         return type(f"OJS{project.__name__}", (project, OJSRequest), {})
     return None
 

@@ -325,3 +325,105 @@ def test_a_project_request_class_runs_its_hooks_and_the_ojs_job_still_ends(
         job = wait_for(lambda job_id=job_id: (found := get_job(job_id, app=ojs.app))
                        and found.state == "discarded" and found, 15, f"job {job_id}'s end")
         assert (job.error or {}).get("type") == "timeout"
+
+
+# ------------------------------------------------------------------ the task class, unit by unit
+
+
+def bound_task(base: type, name: str, **options: Any) -> Any:
+    """A task of ``base`` on an app of its own (no broker is reached), bound as a worker's."""
+    app = Celery(unique("hooks"), broker="memory://", set_as_current=False)
+
+    def body() -> None:
+        pass
+
+    app.task(name=name, base=base, shared=False, **options)(body)
+    app.finalize()
+    return app.tasks[name]
+
+
+def test_a_project_class_naming_celerys_own_request_gets_ojs_request() -> None:
+    """A project base class that names Celery's own Request (``Request =
+    "celery.worker.request:Request"``) before OJSTask made a class of both, which has no method
+    order: the app did not load (TypeError)."""
+    from celery import Task
+
+    from ojs_celery.request import OJSRequest
+
+    class Base(Task):  # type: ignore[misc]
+        Request = "celery.worker.request:Request"
+
+    task = bound_task(type("ProjectOJSTask", (Base, ojs_celery.OJSTask), {}), "h.celerys")
+    assert task.Request is OJSRequest
+
+
+def test_a_projects_own_subclass_of_ojs_request_is_used_wherever_its_class_stands() -> None:
+    from celery import Task
+
+    from ojs_celery.request import OJSRequest
+
+    class ProjectRequest(OJSRequest):  # type: ignore[misc]
+        pass
+
+    class Base(Task):  # type: ignore[misc]
+        Request = ProjectRequest
+
+    task = bound_task(type("OJSProjectTask", (ojs_celery.OJSTask, Base), {}), "h.after")
+    assert task.Request is ProjectRequest  # it was OJS's own: the project's hooks were dropped
+
+
+def test_a_before_start_that_refuses_stops_its_subclasses_before_start_too() -> None:
+    """Two class-based tasks, one a subclass of the other, each registered (so each class is
+    bound): the subclass's ``before_start`` calls its base's, whose exception ends both, as in
+    Celery (the base's own wrapper kept it, and the subclass's code went on)."""
+    said: list[str] = []
+
+    class Base(ojs_celery.OJSTask):
+        name = "h.base"
+
+        def run(self) -> None:
+            pass
+
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            said.append("base")
+            raise ValueError("refused")
+
+    class Child(Base):
+        name = "h.child"
+
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            super().before_start(task_id, args, kwargs)
+            said.append("child went on")
+
+    app = Celery(unique("hooks"), broker="memory://", set_as_current=False)
+    app.register_task(Base())
+    child = app.register_task(Child())
+    child.push_request(id="t1", is_eager=False)
+    try:
+        child.before_start("t1", (), {})
+        raised = getattr(child.request, "ojs_before_start_raised", None)
+    finally:
+        child.pop_request()
+    assert said == ["base"]
+    assert isinstance(raised, ValueError)
+
+
+@pytest.mark.parametrize(("task_ignores", "call_asks", "ignored"), [
+    (True, None, True), (True, False, False), (False, True, True), (False, None, False)])
+def test_track_started_reads_ignore_result_as_celery_does(
+    task_ignores: bool, call_asks: bool | None, ignored: bool
+) -> None:
+    """The call's own ``ignore_result``, else the task's: a message without one (Celery 5.7's
+    ``send_task`` sends None) of a task with ``ignore_result=True`` wrote STARTED, which stayed
+    for ever."""
+    from ojs_celery.task import _ignores_result
+
+    task = bound_task(ojs_celery.OJSTask, unique("h.ignore"), ignore_result=task_ignores)
+    request: dict[str, Any] = {"id": "t2"}
+    if call_asks is not None:
+        request["ignore_result"] = call_asks
+    task.push_request(**request)
+    try:
+        assert _ignores_result(task) is ignored
+    finally:
+        task.pop_request()
