@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import psycopg
@@ -42,6 +42,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+class Proxy(Protocol):
+    """What :func:`through_proxy` needs of a proxy: the port it listens on."""
+
+    port: int
+
+
+ProxyT = TypeVar("ProxyT", bound=Proxy)
 
 
 class CuttingProxy:
@@ -149,20 +158,25 @@ def private_redis() -> Iterator[tuple[str, int]]:
         process.wait(10)
 
 
+def through_proxy(request: pytest.FixtureRequest,
+                  make: Callable[[tuple[str, int]], ProxyT]) -> tuple[str, ProxyT]:
+    """A store URL (a private Redis, or the shared PostgreSQL, by ``request.param``) reached
+    through the proxy that ``make`` builds for its server, and that proxy."""
+    if request.param == "redis":
+        proxy = make(request.getfixturevalue("private_redis"))
+        return f"redis://127.0.0.1:{proxy.port}/0", proxy
+    real = postgres_url()
+    parts = urlsplit(real)
+    proxy = make((parts.hostname or "127.0.0.1", parts.port or 5432))
+    netloc = parts.netloc.rsplit("@", 1)
+    host = f"127.0.0.1:{proxy.port}"
+    return real.replace(parts.netloc, f"{netloc[0]}@{host}" if len(netloc) == 2 else host), proxy
+
+
 @pytest.fixture(params=["redis", "postgres"])
 def proxied_url(request: pytest.FixtureRequest) -> Iterator[tuple[str, CuttingProxy]]:
     """A store URL (a private Redis, or the shared PostgreSQL) reached through the proxy."""
-    if request.param == "redis":
-        upstream: tuple[str, int] = request.getfixturevalue("private_redis")
-        proxy = CuttingProxy(upstream)
-        url = f"redis://127.0.0.1:{proxy.port}/0"
-    else:
-        real = postgres_url()
-        parts = urlsplit(real)
-        proxy = CuttingProxy((parts.hostname or "127.0.0.1", parts.port or 5432))
-        netloc = parts.netloc.rsplit("@", 1)
-        host = f"127.0.0.1:{proxy.port}"
-        url = real.replace(parts.netloc, f"{netloc[0]}@{host}" if len(netloc) == 2 else host)
+    url, proxy = through_proxy(request, CuttingProxy)
     try:
         yield url, proxy
     finally:

@@ -22,7 +22,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 import pytest
 from celery import Celery
@@ -38,8 +37,12 @@ from ojs_celery.sweeper import sweep
 from ojs_celery.worker.registry import Registry
 from tests.conftest import messages
 from tests.e2eapp import make_app
-from tests.services import postgres_url
-from tests.test_fencing_replies import forget, private_redis  # noqa: F401 - a fixture
+from tests.test_fencing_replies import (  # noqa: F401 - private_redis: a fixture
+    _close,
+    forget,
+    private_redis,
+    through_proxy,
+)
 from tests.workers import filesystem_config, unique
 
 Match = Callable[[bytes], bool]
@@ -156,26 +159,10 @@ class LosingProxy:
         self.listener.close()
 
 
-def _close(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
-
-
 @pytest.fixture(params=["redis", "postgres"])
 def proxied_url(request: pytest.FixtureRequest) -> Iterator[tuple[str, LosingProxy]]:
     """A store URL (a private Redis, or the shared PostgreSQL) reached through the proxy."""
-    if request.param == "redis":
-        upstream: tuple[str, int] = request.getfixturevalue("private_redis")
-        proxy = LosingProxy(upstream)
-        url = f"redis://127.0.0.1:{proxy.port}/0"
-    else:
-        real = postgres_url()
-        parts = urlsplit(real)
-        proxy = LosingProxy((parts.hostname or "127.0.0.1", parts.port or 5432))
-        netloc = parts.netloc.rsplit("@", 1)
-        host = f"127.0.0.1:{proxy.port}"
-        url = real.replace(parts.netloc, f"{netloc[0]}@{host}" if len(netloc) == 2 else host)
+    url, proxy = through_proxy(request, LosingProxy)
     try:
         yield url, proxy
     finally:

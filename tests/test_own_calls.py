@@ -9,7 +9,6 @@ context and calls ``self.run``) is the common case: migrated either as the base 
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -20,15 +19,10 @@ from celery import Celery, Task
 
 from ojs_celery import OJSTask, current_job, install
 from ojs_celery.context import maybe_current_job
+from tests.test_eager import dead_port
 
 #: What a project's ``__call__`` sets around the handler (Flask's app context, say).
 opened: ContextVar[tuple[str, ...]] = ContextVar("opened", default=())
-
-
-def dead_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture
