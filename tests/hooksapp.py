@@ -154,7 +154,11 @@ def make_app(config: dict[str, Any]) -> Celery:
     def retry_once(self: Task, a: int) -> int:
         note(directory, what="ran", name="d.retry_once", request=request_fields(self))
         if self.request.retries == 0:
-            raise self.retry(exc=KeyError("again"), countdown=0)
+            # one second, not none: with none, the next attempt (another pool process) can
+            # store its SUCCESS between Celery's read and write of this attempt's RETRY, which
+            # then overwrites it (plain Celery and OJS alike: docs/celery-notes.md), and a
+            # get() waits for ever
+            raise self.retry(exc=KeyError("again"), countdown=1)
         return a
 
     @app.task(shared=False, name="d.expected", base=base, throws=(KeyError,))
