@@ -80,7 +80,8 @@ def draining_key(worker_id: str, job_id: str) -> str:
 
 
 class MetaArea(ABC):
-    """Typed values over three primitives a backend provides (a string key-value area)."""
+    """Typed values over the primitives a backend provides for a string key-value area (put,
+    get, take, drop, swap)."""
 
     @abstractmethod
     def _put(self, key: str, value: str) -> None: ...
