@@ -48,7 +48,10 @@ print(" ".join(f"{n} {m.version(n)}" for n in ("celery", "kombu", "billiard", "r
     rc=$?
     counts=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error|skipped)|^=+ .*(passed|failed|error).* in " "$log" \
              | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
-    [ $rc -ne 0 ] && status=1
     echo "$installed: ${counts:-no result (exit $rc), see $log}"
+    if [ $rc -ne 0 ]; then
+        status=1
+        bash scripts/show-failures.sh "$log"
+    fi
 done
 exit $status

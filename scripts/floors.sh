@@ -73,4 +73,5 @@ rc=$?
 counts=$(grep -E "^=+ .*(passed|failed|error).* in |^[0-9]+ (passed|failed)" "$log" | tail -1 \
          | sed 's/=//g; s/^ *//; s/ *$//')
 echo "floors ($installed): ${counts:-no result (exit $rc), see $log}"
+[ $rc -ne 0 ] && bash scripts/show-failures.sh "$log"
 exit $rc

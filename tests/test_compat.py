@@ -144,9 +144,10 @@ def test_scheduled_requests_lists_a_countdown_job_held_by_the_worker(
 
 def test_call_soon_runs_promptly_while_the_hub_waits_in_poll() -> None:
     from kombu.asynchronous import Hub
+    from kombu.asynchronous.timer import Timer
 
-    hub = Hub()
-    idle_reader, idle_writer = socket.socketpair()  # never written: the poll waits its full second
+    hub = Hub(timer=Timer(max_interval=60))  # a timer's wait is not cut to 2 s (see prime)
+    idle_reader, idle_writer = socket.socketpair()  # never written: polls wait in full
     hub.add_reader(idle_reader, lambda: None)
     consumer = SimpleNamespace(hub=hub, call_soon=hub.call_soon)
     running = True
@@ -160,17 +161,25 @@ def test_call_soon_runs_promptly_while_the_hub_waits_in_poll() -> None:
     thread.start()
     try:
         primed = threading.Event()
-        compat.call_soon(consumer, primed.set)  # kombu < 5.7: registers the waker on this turn
+
+        def prime() -> None:
+            # a timer a minute away makes every later poll wait kombu's longest, 10 s, so that
+            # "promptly" can be told from "at the poll's end" with a bound a loaded machine meets
+            hub.call_later(60, lambda: None)
+            primed.set()
+
+        compat.call_soon(consumer, prime)  # kombu < 5.7: registers the waker on this turn
         assert primed.wait(5)
         for _ in range(3):
             ran = threading.Event()
             time.sleep(0.05)  # let the loop go back into its poll
             started = time.monotonic()
             compat.call_soon(consumer, ran.set)
-            assert ran.wait(5)
-            assert time.monotonic() - started < 0.5
+            assert ran.wait(15)
+            assert time.monotonic() - started < 5
     finally:
         running = False
+        compat.call_soon(consumer, lambda: None)  # out of its 10 s poll
         thread.join(5)
         hub.close()
         idle_reader.close()
