@@ -67,7 +67,24 @@ def carry_out(
         stop_running_attempt(runtime, before.job.id, before.token)
     if report_result and done.record.job.terminal:
         report_outcome(runtime, done.record.job, terminated=stopped, send_event=send_event)
-    if not publish_message or done.publish is None:
+    if not publish_message:
+        return False
+    return publish_owed(runtime, done, raise_unpublished=raise_unpublished, producer=producer,
+                        acks=acks)
+
+
+def publish_owed(
+    runtime: Runtime,
+    done: Transition,
+    *,
+    raise_unpublished: bool = False,
+    producer: Any = None,
+    acks: list[tuple[str, int]] | None = None,
+) -> bool:
+    """Publish the message ``done`` owes, if any (see :func:`carry_out`); returns whether one
+    was published. Apart from :func:`carry_out` only for a message that must wait for Celery
+    (a retry's: :func:`ojs_celery.task.publish_the_retry`)."""
+    if done.record is None or done.publish is None:
         return False
     try:
         publish(runtime, done.record.job, done.publish, record=done.record, producer=producer,

@@ -29,7 +29,7 @@ from . import arrival, compat, lifecycle, softlimit
 from .callers import check_call_arguments, enqueue_call
 from .context import JobContext, _current, maybe_current_job
 from .eager import apply_eagerly, in_place_of_a_call, run_eagerly
-from .effects import carry_out, report_event
+from .effects import carry_out, publish_owed, report_event
 from .envelope import CELERY_KWARGS_FIELD, Job, json_native
 from .faults import AtMostEvery
 from .identity import current_worker_id
@@ -560,17 +560,36 @@ class OJSTask(Task):  # type: ignore[misc]
                 ctx.job.id, ctx.attempt, reason,
             )
             raise Ignore()
-        carry_out(runtime, done)
         record = done.record
+        retrying = record.job.state == "retryable"
+        carry_out(runtime, done, publish_message=not retrying)
         if record.job.state == "completed" and isinstance(outcome, Completed):
             return outcome.value
         exc = celery_exception(outcome)
-        if record.job.state == "retryable":  # reported as Celery's own retry reports it
+        if retrying:  # reported as Celery's own retry reports it
+            setattr(self.request, RETRY_OWED, (runtime, done))  # see publish_the_retry
             when = outcome.when if isinstance(outcome, Retried) else None
             raise Retry(exc=exc, when=record.job.next_retry_at if when is None else when)
         if exc is None or isinstance(exc, (Reject, Retry, RetryRequested)):
             raise RuntimeError(str((record.job.error or {}).get("message", "discarded")))
         raise exc
+
+
+#: The request's attribute that holds a retry's transition until Celery has stored RETRY.
+RETRY_OWED = "_ojs_retry_owed"
+
+
+def publish_the_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """``task_retry``: publish the next attempt's message once Celery's trace has stored this
+    attempt's RETRY (it sends the signal after that write). Published before it, the next
+    attempt could run in another pool process and store its SUCCESS between the result
+    backend's read and write of the RETRY, which then overwrote it: the result read RETRY for
+    ever (plain Celery's ``self.retry`` has that order; docs/celery-notes.md). Should the
+    signal not come (the RETRY's write or the task's ``on_retry`` raised), the message stays
+    in the outbox and the sweeper publishes it after ``dispatch_grace``."""
+    owed = vars(request).pop(RETRY_OWED, None) if request is not None else None
+    if owed is not None:
+        publish_owed(*owed)
 
 
 def _ignores_result(task: Task) -> bool:

@@ -18,7 +18,8 @@ from decimal import Decimal
 from typing import Any
 
 from billiard.exceptions import SoftTimeLimitExceeded
-from celery import Celery, Task, signals
+from celery import Celery, Task, signals, states
+from celery.backends.redis import RedisBackend
 from celery.exceptions import Ignore, Reject
 
 from ojs_celery import JobError, OJSTask, current_job, install, unacked
@@ -48,6 +49,17 @@ class AppContextTask(OJSTask):  # type: ignore[misc]
             return self.run(*args, **kwargs)
         finally:
             flask_app_context.reset(reset)
+
+
+class SlowRetryResults(RedisBackend):  # type: ignore[misc]
+    """Celery's Redis result backend, a second slower in storing a RETRY once it has read the
+    stored state (``result_backend = "tests.e2eapp:SlowRetryResults+redis://..."``): it opens
+    the window in which the next attempt's SUCCESS, stored meanwhile, is overwritten."""
+
+    def _set_with_state(self, key: Any, value: Any, state: str) -> Any:
+        if state == states.RETRY:
+            time.sleep(1.0)
+        return super()._set_with_state(key, value, state)
 
 
 def make_app(config: dict[str, Any]) -> Celery:

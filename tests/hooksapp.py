@@ -154,10 +154,10 @@ def make_app(config: dict[str, Any]) -> Celery:
     def retry_once(self: Task, a: int) -> int:
         note(directory, what="ran", name="d.retry_once", request=request_fields(self))
         if self.request.retries == 0:
-            # one second, not none: with none, the next attempt (another pool process) can
-            # store its SUCCESS between Celery's read and write of this attempt's RETRY, which
-            # then overwrites it (plain Celery and OJS alike: docs/celery-notes.md), and a
-            # get() waits for ever
+            # one second, not none: with none, plain Celery's next attempt (another pool
+            # process) can store its SUCCESS between Celery's read and write of this attempt's
+            # RETRY, which then overwrites it, and a get() waits for ever (OJS publishes the
+            # next attempt after that write: docs/celery-notes.md, tests/test_retry_order.py)
             raise self.retry(exc=KeyError("again"), countdown=1)
         return a
 

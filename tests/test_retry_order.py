@@ -1,0 +1,32 @@
+"""A retry's next attempt is published once Celery has stored the attempt's RETRY.
+
+Celery's trace stores RETRY after the task raised ``Retry``, and its result backend guards a
+SUCCESS with a read, then a write. A next attempt published before that (``self.retry`` with no
+countdown, or a short one) can run in another pool process and store its SUCCESS between the
+two: the RETRY then overwrites it, the result reads RETRY for ever and ``get()`` waits until its
+timeout (plain Celery's ``self.retry`` has that order; docs/celery-notes.md). The test's result
+backend takes a second over that write, so the next attempt, 0.2 s later, would land in it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from celery import states
+
+from . import services
+from .conftest import start_env
+from .workers import wait_for
+
+
+def test_a_retried_jobs_success_is_not_overwritten_by_its_retry(tmp_path: pathlib.Path) -> None:
+    slow = f"tests.e2eapp:SlowRetryResults+{services.redis_url()}"
+    with start_env("redis", tmp_path, config={"result_backend": slow}) as env:
+        job_id = env.app.tasks["e2e.self_retry"].delay(2).id
+        # once the first attempt's trace is over (Celery logs the retry after storing it), the
+        # result is read afresh, as a caller that asks then does
+        wait_for(lambda: f"[{job_id}] retry:" in env.worker.log(), 30, "the first attempt's retry")
+        result = env.app.AsyncResult(job_id)
+        assert result.get(timeout=30) == "ok on 2"
+        assert result.state == states.SUCCESS
+        assert env.job(job_id).state == "completed"
