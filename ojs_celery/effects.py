@@ -46,6 +46,7 @@ def carry_out(
     producer: Any = None,
     acks: list[tuple[str, int]] | None = None,
     send_event: EventSender | None = None,
+    worker_request: Any = None,
 ) -> bool:
     """Emit ``done``'s events, stop the attempt it ended (``stop_attempt``), report a terminal
     outcome to the result backend (``report_result``: callers that are not the attempt's
@@ -56,7 +57,8 @@ def carry_out(
     logged, whatever the error; with ``raise_unpublished`` a broker that is down is raised
     as :class:`~ojs_celery.BrokerUnavailable` (and any other error as it is), for the sweeper
     to tell an outage from a job's own fault. ``producer``, ``acks``: see
-    :func:`~.producer.publish`; ``send_event``: see :func:`report_outcome`.
+    :func:`~.producer.publish`; ``send_event``, ``worker_request``: see
+    :func:`report_outcome`.
     """
     if done.record is None:
         return False
@@ -66,7 +68,8 @@ def carry_out(
     if stopped and before is not None:
         stop_running_attempt(runtime, before.job.id, before.token)
     if report_result and done.record.job.terminal:
-        report_outcome(runtime, done.record.job, terminated=stopped, send_event=send_event)
+        report_outcome(runtime, done.record.job, terminated=stopped, send_event=send_event,
+                       worker_request=worker_request)
     if not publish_message:
         return False
     return publish_owed(runtime, done, raise_unpublished=raise_unpublished, producer=producer,
@@ -132,13 +135,17 @@ EventSender = Callable[..., Any]
 
 
 def report_outcome(runtime: Runtime, job: Job, *, terminated: bool = False,
-                   send_event: EventSender | None = None) -> None:
+                   send_event: EventSender | None = None, worker_request: Any = None) -> None:
     """Write a terminal ``job``'s outcome to Celery's result backend as Celery's worker would
     (completed -> SUCCESS; discarded -> FAILURE, with the chord part counted, the chain's
     results failed and the ``link_error`` callbacks called; cancelled or expired -> REVOKED,
     the chord part counted), so that a chord whose member the sweeper ended never hangs; then
     send its task event (:func:`report_event`; ``terminated``: the ending stopped a running
-    attempt).
+    attempt). ``worker_request``: the Celery request of the message a worker is handling when
+    it reports (an expiry found at the start, a drain's or a lost process's ending), whose
+    host, queue and retries fill ``result_extended``'s ``worker``, ``queue`` and ``retries``
+    as Celery's worker writes them for the same ending; without one (the sweeper, a cancel
+    from any process) they stay empty, as no worker handled the message.
 
     Called once per accepted transition (the store's compare-and-set decides who makes it).
     """
@@ -150,7 +157,7 @@ def report_outcome(runtime: Runtime, job: Job, *, terminated: bool = False,
         options = trusted_options(job)
         ignored = options.get("ignore_result", task is not None and task.ignore_result)
         store = not ignored  # the call's ignore_result, else the task's, as Celery's worker
-        request = celery_context(job, name, options)
+        request = _as_handled_by(celery_context(job, name, options), worker_request)
         error: dict[str, Any] = dict(job.error or {})
         try:
             if job.state == "completed":
@@ -165,6 +172,19 @@ def report_outcome(runtime: Runtime, job: Job, *, terminated: bool = False,
             logger.error("ojs_celery: could not report job %s (%s) to the result backend: %r",
                          job.id, job.state, exc)
     report_event(runtime, job, terminated=terminated, send_event=send_event)
+
+
+def _as_handled_by(context: Any, worker_request: Any) -> Any:
+    """``context`` with the fields of the message a worker handles (see
+    :func:`report_outcome`), which the job's record does not hold."""
+    if worker_request is not None:
+        context.hostname = getattr(worker_request, "hostname", None)
+        context.delivery_info = getattr(worker_request, "delivery_info", None) or {}
+        retries = getattr(worker_request, "retries", None)
+        if retries is None:  # a worker's Request keeps it in the message's headers
+            retries = (getattr(worker_request, "request_dict", None) or {}).get("retries")
+        context.retries = retries or 0
+    return context
 
 
 def _task_of(runtime: Runtime, job: Job) -> tuple[str, Any]:

@@ -193,7 +193,8 @@ class OJSRequest(Request):  # type: ignore[misc]
             logger.debug("ojs_celery: state of job %s in the result backend: %r", self.id, exc)
         logger.warning("ojs_celery: job %s completed in the store before its attempt was "
                        "stopped: reported as completed", self.id)
-        report_outcome(get_runtime(self.task.app), record.job, send_event=self.send_event)
+        report_outcome(get_runtime(self.task.app), record.job, send_event=self.send_event,
+                       worker_request=self)
 
     def _ojs_unstarted(self, done: Transition, token: int) -> bool:
         """Did this message never start its attempt (the job still waits for its token, or

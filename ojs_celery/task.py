@@ -425,7 +425,7 @@ class OJSTask(Task):  # type: ignore[misc]
                          "this worker's, %s)", job_id, arrival.ORPHAN_AFTER, runtime.store)
             raise Ignore()
         try:  # a start that ended the job (expired) reports it: the handler never runs
-            carry_out(runtime, started, report_result=True)
+            carry_out(runtime, started, report_result=True, worker_request=self.request)
         except Exception as exc:  # the store decided; its events must not undo that
             logger.error("ojs_celery: job %s: effects of its start failed: %r", job_id, exc)
         if any(name == "job.expired" for name, _ in started.events):

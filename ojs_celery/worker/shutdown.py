@@ -229,7 +229,7 @@ class Drain:
             settled = getattr(request, "ojs_settled", None)
             if callable(settled):
                 settled("retried" if retried else "discarded")
-            carry_out(self.runtime, done, report_result=True)
+            carry_out(self.runtime, done, report_result=True, worker_request=request)
         self.node.children.kill(getattr(request, "worker_pid", None))
 
     def _hand_over_to_celery(self) -> None:
