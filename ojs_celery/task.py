@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task, states
 from celery import signals as celery_signals
@@ -265,21 +265,25 @@ class OJSTask(Task):  # type: ignore[misc]
         if isinstance(exc, JobError) and not exc.retryable:
             raise exc
         ctx = maybe_current_job()
-        kept: dict[str, Any] = {}  # the new arguments as the job keeps them
-        if ctx is not None and (args is not None or kwargs is not None) and (
-                not self.request.is_eager or in_place_of_a_call()):
-            kept = check_call_arguments(self, args, kwargs)  # InvalidJob, as the call would raise
         if ctx is None or self.request.is_eager:
+            if ctx is not None and (args is not None or kwargs is not None) and \
+                    in_place_of_a_call():
+                check_call_arguments(self, args, kwargs)  # InvalidJob, as the call would raise
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        kept: dict[str, Any] = {}  # the new arguments as the job keeps them
+        if args is not None or kwargs is not None:
+            args, kwargs = _celery_retry_arguments(self, args, kwargs)
+            kept = check_call_arguments(self, args, kwargs)  # InvalidJob, as the call would raise
         celery = celery_semantics(ctx.job) is not None
         if celery:
             limit = self.max_retries if max_retries is None else max_retries
             if limit is not None and self.request.retries + 1 > limit:
                 if exc is not None:
                     raise_with_context(exc)
-                # as Celery words it: the arguments the retry would have had
-                shown_args = self.request.args if args is None else args
-                shown_kwargs = self.request.kwargs if kwargs is None else kwargs
+                # as Celery words it: the arguments the retry would have had, as its
+                # signature holds them (a tuple)
+                shown_args = tuple(self.request.args if args is None else args)
+                shown_kwargs = dict(self.request.kwargs if kwargs is None else kwargs)
                 raise self.MaxRetriesExceededError(
                     f"Can't retry {self.name}[{self.request.id}] args:{shown_args} "
                     f"kwargs:{shown_kwargs}", task_args=shown_args, task_kwargs=shown_kwargs)
@@ -710,6 +714,48 @@ def _worker_is_draining(runtime: Runtime, worker_id: str, job_id: str) -> bool:
         return runtime.store.meta.is_draining(worker_id, job_id)
     except StoreError:
         return False
+
+
+class _RetryArgumentsTaken(Exception):
+    """Carries the arguments Celery's ``Task.retry`` computed out of it (see
+    :func:`_celery_retry_arguments`)."""
+
+    def __init__(self, args: Any, kwargs: Any) -> None:
+        super().__init__()
+        self.args_, self.kwargs_ = args, kwargs
+
+
+class _RetryArgumentsOf:
+    """Stands in for a task in Celery's own ``Task.retry``: what that reads of the task, and a
+    ``signature_from_request`` that takes the arguments it is given and stops there (nothing
+    is published)."""
+
+    max_retries = None
+    default_retry_delay = 0
+
+    def __init__(self, task: Task) -> None:
+        self.name, self.request, self.run = task.name, task.request, task.run
+
+    def signature_from_request(self, request: Any, args: Any, kwargs: Any,
+                               **_: Any) -> NoReturn:
+        raise _RetryArgumentsTaken(request.args if args is None else args,
+                                   request.kwargs if kwargs is None else kwargs)
+
+
+def _celery_retry_arguments(task: Task, args: Any, kwargs: Any) -> tuple[list[Any],
+                                                                        dict[str, Any]]:
+    """The next attempt's arguments of ``self.retry(args=..., kwargs=...)`` as the installed
+    Celery's own retry makes them: since Celery 5.7 (celery/celery#6494) new positional
+    arguments keep the call's keyword arguments that they do not replace, and new keyword
+    arguments take the place of positional ones of the same name (``retry(args=[5, 6])`` of
+    ``f(a, b=0)`` called ``f.delay(1, b=2)`` runs ``f(5, 6)``); before, the one not given
+    is the call's. Taken from Celery's ``Task.retry`` itself, so that each Celery version
+    keeps its own rule."""
+    try:
+        Task.retry(_RetryArgumentsOf(task), args, kwargs, countdown=0)
+    except _RetryArgumentsTaken as taken:
+        return list(taken.args_ or ()), dict(taken.kwargs_ or {})
+    raise AssertionError("Celery's Task.retry did not build the retry's signature")
 
 
 def _with_arguments(done: Transition, outcome: Retried) -> Transition:

@@ -407,7 +407,7 @@ def test_a_retry_past_max_retries_raises_celery_s_error_naming_the_retry_s_argum
     error = _failure(env, result.id).result
     assert isinstance(error, MaxRetriesExceededError)
     assert str(error) == (f"Can't retry e2e.celery_retry_past_limit[{result.id}] "
-                          f"args:['{tag}', 'next'] kwargs:{{}}")
+                          f"args:('{tag}', 'next') kwargs:{{}}")  # a tuple, as Celery's
 
 
 def test_retry_replaces_args_and_kwargs(env: Env) -> None:
