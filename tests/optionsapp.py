@@ -46,6 +46,22 @@ def make_app(config: dict[str, Any]) -> Celery:
         ran(self, "o.reject")
         raise Reject("not for us", requeue=False)
 
+    @app.task(shared=False, name="o.auto_kwargs", base=base, bind=True,
+              autoretry_for=(LookupError,), dont_autoretry_for=(IndexError,),
+              retry_kwargs={"max_retries": 1, "countdown": 0.2})
+    def auto_kwargs(self: Task, which: str) -> None:
+        """``autoretry_for`` with ``retry_kwargs``; an exception in ``dont_autoretry_for``."""
+        ran(self, "o.auto_kwargs")
+        raise (IndexError if which == "index" else KeyError)(which)
+
+    @app.task(shared=False, name="o.later", base=base, bind=True)
+    def later(self: Task) -> int:
+        """Retried once, two seconds later: its RETRY is seen meanwhile."""
+        ran(self, "o.later")
+        if self.request.retries == 0:
+            raise self.retry(exc=KeyError("wait"), countdown=2)
+        return int(self.request.retries)
+
     @app.task(shared=False, name="o.rebind", base=base, bind=True)
     def rebind(self: Task, a: int, b: int = 0, how: str = "args") -> list[int]:
         """A retry with new positional arguments only, or new keyword arguments only."""

@@ -26,7 +26,7 @@ from ojs_celery.testing import CeleryProcess
 from tests import services
 from tests.hooksapp import seen
 from tests.optionsapp import make_app
-from tests.workers import ROOT, forget_redis_names, unique
+from tests.workers import ROOT, forget_redis_names, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,15 +108,18 @@ def compared(sides: dict[str, Side], calls: dict[str, Callable[[Celery], AsyncRe
 
 def test_celery_retry_paths_end_as_in_celery(sides: dict[str, Side]) -> None:
     """``self.retry`` past ``max_retries`` (the task's, the call's) with and without ``exc``,
-    ``autoretry_for`` with ``retry_backoff``/``retry_backoff_max``/``retry_jitter``,
-    ``max_retries=None``, a ``max_retries`` set by ``task_annotations``, and a retry with new
-    positional or keyword arguments only (Celery 5.7 binds them to the task's signature:
-    with OJS they were added to the call's, a ``TypeError`` in the next attempt)."""
+    ``autoretry_for`` with ``retry_backoff``/``retry_backoff_max``/``retry_jitter``, with
+    ``retry_kwargs`` and ``dont_autoretry_for``, ``max_retries=None``, a ``max_retries`` set
+    by ``task_annotations``, and a retry with new positional or keyword arguments only
+    (Celery 5.7 binds them to the task's signature: with OJS they were added to the call's, a
+    ``TypeError`` in the next attempt)."""
     plain = compared(sides, {
         "exc": lambda app: app.tasks["o.exhaust"].delay(True),
         "no_exc": lambda app: app.tasks["o.exhaust"].delay(False),
         "call_max": lambda app: app.tasks["o.exhaust_call"].delay(),
         "auto": lambda app: app.tasks["o.autoretry"].delay(),
+        "auto_kwargs": lambda app: app.tasks["o.auto_kwargs"].delay("key"),
+        "not_auto": lambda app: app.tasks["o.auto_kwargs"].delay("index"),
         "unbounded": lambda app: app.tasks["o.unbounded"].apply_async((3,), {"k": "x"}),
         "annotated": lambda app: app.tasks["o.annotated"].delay(),
         "new_args": lambda app: app.tasks["o.rebind"].apply_async((1,), {"b": 2}),
@@ -127,8 +130,25 @@ def test_celery_retry_paths_end_as_in_celery(sides: dict[str, Side]) -> None:
         "MaxRetriesExceededError(\"Can't retry o.exhaust[<id>] args:(False,) kwargs:{}\")")
     assert (plain["auto"]["value"], plain["auto"]["retries"]) == ("KeyError('auto')", 2)
     assert (plain["unbounded"]["value"], plain["unbounded"]["runs"]) == ("3", 4)
+    assert (plain["auto_kwargs"]["runs"], plain["not_auto"]["runs"]) == (2, 1)
     assert plain["annotated"]["runs"] == 2  # the annotation's max_retries=1
     assert (plain["new_args"]["value"], plain["new_kwargs"]["value"]) == ("[5, 6]", "[7, 0]")
+
+
+def test_a_pending_retry_reads_as_in_celery(sides: dict[str, Side]) -> None:
+    """While a ``self.retry(exc=..., countdown=2)`` waits: RETRY, the ``exc`` as ``info``,
+    ``retries`` 0 and the ``Retry`` as the traceback's last line; then the retry's result."""
+    sent = {mode: side.app.tasks["o.later"].delay() for mode, side in sides.items()}
+    seen_: dict[str, Any] = {}
+    for mode, result in sent.items():
+        wait_for(lambda result=result: result.state == "RETRY", 10, f"RETRY ({mode})")
+        seen_[mode] = {"state": result.state, "info": repr(result.info),
+                       "retries": result.retries,
+                       "last": (result.traceback or "").strip().splitlines()[-1:]}
+    for mode, result in sent.items():
+        seen_[mode]["end"] = outcome(result)
+    assert seen_["ojs"] == seen_["plain"]
+    assert seen_["plain"]["info"] == "KeyError('wait')"
 
 
 def test_expiry_limits_and_a_lost_pool_process_end_as_in_celery(sides: dict[str, Side]) -> None:
