@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from celery import Celery, Task
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 
 from ojs_celery import OJSTask
 from tests import hooksapp
@@ -61,6 +61,17 @@ def make_app(config: dict[str, Any]) -> Celery:
         if self.request.retries == 0:
             raise self.retry(exc=KeyError("wait"), countdown=2)
         return int(self.request.retries)
+
+    @app.task(shared=False, name="o.soft", base=base, bind=True, soft_time_limit=1,
+              expires=30)
+    def soft(self: Task, seconds: float) -> str:
+        """A soft limit the handler survives (it cleans up and returns)."""
+        ran(self, "o.soft")
+        try:
+            time.sleep(seconds)
+        except SoftTimeLimitExceeded:
+            return "cleaned up"
+        return "in time"
 
     @app.task(shared=False, name="o.rebind", base=base, bind=True)
     def rebind(self: Task, a: int, b: int = 0, how: str = "args") -> list[int]:

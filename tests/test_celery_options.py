@@ -153,8 +153,9 @@ def test_a_pending_retry_reads_as_in_celery(sides: dict[str, Side]) -> None:
 
 def test_expiry_limits_and_a_lost_pool_process_end_as_in_celery(sides: dict[str, Side]) -> None:
     """``expires`` in the past (REVOKED, with the worker and queue that dropped it in the
-    extended result: OJS left both empty) and ahead, a ``time_limit`` set by
-    ``task_annotations``, and a pool process lost under ``acks_late`` +
+    extended result: OJS left both empty), ahead, and passed while the message waits for its
+    ``countdown``, a ``time_limit`` set by ``task_annotations``, a task's ``soft_time_limit``
+    that the handler survives, and a pool process lost under ``acks_late`` +
     ``reject_on_worker_lost`` (the message runs again)."""
     now = datetime.datetime.now(datetime.timezone.utc)
     flag = unique("flag")  # a file name: each side makes it in its own directory
@@ -163,12 +164,17 @@ def test_expiry_limits_and_a_lost_pool_process_end_as_in_celery(sides: dict[str,
             (0,), expires=now - datetime.timedelta(seconds=5)),
         "expires_later": lambda app: app.tasks["o.slow"].apply_async((0,), expires=60),
         "annotated_limit": lambda app: app.tasks["o.annot_limit"].delay(3),
+        "soft_survived": lambda app: app.tasks["o.soft"].delay(3),
+        "expired_at_its_eta": lambda app: app.tasks["o.soft"].apply_async(
+            (0,), countdown=2, expires=1),
         "lost": lambda app: app.tasks["o.lost"].delay(flag),
     })
     assert plain["expired"] == {"state": "REVOKED", "value": "TaskRevokedError('expired')",
                                 "name": "o.slow", "args": [0], "kwargs": {}, "retries": 0,
                                 "worker": True, "queue": True, "runs": 0}
     assert plain["annotated_limit"]["value"] == "TimeLimitExceeded(1)"
+    assert plain["soft_survived"]["value"] == "'cleaned up'"
+    assert plain["expired_at_its_eta"]["value"] == "TaskRevokedError('expired')"
     assert (plain["lost"]["state"], plain["lost"]["runs"]) == ("SUCCESS", 2)
 
 
