@@ -271,10 +271,10 @@ def cancel_command(ctx: click.Context, job_id: str) -> None:
 def purge_command(ctx: click.Context, force: bool, queues: str | None,
                   exclude_queues: str | None) -> None:
     """Throw away every job waiting to run in the app's known task queues (or -Q): cancel them
-    in the job store, then empty the queues as ``celery purge`` does. Print the counts.
+    in the job store, then empty the queues as `celery purge` does. Print the counts.
 
-    Use it instead of ``celery purge``, which empties the queues but not the store: the
-    sweeper would send a purged job's message again after ``redispatch_after``. Running jobs
+    Use it instead of `celery purge`, which empties the queues but not the store: the
+    sweeper would send a purged job's message again after `redispatch_after`. Running jobs
     are left to finish. Exit status 1 if the broker could not be reached to empty the queues
     (the jobs are cancelled all the same: their messages never run).
     """
@@ -362,13 +362,20 @@ def _interrupt_within_deadline(_signum: int, _frame: Any) -> None:
 
 
 @commands.command(name="sweep")
-@click.option("--once", "mode", flag_value="once", help="Run one pass and print what it did.")
-@click.option("--loop", "mode", flag_value="loop", help="Run a pass every --interval seconds.")
+@click.option("--once", is_flag=True, help="Run one pass and print what it did (the default).")
+@click.option("--loop", is_flag=True, help="Run a pass every --interval seconds.")
 @click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Seconds between passes (default: the ojs.sweep_interval setting).")
+              help="Seconds between --loop's passes (default: the ojs.sweep_interval setting).")
 @click.pass_context
-def sweep_command(ctx: click.Context, mode: str | None, interval: float | None) -> None:
+def sweep_command(ctx: click.Context, once: bool, loop: bool, interval: float | None) -> None:
     """Enforce every deadline from the store (for deployments without celery beat)."""
+    # --once --loop ran the loop (--loop --once one pass), and --interval without --loop one
+    # pass: the flag given last or the one ignored decided, silently
+    if once and loop:
+        raise click.UsageError("--once and --loop exclude each other")
+    if interval is not None and not loop:
+        raise click.UsageError("--interval applies to --loop only")
+    mode = "loop" if loop else "once"
     app = _app(ctx)
     runtime = get_runtime(app)
     settings = runtime.settings  # read here: a bad one is a usage error, not a failed pass

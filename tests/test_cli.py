@@ -366,6 +366,20 @@ def test_sigterm_ends_sweep_loop_and_events_with_status_0(env: Env) -> None:
     assert "stopped (SIGTERM)" in said and "Traceback" not in said, said
 
 
+def test_sweep_flags_that_contradict_are_a_usage_error(env: Env) -> None:
+    """``sweep --once --loop`` ran the loop and ``--loop --once`` one pass (the last flag won),
+    and ``sweep --interval 5`` one pass, its interval ignored: each is now click's usage error,
+    naming the flags, before the app is loaded."""
+    for args, said in ((("--once", "--loop"), "--once and --loop exclude each other"),
+                       (("--loop", "--once"), "--once and --loop exclude each other"),
+                       (("--interval", "5"), "--interval applies to --loop only"),
+                       (("--once", "--interval", "5"), "--interval applies to --loop only")):
+        out = run(env, "sweep", *args)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert f"Error: {said}" in out.stderr and out.stdout == "", (args, out.stderr)
+    assert "Seconds between --loop's passes" in " ".join(run(env, "sweep", "--help").stdout.split())
+
+
 def test_sweep_with_a_bad_setting_is_a_usage_error(env: Env) -> None:
     """``sweep --once`` read its settings inside the pass, which logs and survives anything:
     a bad setting came out as a failed pass with a traceback and exit status 1."""
