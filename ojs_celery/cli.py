@@ -530,7 +530,8 @@ def _announce(ready: threading.Event) -> None:
 
 
 @click.group(name="ojs-celery", cls=_Commands, epilog=_EPILOG, help=commands.help)
-@click.option("-A", "--app", "app_name", envvar="CELERY_APP", help="The Celery app (module:attr).")
+@click.option("-A", "--app", "app_name", envvar="CELERY_APP", show_envvar=True,
+              help="The Celery app, as `celery -A` takes it (module or module:attribute).")
 @click.pass_context
 def cli(ctx: click.Context, app_name: str | None) -> None:
     if ctx.resilient_parsing:

@@ -227,6 +227,9 @@ def test_help_lists_the_exit_statuses(env: Env) -> None:
     out = run(env, "--help")
     for code in EXIT_STATUSES:
         assert f"  {code}  " in out.stdout
+    # -A's help said module:attr only, and not that CELERY_APP is read when it is left out
+    said = " ".join(out.stdout.split())
+    assert "(module or module:attribute). [env var: CELERY_APP]" in said, out.stdout
     enqueue_help = " ".join(run(env, "enqueue", "--help").stdout.split())
     assert "4 if the store cannot be reached or refuses the write" in enqueue_help
     assert "5 if" not in enqueue_help  # a broker that is down exits 0 (the sweeper publishes)
