@@ -210,7 +210,8 @@ def commands() -> None:
 @click.option("--batch", is_flag=True, help="SOURCE holds a JSON array of envelopes.")
 @click.pass_context
 def enqueue_command(ctx: click.Context, source: Any, batch: bool) -> None:
-    """Enqueue the OJS envelope in SOURCE (a file, or - for stdin); print the stored job.
+    """Enqueue the OJS envelope in SOURCE (a file, or - for stdin, the default); print the
+    stored job.
 
     Exit status 2 for invalid input (one line per problem on stderr, nothing stored), 3 if a
     different job with the same id exists (the same envelope again prints the existing job),

@@ -233,6 +233,7 @@ def test_help_lists_the_exit_statuses(env: Env) -> None:
     enqueue_help = " ".join(run(env, "enqueue", "--help").stdout.split())
     assert "4 if the store cannot be reached or refuses the write" in enqueue_help
     assert "5 if" not in enqueue_help  # a broker that is down exits 0 (the sweeper publishes)
+    assert "(a file, or - for stdin, the default)" in enqueue_help  # SOURCE may be left out
 
 
 def test_an_argument_that_is_not_utf8_names_no_job(env: Env) -> None:
