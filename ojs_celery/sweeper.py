@@ -113,14 +113,13 @@ OUTAGES = (StoreError, BrokerUnavailable)
 
 
 def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
-    store = runtime.store
     spell = _blind_spell(runtime)
     for clock in lifecycle.SWEEP:
         if isinstance(clock, WorkerClock):
             _bury_dead_workers(runtime, clock, now, limit, report, spell)
         elif clock.when_due is None:  # retention: what is due is deleted, not changed
             try:
-                report.pruned = store.prune(now, limit)
+                report.pruned = _prune(runtime, now, limit)
             except OUTAGES:
                 raise
             except Exception as exc:  # a record that cannot be read: the rest stays done
@@ -130,6 +129,19 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
             _enforce_clock(runtime, clock, now, limit, report, spell)
     # last: a broker that fails the republishing ends the pass after every clock's work
     _check_broker(runtime, limit, report)
+
+
+def _prune(runtime: Runtime, now: float, limit: int) -> int:
+    """Prune in batches of ``limit`` until a batch comes back short, for at most one sweep
+    interval: every job ends on the retention clock, so one batch per pass (250 jobs/s with the
+    defaults) fell behind a worker finishing more than that, and the store grew without bound."""
+    budget = time.monotonic() + runtime.settings.sweep_interval
+    pruned = 0
+    while True:
+        done = runtime.store.prune(now, limit)
+        pruned += done
+        if done < limit or time.monotonic() >= budget:
+            return pruned
 
 
 #: How many batches' worth of due entries a pass reads past attempts left to the worker clock.

@@ -308,10 +308,37 @@ def test_retention_prunes_terminal_jobs_in_bounded_batches(app: Celery) -> None:
         store.start(job_id, 1, "worker_a", now=now)
         store.complete(job_id, 1, "worker_a", 1, now=now)
     assert sweep(runtime, now=now + 6 * 86400).pruned == 0
-    report = sweep(runtime, now=now + 8 * 86400, batch=2)
-    assert report.pruned == 2
-    assert sweep(runtime, now=now + 8 * 86400).pruned == 1
+    deleted: list[int] = []
+    prune = store.prune
+
+    def counted(at: float | None = None, limit: int = 500) -> int:
+        deleted.append(prune(at, limit))
+        return deleted[-1]
+
+    store.prune = counted  # type: ignore[method-assign]
+    try:
+        report = sweep(runtime, now=now + 8 * 86400, batch=2)
+    finally:
+        del store.prune
+    assert deleted == [2, 1] and report.pruned == 3
+    assert sweep(runtime, now=now + 8 * 86400).pruned == 0
     assert [store.get(i) is None for i in ids] == [True, True, True, False, False]
+
+
+def test_one_pass_prunes_more_than_a_batch_so_retention_keeps_up_with_the_workers(
+    app: Celery,
+) -> None:
+    """Every job ends on the retention clock: one batch per pass (250 jobs/s with the
+    defaults) let a worker finishing more than that grow the store without bound."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    now = time.time()
+    ids = [enqueue({"type": "e2e.add", "args": [i, 1]}, app=app).id for i in range(7)]
+    for job_id in ids:
+        store.start(job_id, 1, "worker_a", now=now)
+        store.complete(job_id, 1, "worker_a", 1, now=now)
+    assert sweep(runtime, now=now + 8 * 86400, batch=2).pruned == 7
+    assert store.due("retention", now + 8 * 86400, 100) == []
 
 
 def test_concurrent_sweepers_apply_each_transition_once(
