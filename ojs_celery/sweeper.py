@@ -119,7 +119,7 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
             _bury_dead_workers(runtime, clock, now, limit, report, spell)
         elif clock.when_due is None:  # retention: what is due is deleted, not changed
             try:
-                report.pruned = _prune(runtime, now, limit)
+                _prune(runtime, now, limit, report)
             except OUTAGES:
                 raise
             except Exception as exc:  # a record that cannot be read: the rest stays done
@@ -131,17 +131,18 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
     _check_broker(runtime, limit, report)
 
 
-def _prune(runtime: Runtime, now: float, limit: int) -> int:
+def _prune(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
     """Prune in batches of ``limit`` until a batch comes back short, for at most one sweep
     interval: every job ends on the retention clock, so one batch per pass (250 jobs/s with the
-    defaults) fell behind a worker finishing more than that, and the store grew without bound."""
+    defaults) fell behind a worker finishing more than that, and the store grew without bound.
+    Each batch is counted in ``report`` as it is done, so that a later batch's error (which
+    ends the pruning) does not hide the jobs the earlier ones deleted."""
     budget = time.monotonic() + runtime.settings.sweep_interval
-    pruned = 0
     while True:
         done = runtime.store.prune(now, limit)
-        pruned += done
+        report.pruned += done
         if done < limit or time.monotonic() >= budget:
-            return pruned
+            return
 
 
 #: How many batches' worth of due entries a pass reads past attempts left to the worker clock.

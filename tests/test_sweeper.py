@@ -341,6 +341,38 @@ def test_one_pass_prunes_more_than_a_batch_so_retention_keeps_up_with_the_worker
     assert store.due("retention", now + 8 * 86400, 100) == []
 
 
+def test_a_prune_batch_that_fails_keeps_the_count_of_the_batches_before_it(
+    app: Celery,
+) -> None:
+    """The pass's report counts what the earlier batches deleted when a later one fails (an
+    outage ends the pass, an unreadable record the pruning): it said 0 pruned."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    now = time.time()
+    ids = [enqueue({"type": "e2e.add", "args": [i, 1]}, app=app).id for i in range(5)]
+    for job_id in ids:
+        store.start(job_id, 1, "worker_a", now=now)
+        store.complete(job_id, 1, "worker_a", 1, now=now)
+    prune = store.prune
+    for error in (StoreError("store gone"), ValueError("unreadable record")):
+        calls: list[int] = []
+
+        def failing_second(at: float | None = None, limit: int = 500,
+                           error: Exception = error, calls: list[int] = calls) -> int:
+            calls.append(limit)
+            if len(calls) == 2:
+                raise error
+            return prune(at, limit)
+
+        store.prune = failing_second  # type: ignore[method-assign]
+        try:
+            report = sweep(runtime, now=now + 8 * 86400, batch=2)
+        finally:
+            del store.prune
+        assert len(calls) == 2 and report.pruned == 2, (error, report)
+    assert sweep(runtime, now=now + 8 * 86400).pruned == 1
+
+
 def test_concurrent_sweepers_apply_each_transition_once(
     app: Celery, seen: Counter[str]
 ) -> None:
