@@ -24,7 +24,7 @@ from .request import cancel_revoked
 from .runtime import Runtime, attach, get_runtime
 from .store import StoreError, preload_store
 from .sweeper import SWEEP_TASK, last_sweep, sweep, sweep_faults
-from .task import publish_the_retry
+from .task import publish_a_retry_left_owed, publish_the_retry
 from .worker import children
 from .worker.gate import start_gate
 from .worker.pools import WEAK_POOLS, pool_name
@@ -121,6 +121,8 @@ def install(app: Celery) -> Runtime:
                                  dispatch_uid="ojs-default-timeouts")
     signals.task_revoked.connect(cancel_revoked, weak=False, dispatch_uid="ojs-cancel-revoked")
     signals.task_retry.connect(publish_the_retry, weak=False, dispatch_uid="ojs-retry-publish")
+    signals.task_postrun.connect(publish_a_retry_left_owed, weak=False,
+                                 dispatch_uid="ojs-retry-publish-late")
     wrap_send_task(app)
     for step in STEPS:
         app.steps["consumer"].add(step)

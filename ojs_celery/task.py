@@ -589,11 +589,21 @@ def publish_the_retry(sender: Any = None, request: Any = None, **_: Any) -> None
     attempt could run in another pool process and store its SUCCESS between the result
     backend's read and write of the RETRY, which then overwrote it: the result read RETRY for
     ever (plain Celery's ``self.retry`` has that order; docs/celery-notes.md). Should the
-    signal not come (the RETRY's write or the task's ``on_retry`` raised), the message stays
-    in the outbox and the sweeper publishes it after ``dispatch_grace``."""
+    signal not come (the RETRY's write or the task's ``on_retry`` raised), it is published
+    at the trace's ``task_postrun`` (:func:`publish_a_retry_left_owed`); a process lost before
+    either leaves it in the outbox, which the sweeper publishes after ``dispatch_grace``."""
     owed = vars(request).pop(RETRY_OWED, None) if request is not None else None
     if owed is not None:
         publish_owed(*owed)
+
+
+def publish_a_retry_left_owed(sender: Any = None, **_: Any) -> None:
+    """``task_postrun``, which Celery's trace sends whatever its RETRY handling raised, with
+    the attempt's request still the task's: a retry whose ``task_retry`` never came (the
+    task's ``on_retry`` raised, or the result backend's write of RETRY) is published here, at
+    once as in Celery, not by the sweeper after ``dispatch_grace`` (nor never, with no sweeper
+    running)."""
+    publish_the_retry(request=getattr(sender, "request", None))
 
 
 def _ignores_result(task: Task) -> bool:

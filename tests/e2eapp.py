@@ -248,6 +248,17 @@ def make_app(config: dict[str, Any]) -> Celery:
             raise self.retry(exc=ValueError(f"not yet ({ctx.attempt})"), countdown=0.2)
         return f"ok on {ctx.attempt}"
 
+    class FailingOnRetry(OJSTask):  # type: ignore[misc]
+        def on_retry(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+            raise RuntimeError("on_retry fails")
+
+    @app.task(shared=False, name="e2e.retry_on_retry_fails", base=FailingOnRetry, bind=True)
+    def retry_on_retry_fails(self: OJSTask, succeed_on: int) -> str:
+        ctx = current_job()
+        if ctx.attempt < succeed_on:
+            raise self.retry(exc=ValueError(f"not yet ({ctx.attempt})"), countdown=0.2)
+        return f"ok on {ctx.attempt}"
+
     @app.task(shared=False, name="e2e.autoretry", base=OJSTask, autoretry_for=(KeyError,))
     def autoretry(succeed_on: int) -> str:
         ctx = current_job()

@@ -30,3 +30,14 @@ def test_a_retried_jobs_success_is_not_overwritten_by_its_retry(tmp_path: pathli
         assert result.get(timeout=30) == "ok on 2"
         assert result.state == states.SUCCESS
         assert env.job(job_id).state == "completed"
+
+
+def test_a_retry_whose_on_retry_raises_runs_its_next_attempt_at_once(
+        tmp_path: pathlib.Path) -> None:
+    """The task's ``on_retry`` raises, so Celery's trace sends no ``task_retry``: the next
+    attempt's message is still published at the end of the trace (``task_postrun``), as
+    Celery's own retry publishes it, not left to a sweeper (none runs here)."""
+    with start_env("redis", tmp_path) as env:
+        job_id = env.app.tasks["e2e.retry_on_retry_fails"].delay(2).id
+        wait_for(lambda: env.job(job_id).state == "completed", 20, "the second attempt")
+        assert env.job(job_id).attempt == 2
