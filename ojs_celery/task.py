@@ -265,6 +265,8 @@ class OJSTask(Task):  # type: ignore[misc]
         if isinstance(exc, JobError) and not exc.retryable:
             raise exc
         ctx = maybe_current_job()
+        if self.request.called_directly:  # a task called as a function: not the job running
+            ctx = None                     # (if any), whose handler called it
         if ctx is None or self.request.is_eager:
             if ctx is not None and (args is not None or kwargs is not None) and \
                     in_place_of_a_call():

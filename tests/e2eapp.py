@@ -259,6 +259,19 @@ def make_app(config: dict[str, Any]) -> Celery:
             raise self.retry(exc=ValueError(f"not yet ({ctx.attempt})"), countdown=0.2)
         return f"ok on {ctx.attempt}"
 
+    @app.task(shared=False, name="e2e.retry_when_called", base=OJSTask, bind=True)
+    def retry_when_called(self: OJSTask, a: int) -> int:
+        """Retries with new arguments: called directly, Celery raises the ``exc`` instead."""
+        raise self.retry(args=[a + 1], exc=ValueError(f"could not with {a}"), countdown=0)
+
+    @app.task(shared=False, name="e2e.calls_directly", base=OJSTask)
+    def calls_directly(a: int) -> str:
+        """Calls an OJS task directly (as a function), whose ``self.retry`` is its own."""
+        try:
+            return str(app.tasks["e2e.retry_when_called"](a))
+        except ValueError as exc:
+            return f"caught {exc}"
+
     @app.task(shared=False, name="e2e.autoretry", base=OJSTask, autoretry_for=(KeyError,))
     def autoretry(succeed_on: int) -> str:
         ctx = current_job()

@@ -261,6 +261,15 @@ def test_a_result_utf8_cannot_encode_fails_the_attempt_as_any_result_json_cannot
     assert str(result.result).startswith("result is not JSON-serialisable: ")
 
 
+def test_a_task_called_directly_in_a_job_retries_as_celery_does_not_the_job(env: Env) -> None:
+    """A task called as a function inside a job's handler: its ``self.retry`` raises the
+    ``exc`` as Celery's does in a direct call. It took the running job for its own: the job's
+    attempt was retried with the called task's new arguments."""
+    job_id = env.app.tasks["e2e.calls_directly"].delay(1).id
+    job = env.wait_state(job_id, "completed", "retryable", "discarded")
+    assert (job.state, job.attempt, job.result) == ("completed", 1, "caught could not with 1")
+
+
 def test_a_final_job_error_is_final_under_autoretry_for_exception(env: Env) -> None:
     result = env.app.tasks["e2e.final_under_autoretry"].apply_async()
     job = env.wait_state(result.id, "discarded")
