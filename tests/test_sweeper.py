@@ -299,14 +299,20 @@ def test_scheduled_job_beyond_the_horizon_is_published_when_due(app: Celery) -> 
     assert len(messages(app)) == 1
 
 
+def completed(app: Celery, ids: list[str], now: float) -> None:
+    """Run each job's first attempt to completion at ``now`` (written as a worker would)."""
+    store = runtime_of(app).store
+    for job_id in ids:
+        store.start(job_id, 1, "worker_a", now=now)
+        store.complete(job_id, 1, "worker_a", 1, now=now)
+
+
 def test_retention_prunes_terminal_jobs_in_bounded_batches(app: Celery) -> None:
     runtime = runtime_of(app)
     store = runtime.store
     ids = [enqueue({"type": "e2e.add", "args": [i, 1]}, app=app).id for i in range(5)]
     now = time.time()
-    for job_id in ids[:3]:
-        store.start(job_id, 1, "worker_a", now=now)
-        store.complete(job_id, 1, "worker_a", 1, now=now)
+    completed(app, ids[:3], now)
     assert sweep(runtime, now=now + 6 * 86400).pruned == 0
     deleted: list[int] = []
     prune = store.prune
@@ -333,10 +339,8 @@ def test_one_pass_prunes_more_than_a_batch_so_retention_keeps_up_with_the_worker
     runtime = runtime_of(app)
     store = runtime.store
     now = time.time()
-    ids = [enqueue({"type": "e2e.add", "args": [i, 1]}, app=app).id for i in range(7)]
-    for job_id in ids:
-        store.start(job_id, 1, "worker_a", now=now)
-        store.complete(job_id, 1, "worker_a", 1, now=now)
+    completed(app, [enqueue({"type": "e2e.add", "args": [i, 1]}, app=app).id for i in range(7)],
+              now)
     assert sweep(runtime, now=now + 8 * 86400, batch=2).pruned == 7
     assert store.due("retention", now + 8 * 86400, 100) == []
 
@@ -349,10 +353,8 @@ def test_a_prune_batch_that_fails_keeps_the_count_of_the_batches_before_it(
     runtime = runtime_of(app)
     store = runtime.store
     now = time.time()
-    ids = [enqueue({"type": "e2e.add", "args": [i, 1]}, app=app).id for i in range(5)]
-    for job_id in ids:
-        store.start(job_id, 1, "worker_a", now=now)
-        store.complete(job_id, 1, "worker_a", 1, now=now)
+    completed(app, [enqueue({"type": "e2e.add", "args": [i, 1]}, app=app).id for i in range(5)],
+              now)
     prune = store.prune
     for error in (StoreError("store gone"), ValueError("unreadable record")):
         calls: list[int] = []
