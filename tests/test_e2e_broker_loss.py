@@ -172,8 +172,9 @@ def test_a_flushed_broker_under_running_jobs_two_sweepers(
     setup: Setup, caplog: pytest.LogCaptureFixture
 ) -> None:
     """FLUSHALL while both pool processes run long jobs and two more wait in the broker; two
-    sweepers (two processes' runtimes) pass at once: the waiting jobs are republished once
-    between them, the running ones not at all, and each job runs once."""
+    sweepers (two processes' runtimes) pass at once: the waiting jobs are republished (once,
+    or by both when they race on the scan), the running ones not at all, and each job runs
+    once."""
     # long enough that both still run when the second starts on a busy machine
     running = [enqueue({"type": "e2e.sleep", "args": [6]}, app=setup.app).id for _ in range(2)]
     wait_for(lambda: all(setup.store.get(j).state == "active"  # type: ignore[union-attr]
@@ -201,9 +202,15 @@ def test_a_flushed_broker_under_running_jobs_two_sweepers(
         other.close()
     setup.wait_completed([*running, *waiting])
     assert [r.error for r in reports] == [None] * 3
-    assert sum(lost(r) for r in reports) == 2 and sum(r.published for r in reports) == 2
+    # once between them, or, when the second read the mark while the first was republishing,
+    # by both (they scan the same page: copies that fencing drops, as the sweeper's docstring
+    # says; seen once in CI); each job still runs once (below)
+    resent = sum(lost(r) for r in reports)
+    assert resent in (2, 4) and sum(r.published for r in reports) == resent
     said = [r.message for r in caplog.records if "lost its data" in r.message]
-    assert len(said) == 1 and "republished the messages of 2 job(s) waiting on it" in said[0]
+    # said once: by the one that detected the loss, or, should the other's scan move on first,
+    # by that one ("in all that were waiting")
+    assert len(said) == 1 and "republished the messages of 2 job(s)" in said[0], said
     for job_id in [*running, *waiting]:
         job = setup.store.get(job_id)
         assert job is not None and job.attempt == 1 and setup.runs(job_id) == 1
