@@ -953,7 +953,11 @@ def test_a_removed_worker_takes_its_directive_and_drain_marks_along(store: JobSt
     assert not store.remove_worker("w-3")  # another sweeper removed it first
 
 
-def test_directive_races_give_the_value_once(store: JobStore) -> None:
+def test_directive_races_give_the_value_at_least_once_and_take_it(store: JobStore) -> None:
+    """A directive is taken at least once (``MetaArea.take_directive``: read, then deleted if
+    unchanged, so that a delete whose reply was lost still delivers it): takers that race (a
+    worker has one, its beat thread) may each get it, as seen in CI on SQLite; it is gone
+    after, and each got the one sent."""
     store.meta.send_directive("w-2", "terminate")
     taken: list[str | None] = []
     threads = [threading.Thread(target=lambda: taken.append(store.meta.take_directive("w-2")))
@@ -962,7 +966,9 @@ def test_directive_races_give_the_value_once(store: JobStore) -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    assert [t for t in taken if t is not None] == ["terminate"]
+    got = [t for t in taken if t is not None]
+    assert got and set(got) == {"terminate"}
+    assert store.meta.pending_directive("w-2") is None and store.meta.take_directive("w-2") is None
 
 
 def test_a_message_snapshot_starts_the_job_without_a_read(
