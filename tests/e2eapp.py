@@ -241,8 +241,8 @@ def make_app(config: dict[str, Any]) -> Celery:
             time.sleep(seconds)
         return "unreachable"
 
-    @app.task(shared=False, name="e2e.self_retry", base=OJSTask, bind=True)
-    def self_retry(self: OJSTask, succeed_on: int) -> str:
+    def retry_until(self: OJSTask, succeed_on: int) -> str:
+        """Retries (0.2 s later) until attempt ``succeed_on``."""
         ctx = current_job()
         if ctx.attempt < succeed_on:
             raise self.retry(exc=ValueError(f"not yet ({ctx.attempt})"), countdown=0.2)
@@ -252,12 +252,9 @@ def make_app(config: dict[str, Any]) -> Celery:
         def on_retry(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
             raise RuntimeError("on_retry fails")
 
-    @app.task(shared=False, name="e2e.retry_on_retry_fails", base=FailingOnRetry, bind=True)
-    def retry_on_retry_fails(self: OJSTask, succeed_on: int) -> str:
-        ctx = current_job()
-        if ctx.attempt < succeed_on:
-            raise self.retry(exc=ValueError(f"not yet ({ctx.attempt})"), countdown=0.2)
-        return f"ok on {ctx.attempt}"
+    app.task(shared=False, name="e2e.self_retry", base=OJSTask, bind=True)(retry_until)
+    app.task(shared=False, name="e2e.retry_on_retry_fails", base=FailingOnRetry,
+             bind=True)(retry_until)
 
     @app.task(shared=False, name="e2e.retry_when_called", base=OJSTask, bind=True)
     def retry_when_called(self: OJSTask, a: int) -> int:
