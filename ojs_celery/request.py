@@ -7,6 +7,8 @@ repeats), and tells Celery's result backend only what the store accepted: RETRY 
 will run again (no errbacks), FAILURE when it was discarded, nothing for a stale attempt;
 SUCCESS when the store shows the job completed by this very attempt (the limit struck after the
 store took its outcome, before Celery's trace could report it), which no one else would write.
+A retry's next attempt is published only once that RETRY is stored (``ojs_carry_out``), as
+for a retry decided in the pool process (``task.publish_the_retry``).
 
 A pool process that OJS stopped itself (the shutdown drain, ``ojs_terminate``) was stopped
 after the store transition that ended its attempt, whose maker reports it to the result
@@ -37,11 +39,11 @@ from celery.worker.state import task_ready
 from kombu.transport.pyamqp import Channel as AMQPChannel
 
 from . import arrival, lifecycle
-from .effects import carry_out, event_repr, report_outcome
+from .effects import carry_out, event_repr, publish_owed, report_outcome
 from .header import ABSENT, of_request, of_task_request, token_of
 from .identity import current_worker_id
 from .lifecycle import Transition
-from .runtime import get_runtime
+from .runtime import Runtime, get_runtime
 from .store import StoreError
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,10 @@ logger = logging.getLogger(__name__)
 #: What a lost pool process's job became, as its log line says it.
 _LOST_OUTCOMES = {"retried": "retried per its retry policy",
                   "stale": "its attempt had ended already, nothing to do"}
+
+
+#: The request's attribute that holds a retry's transition, whose message waits for RETRY.
+RETRY_OWED = "_ojs_retry_owed"
 
 
 #: How early before the job's total deadline a hard kill still counts as the total's: the
@@ -134,11 +140,39 @@ class OJSRequest(Request):  # type: ignore[misc]
                        self.id, what, then)
         return True
 
-    def ojs_settled(self, outcome: str) -> None:
-        """Another party of this worker (the shutdown drain) wrote this attempt's failure,
-        ``outcome`` ("retried" or "discarded"), and reported it, before stopping its pool
-        process: the stop must not be reported again."""
-        self._ojs_failure_recorded = outcome
+    def ojs_settled(self, runtime: Runtime, done: Transition) -> None:
+        """Another party of this worker (the shutdown drain) failed this attempt in the store
+        (``done``), and is about to stop its pool process: carried out here, reported to the
+        result backend, so that the stop is not reported again (see :meth:`ojs_carry_out`)."""
+        self.ojs_carry_out(runtime, done, report_result=True, worker_request=self)
+
+    def ojs_carry_out(self, runtime: Runtime, done: Transition, **options: Any) -> str:
+        """Carry out the transition that ended this message's attempt in the worker's main
+        process (``carry_out``'s ``options``), and record its outcome, "retried" or
+        "discarded", which is returned. A retry's message is held on the request, not
+        published: :meth:`_ack_without_failure` publishes it right after it stores Celery's
+        RETRY. Published before, the next attempt could run elsewhere and store its SUCCESS
+        between the result backend's read and write of that RETRY, which then overwrote it
+        (``task.publish_the_retry`` keeps the same order for a retry of the pool process).
+        Whoever calls this and may not see the request report (the drain) publishes what it
+        still owes with :meth:`ojs_publish_owed`."""
+        retried = done.record is not None and done.record.job.state == "retryable"
+        if retried:
+            self.__dict__[RETRY_OWED] = (runtime, done)
+        self._ojs_failure_recorded = "retried" if retried else "discarded"
+        carry_out(runtime, done, publish_message=not retried, **options)
+        return self._ojs_failure_recorded
+
+    def ojs_publish_owed(self) -> bool:
+        """Publish the next attempt's message that this request still holds (at most once,
+        whoever of the main process and the drain thread calls it first); returns whether
+        one was published. One that cannot be sent stays in the outbox, for the sweeper."""
+        owed = self.__dict__.pop(RETRY_OWED, None)
+        return owed is not None and publish_owed(*owed)
+
+    def ojs_owes(self) -> bool:
+        """Does this request still hold a retry's message (see :meth:`ojs_carry_out`)?"""
+        return RETRY_OWED in self.__dict__
 
     def _ojs_fail(self, error: dict[str, Any]) -> str:
         """Fail this message's attempt in the store; returns 'retried', 'discarded', 'stale',
@@ -167,10 +201,7 @@ class OJSRequest(Request):  # type: ignore[misc]
             self._ojs_report_own_completion(done, token)
             self._ojs_failure_recorded = "stale"
             return "stale"
-        carry_out(runtime, done)
-        retried = done.record.job.state == "retryable"
-        self._ojs_failure_recorded = "retried" if retried else "discarded"
-        return self._ojs_failure_recorded
+        return self.ojs_carry_out(runtime, done)
 
     def _ojs_report_own_completion(self, done: Transition, token: int) -> None:
         """The store completed this message's attempt, yet its pool process failed (a hard
@@ -216,11 +247,18 @@ class OJSRequest(Request):  # type: ignore[misc]
 
     def _ack_without_failure(self, outcome: str, exc: BaseException) -> None:
         """Close the message for an outcome Celery must not report as a failure (a retry is
-        written as Celery's RETRY, with its ``task-retried`` event, as Celery's own retry)."""
-        task_ready(self)
-        if outcome == "retried":
-            self.task.backend.mark_as_retry(self.id, exc, request=self._context)
-            self.send_event("task-retried", exception=event_repr(exc), traceback="")
+        written as Celery's RETRY, with its ``task-retried`` event, as Celery's own retry);
+        then publish the next attempt's message it holds (:meth:`ojs_carry_out`), whatever
+        the result backend's write raised."""
+        owed = self.__dict__.pop(RETRY_OWED, None)  # before task_ready: the drain waits for that
+        try:
+            task_ready(self)
+            if outcome == "retried":
+                self.task.backend.mark_as_retry(self.id, exc, request=self._context)
+                self.send_event("task-retried", exception=event_repr(exc), traceback="")
+        finally:
+            if owed is not None:
+                publish_owed(*owed)
         self.acknowledge()
 
     def _hard_timeout(self, timeout: float) -> None:

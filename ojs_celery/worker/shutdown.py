@@ -157,6 +157,7 @@ class Drain:
             self._each(self._fail, request)
         if float(node.runtime.app.conf.get("worker_soft_shutdown_timeout") or 0) > 0:
             _wait_gone(leftovers)  # or Celery's soft shutdown would sleep on them
+        self._each(_publish_retries_owed, leftovers)
         self._each(deregister, node, "signal" if source.startswith("SIG") else "shutdown")
         for job_id in self._cancelled:
             self._each(node.registry.clear_draining, job_id)
@@ -224,13 +225,15 @@ class Drain:
             done = None
         if done is not None and done.record is not None:
             # The drain made the transition, so it reports it (discarded: FAILURE), once:
-            # the request then acks the stopped process without Celery's REVOKED.
-            retried = done.record.job.state == "retryable"
+            # the request then acks the stopped process without Celery's REVOKED, storing a
+            # retry's RETRY before it publishes the next attempt (OJSRequest.ojs_carry_out).
             settled = getattr(request, "ojs_settled", None)
             if callable(settled):
-                settled("retried" if retried else "discarded")
-            carry_out(self.runtime, done, report_result=True, worker_request=request)
-        self.node.children.kill(getattr(request, "worker_pid", None))
+                settled(self.runtime, done)
+            else:
+                carry_out(self.runtime, done, report_result=True, worker_request=request)
+        if not self.node.children.kill(getattr(request, "worker_pid", None)):
+            _publish_owed(request)  # no pool process stopped: the request writes no RETRY
 
     def _hand_over_to_celery(self) -> None:
         """Celery's own warm shutdown, in the main thread (nothing is left to wait for)."""
@@ -246,6 +249,35 @@ def _own_limit_fired(request: Any) -> bool:
     soft = (getattr(request, "time_limits", None) or (None, None))[1]
     started = getattr(request, "time_start", None)
     return bool(soft and started and time.time() >= float(started) + float(soft))
+
+
+def _publish_owed(request: Any) -> bool:
+    """Publish the next attempt's message that ``request`` still holds (see
+    ``OJSRequest.ojs_carry_out``); whether one was."""
+    publish = getattr(request, "ojs_publish_owed", None)
+    return callable(publish) and bool(publish())
+
+
+def _publish_retries_owed(requests: list[Any]) -> None:
+    """The retries of the drained ``requests`` whose messages are still held: each stopped
+    request publishes its own once Celery's result backend has its RETRY (when the pool
+    reports the stopped process, ``OJSRequest._ack_without_failure``). One that has not
+    reported within :data:`LEFTOVERS_GONE` (the pool never reports it, or its attempt ended
+    otherwise: a handler that returned meanwhile, whose outcome the store rejected) is
+    published here, before the worker leaves: not left in the outbox for the sweeper, which
+    would send it only after ``dispatch_grace``, or never with no sweeper running. Either way
+    once: the request gives its message up to whichever publishes it first."""
+    owing = [request for request in requests if getattr(request, "ojs_owes", lambda: False)()]
+    if not owing:
+        return
+    limit = time.monotonic() + LEFTOVERS_GONE
+    while time.monotonic() < limit:
+        active = {r.id for r in ojs_requests()}
+        if not [r for r in owing if r.ojs_owes() and r.id in active]:
+            break
+        time.sleep(POLL)
+    for request in owing:
+        _publish_owed(request)
 
 
 def _wait_gone(requests: list[Any]) -> None:
