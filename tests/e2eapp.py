@@ -164,6 +164,15 @@ def make_app(config: dict[str, Any]) -> Celery:
             return "late"
         return f"ok on {ctx.attempt}"
 
+    @app.task(shared=False, name="e2e.dies_once", base=OJSTask)
+    def dies_once() -> str:
+        """Attempt 1 loses its pool process (it exits); later attempts return."""
+        ctx = current_job()
+        record(directory, "runs", f"dies_once {ctx.job_id} attempt={ctx.attempt}")
+        if ctx.attempt == 1:
+            os._exit(1)
+        return f"ok on {ctx.attempt}"
+
     @app.task(shared=False, name="e2e.whoami", base=OJSTask)
     def whoami(seconds: float) -> str:
         """Sleeps, then answers with the id of the worker that ran it."""

@@ -11,12 +11,17 @@ backend takes a second over that write, so the next attempt, 0.2 s later, would 
 from __future__ import annotations
 
 import pathlib
+import time
+from typing import Any
 
+import pytest
 from celery import states
+
+from ojs_celery import enqueue
 
 from . import services
 from .conftest import start_env
-from .workers import wait_for
+from .workers import Worker, wait_for
 
 
 def test_a_retried_jobs_success_is_not_overwritten_by_its_retry(tmp_path: pathlib.Path) -> None:
@@ -41,3 +46,35 @@ def test_a_retry_whose_on_retry_raises_runs_its_next_attempt_at_once(
         job_id = env.app.tasks["e2e.retry_on_retry_fails"].delay(2).id
         wait_for(lambda: env.job(job_id).state == "completed", 20, "the second attempt")
         assert env.job(job_id).attempt == 2
+
+
+# A retry the worker's main process decides (a lost pool process, a hard time limit): it stores
+# the RETRY itself, and the next attempt, 0.2 s later, runs in the other worker (this one's only
+# pool process is busy until the RETRY is stored) unless its message waits for that write.
+MAIN_PROCESS_RETRIES = {
+    "lost pool process": {"type": "e2e.dies_once", "args": []},
+    "hard time limit": {"type": "e2e.stuck_first", "args": [8], "timeout": 1, "grace_period": 0},
+}
+
+
+@pytest.mark.parametrize("envelope", MAIN_PROCESS_RETRIES.values(), ids=MAIN_PROCESS_RETRIES)
+def test_a_retry_of_the_main_process_stores_retry_before_its_next_attempt_runs(
+        tmp_path: pathlib.Path, envelope: dict[str, Any]) -> None:
+    slow = f"tests.e2eapp:SlowRetryResults+{services.redis_url()}"
+    with start_env("redis", tmp_path, config={"result_backend": slow}, concurrency=1) as env:
+        other = Worker(env.config, tmp_path / "other.log", concurrency=1)
+        try:
+            other.wait_ready()
+            policy = {"max_attempts": 3, "initial_interval": "PT0.2S", "jitter": False}
+            job = enqueue({**envelope, "retry": policy}, app=env.app)
+            env.wait_state(job.id, "completed", timeout=30)
+            time.sleep(1.5)  # past the slow write of the RETRY, had it come after the SUCCESS
+            result = env.app.AsyncResult(job.id)
+            assert result.get(timeout=15) == "ok on 2"
+            assert result.state == states.SUCCESS
+            done = env.job(job.id)
+            assert done.state == "completed" and done.attempt == 2
+            runs = [line for line in env.lines("runs") if job.id in line]
+            assert [line.split()[-1] for line in runs] == ["attempt=1", "attempt=2"]
+        finally:
+            other.stop()
