@@ -11,6 +11,7 @@ backend takes a second over that write, so the next attempt, 0.2 s later, would 
 from __future__ import annotations
 
 import pathlib
+import signal
 import time
 from typing import Any
 
@@ -21,7 +22,7 @@ from ojs_celery import enqueue
 
 from . import services
 from .conftest import start_env
-from .workers import Worker, wait_for
+from .workers import Worker, unique, wait_for
 
 
 def test_a_retried_jobs_success_is_not_overwritten_by_its_retry(tmp_path: pathlib.Path) -> None:
@@ -78,3 +79,38 @@ def test_a_retry_of_the_main_process_stores_retry_before_its_next_attempt_runs(
             assert [line.split()[-1] for line in runs] == ["attempt=1", "attempt=2"]
         finally:
             other.stop()
+
+
+def test_a_retry_of_the_shutdown_drain_stores_retry_before_its_next_attempt_runs(
+        tmp_path: pathlib.Path) -> None:
+    """A worker shutting down with a 2 s drain fails a job that overruns its cancellation
+    (``shutdown``, retried 0.2 s later) and stops its pool process; the request stores the
+    RETRY, slowly, and a second worker on the job's queue runs the next attempt, which resumes
+    from the checkpoint the first one saved and returns at once."""
+    slow = f"tests.e2eapp:SlowRetryResults+{services.redis_url()}"
+    with start_env("redis", tmp_path, config={"result_backend": slow}, concurrency=1) as env:
+        queue = unique("own")
+        config = {**env.config, "worker_queues": [queue],
+                  "ojs": {**env.config["ojs"], "shutdown_grace_period": 2.0}}
+        leaving = Worker(config, tmp_path / "leaving.log", concurrency=1)
+        other: Worker | None = None
+        try:
+            leaving.wait_ready()
+            policy = {"max_attempts": 3, "initial_interval": "PT0.2S", "jitter": False}
+            job = enqueue({"type": "e2e.resumable", "args": [60], "queue": queue,
+                           "timeout": 100, "retry": policy}, app=env.app)
+            env.wait_state(job.id, "active", worker=leaving)
+            other = Worker(config, tmp_path / "other.log", concurrency=1)
+            other.wait_ready()
+            leaving.process.send_signal(signal.SIGTERM)
+            env.wait_state(job.id, "completed", timeout=30, worker=other)
+            assert leaving.process.wait(20) == 0
+            result = env.app.AsyncResult(job.id)
+            assert result.get(timeout=15) == {"resumed_from": {"step": 1}}
+            assert result.state == states.SUCCESS
+            done = env.job(job.id)
+            assert done.attempt == 2 and [e["type"] for e in done.errors] == ["shutdown"]
+        finally:
+            leaving.stop()
+            if other is not None:
+                other.stop()
