@@ -2,16 +2,18 @@
 
 Celery does not validate unknown keys, so a typo would pass silently; here every key is checked
 and a bad one raises Celery's ``ImproperlyConfigured`` naming ``ojs.<key>`` and the rule.
-Durations are seconds and accept floats (tests use short intervals).
+Durations are seconds and accept floats (tests use short intervals), finite (see ``Seconds``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
 from celery.exceptions import ImproperlyConfigured
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -28,7 +30,20 @@ from .store.base import DEFAULT_TIMEOUT as DEFAULT_STORE_TIMEOUT
 
 logger = logging.getLogger(__name__)
 
-PositiveSeconds = float
+
+
+def _finite(value: float) -> float:
+    """Refuse an infinite duration (``inf``, ``"Infinity"``, ``1e400``), which pydantic reads
+    as a float: it would mean "never" (a drain, a republish, a deadline that never comes), and
+    nothing in ojs_celery waits for ever."""
+    if not math.isfinite(value):
+        raise ValueError(f"must be a finite number of seconds, not {value}: nothing waits for "
+                         "ever, so an infinite duration is not read as never")
+    return value
+
+
+#: A duration setting: seconds, a float, finite (each field adds its own lower bound).
+Seconds = Annotated[float, AfterValidator(_finite)]
 #: The beginnings of the ``store_url`` schemes a backend exists for.
 STORE_SCHEMES = ("sqlite", "postgresql", "postgres", "redis", "rediss", "unix")
 #: The job ``heartbeat_timeout`` an envelope gets when it names none (the spec's default).
@@ -40,10 +55,10 @@ class Retention(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    completed: float = Field(7 * DAY, gt=0)
-    cancelled: float = Field(30 * DAY, gt=0)
-    discarded: float = Field(30 * DAY, gt=0)
-    dead_letter: float = Field(180 * DAY, gt=0)
+    completed: Seconds = Field(7 * DAY, gt=0)
+    cancelled: Seconds = Field(30 * DAY, gt=0)
+    discarded: Seconds = Field(30 * DAY, gt=0)
+    dead_letter: Seconds = Field(180 * DAY, gt=0)
 
 
 def _on_postgres(info: ValidationInfo) -> bool:
@@ -74,23 +89,23 @@ class Settings(BaseModel):
     type_map: dict[str, str] = {}
     events: bool = True
     amqp_max_priority: int = Field(10, ge=1, le=255)
-    dispatch_grace: float = Field(10.0, gt=0)
-    schedule_horizon: float = Field(60.0, gt=0)
-    redispatch_after: float = Field(3600.0, gt=0)
-    sweep_interval: float = Field(2.0, gt=0)
+    dispatch_grace: Seconds = Field(10.0, gt=0)
+    schedule_horizon: Seconds = Field(60.0, gt=0)
+    redispatch_after: Seconds = Field(3600.0, gt=0)
+    sweep_interval: Seconds = Field(2.0, gt=0)
     sweep_queue: str = "ojs.sweep"
     sweep_batch: int = Field(500, ge=1)
     #: At most the error history's length (its tail of dispatch errors is what is counted).
     dispatch_failure_limit: int = Field(5, ge=1, le=ERRORS_KEPT)
-    execution_tolerance: float = Field(1.5, ge=1.5)
-    heartbeat_interval: float = Field(5.0, gt=0)
+    execution_tolerance: Seconds = Field(1.5, ge=1.5)
+    heartbeat_interval: Seconds = Field(5.0, gt=0)
     #: At most a day: a worker records its own, which sweepers wait for (a dead one with a huge
     #: timeout would hold its jobs that long).
     worker_heartbeat_timeout: float = Field(30.0, gt=0)
-    shutdown_grace_period: float = Field(25.0, ge=0)
+    shutdown_grace_period: Seconds = Field(25.0, ge=0)
     #: A job still running this long (at most its own grace period) before the drain ends gets
     #: its cancellation signal; at most half of ``shutdown_grace_period`` (see cancel_window).
-    shutdown_cancel_window: float = Field(5.0, ge=0)
+    shutdown_cancel_window: Seconds = Field(5.0, ge=0)
     labels: list[str] = []
     retention: Retention = Retention()
     #: The execution timeout of a Celery caller's job whose task has no Celery time limit.

@@ -255,3 +255,19 @@ def test_a_worker_heartbeat_timeout_over_a_day_is_refused(value: float) -> None:
     with pytest.raises(ImproperlyConfigured,
                        match=r"ojs\.worker_heartbeat_timeout: at most a day \(86400s\)"):
         read_settings({"worker_heartbeat_timeout": value})
+
+
+@pytest.mark.parametrize("value", [float("inf"), "inf", "Infinity", "1e400"])
+@pytest.mark.parametrize(
+    "key",
+    ["dispatch_grace", "redispatch_after", "shutdown_grace_period", "schedule_horizon",
+     "sweep_interval", "heartbeat_interval", "execution_tolerance", "shutdown_cancel_window",
+     "retention.completed", "retention.dead_letter"],
+)
+def test_an_infinite_duration_is_refused_not_read_as_never(key: str, value: Any) -> None:
+    """pydantic reads ``inf`` (and ``1e400``, beyond a double) as a float: a drain, a
+    republish or a deadline that never came, where nothing may wait for ever."""
+    outer, _, inner = key.partition(".")
+    message = bad({outer: {inner: value}} if inner else {key: value})
+    assert f"ojs.{key}: must be a finite number of seconds, not inf: nothing waits for ever" \
+        in message
