@@ -21,7 +21,7 @@ from .envelope import (
     Rules,
     could_be_job_id,
     parse_batch,
-    parse_envelope,
+    parse_input,
 )
 from .lifecycle import Transition
 from .producer import (
@@ -250,7 +250,7 @@ def enqueue(envelope: dict[str, Any] | str | bytes | Job, *, app: Celery | None 
     logged, not raised, so that a caller who retries never gets the job twice.
     """
     runtime = get_runtime(app)
-    job = parse_envelope(envelope, rules=publish_rules(runtime))
+    job = parse_input(envelope, rules=publish_rules(runtime))
     mismatch = argument_rule(runtime, job)
     if mismatch is not None:
         raise InvalidJob([("args", mismatch)])

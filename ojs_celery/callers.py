@@ -39,7 +39,7 @@ from .envelope import (
     InvalidJob,
     Job,
     json_native,
-    parse_envelope,
+    parse_input,
     typed_leaves,
 )
 from .producer import (
@@ -93,7 +93,7 @@ def enqueue_call(task: Task, args: Any, kwargs: Any, options: dict[str, Any]) ->
         # carry it (a retry is published by a worker, whose own queue it would get)
         options = {**options, "reply_to": task.app.thread_oid}
     try:  # a try, not a context manager: free on the caller's path unless it raises
-        job = parse_envelope(envelope, celery_id=True)
+        job = parse_input(envelope, celery_id=True)
     except InvalidJob as refused:  # a datetime, a Decimal, ...: see typed_call
         job = typed_call(task.app, envelope, refused)
     try:
@@ -124,7 +124,7 @@ def with_parent(parent: Task | None, options: dict[str, Any]) -> dict[str, Any]:
 
 def call_arguments(task: Task, args: Any, kwargs: Any) -> dict[str, Any]:
     """The envelope fields of a Celery call's type and arguments (kwargs travel in
-    ``x_celery_kwargs``); :func:`~ojs_celery.envelope.parse_envelope` names what JSON cannot
+    ``x_celery_kwargs``); :func:`~ojs_celery.envelope.parse_input` names what JSON cannot
     carry."""
     envelope: dict[str, Any] = {"type": task.ojs_type or task.name,
                                 "args": json_native(list(args or ()))}
@@ -160,7 +160,7 @@ def check_call_arguments(task: Task, args: Any, kwargs: Any) -> dict[str, Any]:
     kombu's typed JSON, see :func:`typed_call`)."""
     envelope = call_arguments(task, args, kwargs)
     try:
-        parse_envelope(envelope, celery_id=True)
+        parse_input(envelope, celery_id=True)
     except InvalidJob as refused:
         envelope, _ = typed_job(task.app, envelope, refused)
     return envelope
@@ -192,7 +192,7 @@ def typed_job(app: Celery, envelope: dict[str, Any],
     The one check of a call's (:func:`typed_call`) and a retry's (:func:`check_call_arguments`)
     typed arguments."""
     typed = typed_arguments(envelope, refused)
-    job = parse_envelope(typed, celery_id=True, typed=True)
+    job = parse_input(typed, celery_id=True, typed=True)
     refuse_unserializable(app, envelope.get("args"), envelope.get(CELERY_KWARGS_FIELD))
     return typed, job
 

@@ -34,7 +34,7 @@ from .envelope import (
     Job,
     JsonValue,
     new_job_id,
-    parse_envelope,
+    parse_input,
     utcnow,
 )
 from .lifecycle import Record
@@ -118,7 +118,7 @@ def _job_id(task_id: str | None) -> str:
     lower-cased as on a worker, or a new one."""
     if not task_id:
         return new_job_id()
-    return parse_envelope({"type": "eager", "args": [], "id": task_id}, celery_id=True).id
+    return parse_input({"type": "eager", "args": [], "id": task_id}, celery_id=True).id
 
 
 def in_place_of_a_call() -> bool:

@@ -371,7 +371,7 @@ class Job(BaseModel):
     @classmethod
     def _uuid7(cls, value: Any, info: ValidationInfo) -> Any:
         """A UUIDv7 for an envelope from outside; a Celery caller's task id (see
-        :data:`CELERY_ID_PATTERN`) when :func:`parse_envelope` is told the id came from Celery,
+        :data:`CELERY_ID_PATTERN`) when :func:`parse_input` is told the id came from Celery,
         and when a stored record is read back (no context)."""
         if not isinstance(value, str):
             raise ValueError("must be a string")
@@ -527,7 +527,7 @@ def _field_violations_before_model(data: dict[Any, Any],
     """``(key, rule)`` for the top-level fields the model cannot be trusted with: a key that is
     no string, a value nested deeper than :data:`MAX_NESTING` or holding a number that is not
     finite, a kombu type tag in the message body's fields (unless ``typed``: see
-    :func:`parse_envelope`), an ``x_celery_*`` field that an
+    :func:`parse_input`), an ``x_celery_*`` field that an
     envelope may not set or that is malformed. One pass, on every enqueue's path."""
     found: list[tuple[Any, str]] = []
     for key, value in data.items():
@@ -705,7 +705,15 @@ def _not_a_json_number(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_not_a_json_number)
 
 
-def parse_envelope(
+def parse_envelope(data: dict[str, Any] | str | bytes | Job) -> Job:
+    """Validate an envelope and return a new job (state unset; system fields ignored).
+
+    Raises :class:`InvalidJob` listing every violation. The public API: the package's own
+    callers use :func:`parse_input`, whose extra arguments are theirs only."""
+    return parse_input(data)
+
+
+def parse_input(
     data: dict[str, Any] | str | bytes | Job, *, rules: Rules | None = None,
     celery_id: bool = False, sent: int | None = None, typed: bool = False,
 ) -> Job:
@@ -1009,14 +1017,14 @@ def parse_batch(data: str | bytes | list[Any], *, rules: Rules | None = None) ->
             continue
         try:
             try:
-                job = parse_envelope(item, rules=rules)
+                job = parse_input(item, rules=rules)
             except InvalidJob as exc:
                 # Over 1 MiB as the job writes it: measure the item as sent (in a top-level
                 # array), found in the text only now, since this is rare
                 if text is None or not _oversized(exc):
                     raise
                 sizes = sizes or _item_sizes(text)
-                job = parse_envelope(item, rules=rules, sent=sizes[index])
+                job = parse_input(item, rules=rules, sent=sizes[index])
         except InvalidJob as exc:
             violations.extend(
                 (f"[{index}]" if path == "(envelope)" else f"[{index}].{path}", rule)

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from ojs_celery.envelope import InvalidJob, Job, new_job_id, parse_envelope
+from ojs_celery.envelope import InvalidJob, Job, new_job_id, parse_envelope, parse_input
 
 
 def test_an_envelope_from_outside_needs_a_uuid7() -> None:
@@ -20,7 +20,7 @@ def test_an_envelope_from_outside_needs_a_uuid7() -> None:
                                      "7D1E2F3A-4B5C-4D6E-9F70-8192A3B4C5D6",
                                      "report:2024-01", "nightly.export@eu"])
 def test_a_celery_callers_task_id_is_kept(task_id: str) -> None:
-    job = parse_envelope({"type": "a.b", "args": [], "id": task_id}, celery_id=True)
+    job = parse_input({"type": "a.b", "args": [], "id": task_id}, celery_id=True)
     expected = task_id.lower() if len(task_id) == 36 else task_id
     assert job.id == expected
     assert Job.model_validate_json(job.to_json()).id == expected  # as the store reads it
@@ -29,4 +29,4 @@ def test_a_celery_callers_task_id_is_kept(task_id: str) -> None:
 @pytest.mark.parametrize("task_id", ["Report-1", "has space", "", "x" * 256, "a/b"])
 def test_task_ids_no_store_key_should_carry_are_refused(task_id: str) -> None:
     with pytest.raises(InvalidJob, match="id"):
-        parse_envelope({"type": "a.b", "args": [], "id": task_id}, celery_id=True)
+        parse_input({"type": "a.b", "args": [], "id": task_id}, celery_id=True)

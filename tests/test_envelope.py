@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import time
@@ -25,6 +26,7 @@ from ojs_celery.envelope import (
     parse_batch,
     parse_duration,
     parse_envelope,
+    parse_input,
 )
 
 UUID7 = "0190a5b2-7c3d-7e4f-8a9b-0c1d2e3f4a5b"
@@ -51,6 +53,16 @@ def rule_for(data: Any, path: str) -> str:
     found = [rule for p, rule in violations(data) if p == path]
     assert found, f"no violation at {path!r}"
     return found[0]
+
+
+def test_the_public_parse_envelope_takes_the_envelope_only() -> None:
+    """Its signature showed the package's own keyword arguments (``rules``, ``celery_id``,
+    ``sent``, ``typed``): they are :func:`parse_input`'s, which the package's callers use."""
+    import ojs_celery
+
+    assert ojs_celery.parse_envelope is parse_envelope
+    assert list(inspect.signature(parse_envelope).parameters) == ["data"]
+    assert parse_envelope(env(id=UUID7)).model_dump() == parse_input(env(id=UUID7)).model_dump()
 
 
 # --------------------------------------------------------------------------- minimal / defaults
