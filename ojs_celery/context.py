@@ -88,7 +88,7 @@ class JobContext:
         problems = storable_violations({"data": data, "checkpoint": checkpoint})
         fraction = None if value is None else _number(value)
         if fraction is not None and not math.isfinite(fraction):
-            problems.insert(0, ("value", "must be a finite number (0 to 1)"))
+            problems.insert(0, ("value", PROGRESS_VALUE_RULE))
         if problems:
             raise ValueError("progress(): " + "; ".join(f"{path}: {rule}"
                                                         for path, rule in problems))
@@ -141,6 +141,12 @@ class JobContext:
             return False
         self._update(transition.record)
         return True
+
+
+#: What ``progress(value)`` refuses: NaN, the infinities and what is no number, which no clamp
+#: places on the scale (a finite number outside 0 to 1 is clamped, so naming the range misled).
+PROGRESS_VALUE_RULE = ("must be a number, not NaN or an infinity (a finite one is clamped to "
+                       "0 to 1)")
 
 
 def _number(value: Any) -> float:

@@ -73,8 +73,9 @@ def test_progress_refuses_what_the_record_cannot_hold_and_writes_nothing(
                         checkpoint={"at": datetime(2026, 1, 1, tzinfo=timezone.utc)})
     for call, said in [
         (lambda: ctx.progress(0.6, data=[object()]), "data: must be JSON data"),
-        (lambda: ctx.progress(float("nan")), "value: must be a finite number"),
-        (lambda: ctx.progress("most"), "value: must be a finite number"),
+        (lambda: ctx.progress(float("nan")), "value: must be a number, not NaN or an infinity"),
+        (lambda: ctx.progress(float("-inf")), "value: must be a number, not NaN or an infinity"),
+        (lambda: ctx.progress("most"), "value: must be a number, not NaN"),
         (lambda: ctx.progress(0.6, checkpoint={"x": float("inf")}),
          "checkpoint: must hold only finite"),
     ]:
