@@ -79,11 +79,13 @@ def sweep(
     batch: int | None = None,
     *,
     faults: OncePerKind | None = None,
+    interval: float | None = None,
 ) -> SweepReport:
     """One enforcement pass; it never raises. Store or broker trouble is logged and ends the
     pass early; so does any other error (logged through ``faults``, with its traceback the
     first time). What was not done is still due, so the next pass does it. ``error`` in the
-    report says why the pass ended early."""
+    report says why the pass ended early. ``interval``: the seconds until the next pass (a
+    loop's own; default ``sweep_interval``), which the pruning may take."""
     at = time.time() if now is None else now
     report = SweepReport(started=at)
     try:
@@ -92,7 +94,8 @@ def sweep(
         # outbox (else it would publish them again), and the pass's own when it returns.
         runtime.acks.flush()
         try:
-            _sweep(runtime, at, limit, report)
+            _sweep(runtime, at, limit, report,
+                   interval or runtime.settings.sweep_interval)
             runtime.store.meta.record_sweep(at)
             if faults is not None:
                 faults.succeeded()
@@ -112,14 +115,15 @@ def sweep(
 OUTAGES = (StoreError, BrokerUnavailable)
 
 
-def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
+def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport,
+           interval: float) -> None:
     spell = _blind_spell(runtime)
     for clock in lifecycle.SWEEP:
         if isinstance(clock, WorkerClock):
             _bury_dead_workers(runtime, clock, now, limit, report, spell)
         elif clock.when_due is None:  # retention: what is due is deleted, not changed
             try:
-                _prune(runtime, now, limit, report)
+                _prune(runtime, now, limit, report, interval)
             except OUTAGES:
                 raise
             except Exception as exc:  # a record that cannot be read: the rest stays done
@@ -131,13 +135,15 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport) -> Non
     _check_broker(runtime, limit, report)
 
 
-def _prune(runtime: Runtime, now: float, limit: int, report: SweepReport) -> None:
-    """Prune in batches of ``limit`` until a batch comes back short, for at most one sweep
-    interval: every job ends on the retention clock, so one batch per pass (250 jobs/s with the
+def _prune(runtime: Runtime, now: float, limit: int, report: SweepReport,
+           interval: float) -> None:
+    """Prune in batches of ``limit`` until a batch comes back short, for at most ``interval``
+    (the time until the next pass: a loop's ``--interval``, not always ``sweep_interval``):
+    every job ends on the retention clock, so one batch per pass (250 jobs/s with the
     defaults) fell behind a worker finishing more than that, and the store grew without bound.
     Each batch is counted in ``report`` as it is done, so that a later batch's error (which
     ends the pruning) does not hide the jobs the earlier ones deleted."""
-    budget = time.monotonic() + runtime.settings.sweep_interval
+    budget = time.monotonic() + interval
     while True:
         done = runtime.store.prune(now, limit)
         report.pruned += done
@@ -532,7 +538,7 @@ def run_loop(runtime: Runtime, interval: float | None = None,
     failures = 0
     while not stop():
         began = time.monotonic()
-        report = sweep(runtime, faults=faults)
+        report = sweep(runtime, faults=faults, interval=every)
         if report.error is None:
             failures = 0
             if report.total:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import multiprocessing
 import pathlib
 import threading
 import time
+import types
 from collections import Counter
 from typing import Any
 
@@ -373,6 +375,34 @@ def test_a_prune_batch_that_fails_keeps_the_count_of_the_batches_before_it(
             del store.prune
         assert len(calls) == 2 and report.pruned == 2, (error, report)
     assert sweep(runtime, now=now + 8 * 86400).pruned == 1
+
+
+@pytest.mark.parametrize("interval", [None, 60.0])
+def test_a_loops_pruning_may_take_the_loops_own_interval(
+    app: Celery, monkeypatch: pytest.MonkeyPatch, interval: float | None
+) -> None:
+    """``ojs-celery sweep --loop --interval 60`` pruned for at most ``sweep_interval`` (2 s)
+    a pass, then idled the rest of the minute: a backlog the loop had the time to clear took
+    thirty times as many passes. Each batch here takes a second of the sweeper's clock."""
+    runtime = runtime_of(app)
+    store = runtime.store
+    clock = [1000.0]
+    batches: list[int] = []
+
+    def full_batch(at: float | None = None, limit: int = 500) -> int:
+        batches.append(limit)
+        clock[0] += 1.0
+        return limit
+
+    monkeypatch.setattr(sweeper_module, "time", types.SimpleNamespace(
+        time=time.time, monotonic=lambda: clock[0], sleep=time.sleep))
+    passes = iter([False, True])  # stop() is asked before each pass: one pass
+    store.prune = full_batch  # type: ignore[method-assign]
+    try:
+        run_loop(runtime, interval, stop=lambda: next(passes), pause=lambda _: None)
+    finally:
+        del store.prune
+    assert len(batches) == math.ceil(interval or runtime.settings.sweep_interval)
 
 
 def test_concurrent_sweepers_apply_each_transition_once(
