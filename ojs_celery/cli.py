@@ -29,6 +29,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.exceptions import SerializerNotInstalled
 
 from .api import JobNotFound, cancel, enqueue, enqueue_batch, get_job, purge
+from .conf import finite_seconds
 from .envelope import (
     MAX_BATCH_BYTES,
     MAX_ENVELOPE_BYTES,
@@ -362,10 +363,20 @@ def _interrupt_within_deadline(_signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _finite_option(value: float | None) -> float | None:
+    """``--interval inf`` would be a loop that never sweeps again (or fails at its first
+    wait) and prunes without end: the settings' rule, as a usage error."""
+    try:
+        return None if value is None else finite_seconds(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 @commands.command(name="sweep")
 @click.option("--once", is_flag=True, help="Run one pass and print what it did (the default).")
 @click.option("--loop", is_flag=True, help="Run a pass every --interval seconds.")
 @click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=None,
+              callback=lambda ctx, param, value: _finite_option(value),
               help="Seconds between --loop's passes (default: the ojs.sweep_interval setting).")
 @click.pass_context
 def sweep_command(ctx: click.Context, once: bool, loop: bool, interval: float | None) -> None:

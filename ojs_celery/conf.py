@@ -32,10 +32,10 @@ logger = logging.getLogger(__name__)
 
 
 
-def _finite(value: float) -> float:
+def finite_seconds(value: float) -> float:
     """Refuse an infinite duration (``inf``, ``"Infinity"``, ``1e400``), which pydantic reads
     as a float: it would mean "never" (a drain, a republish, a deadline that never comes), and
-    nothing in ojs_celery waits for ever."""
+    nothing in ojs_celery waits for ever. The settings' rule, and the CLI's ``--interval``."""
     if not math.isfinite(value):
         raise ValueError(f"must be a finite number of seconds, not {value}: nothing waits for "
                          "ever, so an infinite duration is not read as never")
@@ -43,7 +43,7 @@ def _finite(value: float) -> float:
 
 
 #: A duration setting: seconds, a float, finite (each field adds its own lower bound).
-Seconds = Annotated[float, AfterValidator(_finite)]
+Seconds = Annotated[float, AfterValidator(finite_seconds)]
 #: The beginnings of the ``store_url`` schemes a backend exists for.
 STORE_SCHEMES = ("sqlite", "postgresql", "postgres", "redis", "rediss", "unix")
 #: The job ``heartbeat_timeout`` an envelope gets when it names none (the spec's default).

@@ -377,7 +377,10 @@ def test_sweep_flags_that_contradict_are_a_usage_error(env: Env) -> None:
     for args, said in ((("--once", "--loop"), "--once and --loop exclude each other"),
                        (("--loop", "--once"), "--once and --loop exclude each other"),
                        (("--interval", "5"), "--interval applies to --loop only"),
-                       (("--once", "--interval", "5"), "--interval applies to --loop only")):
+                       (("--once", "--interval", "5"), "--interval applies to --loop only"),
+                       (("--loop", "--interval", "inf"),
+                        "Invalid value for '--interval': must be a finite number of seconds, "
+                        "not inf: nothing waits for ever")):
         out = run(env, "sweep", *args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert f"Error: {said}" in out.stderr and out.stdout == "", (args, out.stderr)
