@@ -15,6 +15,7 @@ from celery.exceptions import ImproperlyConfigured
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -24,26 +25,45 @@ from pydantic import (
 )
 
 from . import compat
-from .envelope import PATTERN_RULES, TYPE_PATTERN, Job, field_violations
+from .envelope import MAX_DURATION, PATTERN_RULES, TYPE_PATTERN, Job, field_violations
 from .lifecycle import DAY, ERRORS_KEPT, Policy
 from .store.base import DEFAULT_TIMEOUT as DEFAULT_STORE_TIMEOUT
 
 logger = logging.getLogger(__name__)
 
 
-
 def finite_seconds(value: float) -> float:
     """Refuse an infinite duration (``inf``, ``"Infinity"``, ``1e400``), which pydantic reads
     as a float: it would mean "never" (a drain, a republish, a deadline that never comes), and
-    nothing in ojs_celery waits for ever. The settings' rule, and the CLI's ``--interval``."""
+    nothing in ojs_celery waits for ever; and one past a hundred years (``1e300``), which is
+    never as well, and beyond what a wait (``threading.TIMEOUT_MAX``) or a date can hold. The
+    settings' rule, and the CLI's ``--interval``."""
     if not math.isfinite(value):
         raise ValueError(f"must be a finite number of seconds, not {value}: nothing waits for "
-                         "ever, so an infinite duration is not read as never")
+                         "ever, so no duration is read as never")
+    if value > MAX_DURATION:
+        raise ValueError(f"must be at most {MAX_DURATION} seconds (a hundred years), not "
+                         f"{value}: nothing waits for ever, so no duration is read as never")
     return value
 
 
-#: A duration setting: seconds, a float, finite (each field adds its own lower bound).
-Seconds = Annotated[float, AfterValidator(finite_seconds)]
+def _refuse_non_finite_first(value: Any) -> Any:
+    """Apply :func:`finite_seconds` to NaN and the infinities before a field's lower bound,
+    which would name the bound (NaN is "not greater than 0"); other input goes on as it is, to
+    pydantic's own parsing and the bounds."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):  # no number, or an int past a float
+        return value
+    if not math.isfinite(number):
+        finite_seconds(number)
+    return value
+
+
+#: A duration setting: seconds, a float, finite and at most a hundred years (each field adds
+#: its own lower bound, and may lower the upper one).
+Seconds = Annotated[float, BeforeValidator(_refuse_non_finite_first),
+                    AfterValidator(finite_seconds)]
 #: The beginnings of the ``store_url`` schemes a backend exists for.
 STORE_SCHEMES = ("sqlite", "postgresql", "postgres", "redis", "rediss", "unix")
 #: The job ``heartbeat_timeout`` an envelope gets when it names none (the spec's default).
@@ -59,6 +79,15 @@ class Retention(BaseModel):
     cancelled: Seconds = Field(30 * DAY, gt=0)
     discarded: Seconds = Field(30 * DAY, gt=0)
     dead_letter: Seconds = Field(180 * DAY, gt=0)
+
+
+#: What waits for the settings :meth:`Settings._at_most_a_day` bounds, as its error says.
+_WHO_WAITS = {
+    "worker_heartbeat_timeout": "sweepers wait this long for a silent worker of this app before "
+                                "they recover its jobs",
+    "shutdown_grace_period": "a stopping worker waits this long for its running jobs (the "
+                             "deploy with it), and nothing waits for ever",
+}
 
 
 def _on_postgres(info: ValidationInfo) -> bool:
@@ -102,6 +131,7 @@ class Settings(BaseModel):
     #: At most a day: a worker records its own, which sweepers wait for (a dead one with a huge
     #: timeout would hold its jobs that long).
     worker_heartbeat_timeout: float = Field(30.0, gt=0)
+    #: At most a day: a deploy waits this long for the worker's running jobs (see _at_most_a_day).
     shutdown_grace_period: Seconds = Field(25.0, ge=0)
     #: A job still running this long (at most its own grace period) before the drain ends gets
     #: its cancellation signal; at most half of ``shutdown_grace_period`` (see cancel_window).
@@ -109,7 +139,9 @@ class Settings(BaseModel):
     labels: list[str] = []
     retention: Retention = Retention()
     #: The execution timeout of a Celery caller's job whose task has no Celery time limit.
-    default_timeout: int = Field(1800, gt=0)
+    #: Whole seconds (a job's timeout), at most a hundred years as the job's own (finite_seconds):
+    #: a longer one passed here and failed every Celery call of a task with no time limit.
+    default_timeout: Annotated[int, AfterValidator(finite_seconds)] = Field(1800, gt=0)
     #: ``"celery"``: jobs from Celery callers keep Celery's retry semantics (README mapping);
     #: ``"ojs"``: they get the OJS defaults, as envelopes do (a task's ``ojs_semantics`` wins).
     celery_callers: Literal["celery", "ojs"] = "celery"
@@ -131,12 +163,13 @@ class Settings(BaseModel):
             raise ValueError(str(exc)) from None
         return value
 
-    @field_validator("worker_heartbeat_timeout")
+    @field_validator("worker_heartbeat_timeout", "shutdown_grace_period")
     @classmethod
-    def _at_most_a_day(cls, value: float) -> float:
+    def _at_most_a_day(cls, value: float, info: ValidationInfo) -> float:
+        """Waits that hold jobs, which a longer value would hold for days: the jobs of a dead
+        worker, or a deploy (a stopping worker's drain, unbounded in all but name)."""
         if not value <= DAY:  # (inf and nan too)
-            raise ValueError(f"at most a day ({DAY:.0f}s): sweepers wait this long for a silent "
-                             "worker of this app before they recover its jobs")
+            raise ValueError(f"at most a day ({DAY:.0f}s): {_WHO_WAITS[str(info.field_name)]}")
         return value
 
     @field_validator("store_prefix")

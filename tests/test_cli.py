@@ -380,7 +380,10 @@ def test_sweep_flags_that_contradict_are_a_usage_error(env: Env) -> None:
                        (("--once", "--interval", "5"), "--interval applies to --loop only"),
                        (("--loop", "--interval", "inf"),
                         "Invalid value for '--interval': must be a finite number of seconds, "
-                        "not inf: nothing waits for ever")):
+                        "not inf: nothing waits for ever"),
+                       (("--loop", "--interval", "1e300"),
+                        "Invalid value for '--interval': must be at most 3153600000 seconds (a "
+                        "hundred years), not 1e+300: nothing waits for ever")):
         out = run(env, "sweep", *args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert f"Error: {said}" in out.stderr and out.stdout == "", (args, out.stderr)

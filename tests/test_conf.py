@@ -257,6 +257,17 @@ def test_a_worker_heartbeat_timeout_over_a_day_is_refused(value: float) -> None:
         read_settings({"worker_heartbeat_timeout": value})
 
 
+@pytest.mark.parametrize("value", [86401, 10 * 365 * DAY])
+def test_a_shutdown_drain_over_a_day_is_refused(value: float) -> None:
+    """A stopping worker waits this long for its jobs, and its deploy with it: a drain of
+    years is the unbounded drain an infinite one was, in all but name."""
+    assert read_settings({"shutdown_grace_period": DAY}).shutdown_grace_period == DAY
+    with pytest.raises(ImproperlyConfigured,
+                       match=r"ojs\.shutdown_grace_period: at most a day \(86400s\): a stopping "
+                             r"worker waits this long for its running jobs"):
+        read_settings({"shutdown_grace_period": value})
+
+
 @pytest.mark.parametrize("value", [float("inf"), "inf", "Infinity", "1e400"])
 @pytest.mark.parametrize(
     "key",
@@ -271,3 +282,36 @@ def test_an_infinite_duration_is_refused_not_read_as_never(key: str, value: Any)
     message = bad({outer: {inner: value}} if inner else {key: value})
     assert f"ojs.{key}: must be a finite number of seconds, not inf: nothing waits for ever" \
         in message
+
+
+@pytest.mark.parametrize("value", [1e300, "1e300", 101 * 365 * DAY])
+@pytest.mark.parametrize(
+    "key", ["dispatch_grace", "redispatch_after", "schedule_horizon", "execution_tolerance",
+            "retention.completed", "retention.dead_letter"],
+)
+def test_a_duration_over_a_hundred_years_is_refused_not_read_as_never(
+    key: str, value: Any
+) -> None:
+    """``1e300`` is never too, by another name, and past what a wait can take
+    (``threading.TIMEOUT_MAX``): the envelope's bound on a duration, a hundred years."""
+    outer, _, inner = key.partition(".")
+    message = bad({outer: {inner: value}} if inner else {key: value})
+    assert (f"ojs.{key}: must be at most 3153600000 seconds (a hundred years), not "
+            f"{float(value)}: nothing waits for ever") in message
+    assert read_settings({outer: {inner: 3153600000}} if inner else {key: 3153600000})
+
+
+def test_a_default_timeout_over_a_hundred_years_is_refused_at_start() -> None:
+    """It is a job's timeout, bounded as an envelope's: accepted here, it failed every Celery
+    call of a task with no time limit (``InvalidJob`` naming ``timeout``)."""
+    assert ("ojs.default_timeout: must be at most 3153600000 seconds (a hundred years), not "
+            "1000000000000") in bad({"default_timeout": 10**12})
+    assert read_settings({"default_timeout": 3153600000}).default_timeout == 3153600000
+
+
+@pytest.mark.parametrize("key", ["dispatch_grace", "shutdown_grace_period", "sweep_interval"])
+def test_nan_is_named_for_what_it_is_not_as_a_bound(key: str) -> None:
+    """NaN failed the field's lower bound first ("Input should be greater than 0"), which
+    named a rule NaN does not break as the problem: the finite rule is checked before."""
+    for value in (float("nan"), "nan", "NaN"):
+        assert f"ojs.{key}: must be a finite number of seconds, not nan" in bad({key: value})
