@@ -109,12 +109,12 @@ class Settings(BaseModel):
                                       "remote_apply"] | None = None
     #: Seconds a store call waits for the store's answer before it fails (see
     #: :data:`ojs_celery.store.base.DEFAULT_TIMEOUT`).
-    store_timeout: float = Field(DEFAULT_STORE_TIMEOUT, ge=0.1, le=3600)
+    store_timeout: Seconds = Field(DEFAULT_STORE_TIMEOUT, ge=0.1, le=3600)
     #: Seconds a publish waits for the broker's confirmation, when the app has kombu's
     #: publisher confirms on (``broker_transport_options={"confirm_publish": True}``, RabbitMQ).
     #: Celery sends no limit, and a blocked connection (a RabbitMQ memory or disk alarm) never
     #: confirms: without one, ``.delay()`` and ``enqueue`` would wait for ever.
-    publish_timeout: float = Field(10.0, ge=0.1, le=3600)
+    publish_timeout: Seconds = Field(10.0, ge=0.1, le=3600)
     type_map: dict[str, str] = {}
     events: bool = True
     amqp_max_priority: int = Field(10, ge=1, le=255)
@@ -130,7 +130,7 @@ class Settings(BaseModel):
     heartbeat_interval: Seconds = Field(5.0, gt=0)
     #: At most a day: a worker records its own, which sweepers wait for (a dead one with a huge
     #: timeout would hold its jobs that long).
-    worker_heartbeat_timeout: float = Field(30.0, gt=0)
+    worker_heartbeat_timeout: Seconds = Field(30.0, gt=0)
     #: At most a day: a deploy waits this long for the worker's running jobs (see _at_most_a_day).
     shutdown_grace_period: Seconds = Field(25.0, ge=0)
     #: A job still running this long (at most its own grace period) before the drain ends gets
@@ -168,7 +168,7 @@ class Settings(BaseModel):
     def _at_most_a_day(cls, value: float, info: ValidationInfo) -> float:
         """Waits that hold jobs, which a longer value would hold for days: the jobs of a dead
         worker, or a deploy (a stopping worker's drain, unbounded in all but name)."""
-        if not value <= DAY:  # (inf and nan too)
+        if value > DAY:
             raise ValueError(f"at most a day ({DAY:.0f}s): {_WHO_WAITS[str(info.field_name)]}")
         return value
 
