@@ -267,6 +267,17 @@ class OJSTask(Task):  # type: ignore[misc]
         ctx = maybe_current_job()
         if self.request.called_directly:  # a task called as a function: not the job running
             ctx = None                     # (if any), whose handler called it
+        if ctx is None and not self.request.called_directly and not self.request.is_eager \
+                and self.request.id and arrival.has_header(self.request):
+            # This OJS job's message, outside its handler: a hook (on_failure, after_return,
+            # before_start) or a signal receiver (task_failure, as a project's "retry every
+            # failed task" receiver does). Celery's retry below sends the same task id again,
+            # which is the same job: nothing runs again (the attempt's outcome is written).
+            logger.error(
+                "ojs_celery: job %s: self.retry() outside its handler (in a hook such as "
+                "on_failure or in a signal receiver such as task_failure) retries nothing: the "
+                "attempt's outcome is written and the same task id is the same job; retry "
+                "inside the handler (self.retry, autoretry_for)", self.request.id)
         if ctx is None or self.request.is_eager:
             if ctx is not None and (args is not None or kwargs is not None) and \
                     in_place_of_a_call():

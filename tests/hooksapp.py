@@ -199,6 +199,11 @@ def make_app(config: dict[str, Any]) -> Celery:
     def parent(self: Task) -> None:
         ok.delay(1, 1)
 
+    @app.task(shared=False, name="d.retried_by_receiver", base=base, max_retries=2)
+    def retried_by_receiver() -> None:
+        note(directory, what="ran", name="d.retried_by_receiver")
+        raise ValueError("retried by the task_failure receiver")
+
     @signals.task_prerun.connect(weak=False)
     def prerun(sender: Any = None, task_id: Any = None, task: Any = None, args: Any = None,
                kwargs: Any = None, **_: Any) -> None:
@@ -220,6 +225,9 @@ def make_app(config: dict[str, Any]) -> Celery:
         note(directory, what="task_failure", name=sender.name, exception=described(exception),
              args=args, kwargs=kwargs, traceback=traceback is not None,
              einfo=type(einfo).__name__)
+        if sender.name == "d.retried_by_receiver":
+            # a project's "retry every failed task" receiver (ibutsu-server's, say)
+            sender.retry(countdown=0)
 
     @signals.task_retry.connect(weak=False)
     def retried(sender: Any = None, request: Any = None, reason: Any = None, einfo: Any = None,

@@ -171,6 +171,29 @@ def test_an_exception_in_before_start_fails_the_job_as_it_fails_the_task(
         "discarded", 1, "PermissionError")
 
 
+def test_a_retry_from_a_task_failure_receiver_is_said_to_retry_nothing(
+        sides: dict[str, Side]) -> None:
+    """A ``task_failure`` receiver that calls ``sender.retry()`` (a project's "retry every
+    failed task", as ibutsu-server has) re-runs the task under plain Celery, whose retry
+    publishes the same task id again. Under OJS the job's outcome is written when the receiver
+    runs, and the same id is the same job: nothing runs again. That is said in an ERROR line
+    naming the job (it was silent: the log said ``Retry in 0s`` and no attempt came)."""
+
+    def run(app: Celery) -> str:
+        result = app.tasks["d.retried_by_receiver"].delay()
+        return result.id
+
+    ids = both(sides, run)
+    ran = {"what": "ran", "name": "d.retried_by_receiver"}
+    wait_for(lambda: sides["plain"].observed().count(ran) == 3, 30, "plain Celery's 3 runs")
+    job = wait_for(lambda: (found := get_job(ids["ojs"], app=sides["ojs"].app))
+                   and found.state == "discarded" and found, 15, "the job's end")
+    assert job.attempt == 1
+    line = f"job {ids['ojs']}: self.retry() outside its handler"
+    wait_for(lambda: line in sides["ojs"].worker.log(), 15, "the ERROR line")
+    assert sides["ojs"].observed().count(ran) == 1
+
+
 def test_the_result_backend_shows_what_it_shows_under_plain_celery(
         sides: dict[str, Side]) -> None:
     """``track_started`` (STARTED, its pid and hostname), ``update_state`` (PROGRESS and its
