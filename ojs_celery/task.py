@@ -84,6 +84,9 @@ REPLACE_REFUSED = (
 BEFORE_START_RAISED = "ojs_before_start_raised"
 #: Set in a request while its task's outermost wrapped ``before_start`` runs.
 BEFORE_START_RUNNING = "ojs_before_start_running"
+#: Set in a request once its attempt's outcome was written (hooks and signal receivers run
+#: after it: a ``self.retry()`` there cannot retry, see :meth:`OJSTask.retry`).
+OUTCOME_WRITTEN = "ojs_outcome_written"
 #: The reason of the Reject that sends back a job the draining worker will not start.
 SHUTTING_DOWN = "the worker is shutting down"
 #: The request whose handler OJS is running through the ``__call__`` methods its task's classes
@@ -267,12 +270,12 @@ class OJSTask(Task):  # type: ignore[misc]
         ctx = maybe_current_job()
         if self.request.called_directly:  # a task called as a function: not the job running
             ctx = None                     # (if any), whose handler called it
-        if ctx is None and not self.request.called_directly and not self.request.is_eager \
-                and self.request.id and arrival.has_header(self.request):
-            # This OJS job's message, outside its handler: a hook (on_failure, after_return,
-            # before_start) or a signal receiver (task_failure, as a project's "retry every
-            # failed task" receiver does). Celery's retry below sends the same task id again,
-            # which is the same job: nothing runs again (the attempt's outcome is written).
+        if ctx is None and getattr(self.request, OUTCOME_WRITTEN, False) \
+                and not self.request.called_directly and not self.request.is_eager:
+            # This OJS job's attempt has ended: a hook (on_failure, after_return) or a signal
+            # receiver (task_failure, as a project's "retry every failed task" receiver does).
+            # Celery's retry below sends the same task id again, which is the same job: nothing
+            # runs again.
             logger.error(
                 "ojs_celery: job %s: self.retry() outside its handler (in a hook such as "
                 "on_failure or in a signal receiver such as task_failure) retries nothing: the "
@@ -353,7 +356,10 @@ class OJSTask(Task):  # type: ignore[misc]
                 _current.reset(reset)
             if isinstance(outcome, TimedOut):
                 ctx.cancelled = True
-            return self._record_outcome(runtime, ctx, outcome)
+            try:
+                return self._record_outcome(runtime, ctx, outcome)
+            finally:
+                setattr(self.request, OUTCOME_WRITTEN, True)  # for a late self.retry()
         finally:
             softlimit.forget()
 
