@@ -78,7 +78,7 @@ def test_chord_fails_when_the_sweeper_times_out_a_header_task(
 ) -> None:
     """A worker pool that cannot enforce time limits (threads): the sweeper's overdue clock
     ends the header task; the chord's body fails and its ``link_error`` runs, no hang."""
-    real_parse = callers_module.parse_envelope
+    real_parse = callers_module.parse_input
 
     def one_short_attempt(data: Any, **options: Any) -> Any:
         # The client side of a task with ``time_limit=1, max_retries=0`` (the option mapping
@@ -87,7 +87,7 @@ def test_chord_fails_when_the_sweeper_times_out_a_header_task(
             data = {**data, "timeout": 1, "grace_period": 0, "retry": {"max_attempts": 1}}
         return real_parse(data, **options)
 
-    monkeypatch.setattr(callers_module, "parse_envelope", one_short_attempt)
+    monkeypatch.setattr(callers_module, "parse_input", one_short_attempt)
     queue = unique("stuck")
     worker = Worker({**env.config, "worker_queues": [queue]}, tmp_path / "threads.log",
                     pool="threads")
