@@ -46,6 +46,9 @@ POLL = 0.05
 #: How long the drain waits, after stopping its leftovers, for the pool to report them gone,
 #: when Celery's soft shutdown is on (it sleeps its whole timeout if any task looks active).
 LEFTOVERS_GONE = 5.0
+#: How long the drain's end waits for stopped requests to publish their retries themselves (once
+#: RETRY is stored): short, since it adds to a deploy's stop past the grace period it was given.
+RETRIES_REPORTED = 2.0
 
 
 class Drain:
@@ -262,7 +265,7 @@ def _publish_retries_owed(requests: list[Any]) -> None:
     """The retries of the drained ``requests`` whose messages are still held: each stopped
     request publishes its own once Celery's result backend has its RETRY (when the pool
     reports the stopped process, ``OJSRequest._ack_without_failure``). One that has not
-    reported within :data:`LEFTOVERS_GONE` (the pool never reports it, or its attempt ended
+    reported within :data:`RETRIES_REPORTED` (the pool never reports it, or its attempt ended
     otherwise: a handler that returned meanwhile, whose outcome the store rejected) is
     published here, before the worker leaves: not left in the outbox for the sweeper, which
     would send it only after ``dispatch_grace``, or never with no sweeper running. Either way
@@ -270,7 +273,7 @@ def _publish_retries_owed(requests: list[Any]) -> None:
     owing = [request for request in requests if getattr(request, "ojs_owes", lambda: False)()]
     if not owing:
         return
-    limit = time.monotonic() + LEFTOVERS_GONE
+    limit = time.monotonic() + RETRIES_REPORTED
     while time.monotonic() < limit:
         active = {r.id for r in ojs_requests()}
         if not [r for r in owing if r.ojs_owes() and r.id in active]:
