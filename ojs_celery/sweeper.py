@@ -126,7 +126,7 @@ def _sweep(runtime: Runtime, now: float, limit: int, report: SweepReport,
                 _prune(runtime, now, limit, report, interval)
             except OUTAGES:
                 raise
-            except Exception as exc:  # a record that cannot be read: the rest stays done
+            except Exception as exc:  # unexpected (prune passes unreadable records over)
                 logger.warning("ojs_celery: sweep could not prune: %s: %s",
                                type(exc).__name__, exc)
         else:

@@ -7,6 +7,8 @@ removes it afterwards (the servers are shared).
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import multiprocessing
 import os
 import threading
@@ -607,6 +609,98 @@ def test_prune_takes_a_batch_at_once(store: JobStore) -> None:
     assert store.prune(now=T0 + 150, limit=2) == 2
     assert store.prune(now=T0 + 150, limit=2) == 1
     assert all(store.get(job.id) is None for job in done)
+
+
+def _corrupt(store: JobStore, job_id: str, data: str = "{broken") -> None:
+    """Write ``data`` over the stored job of ``job_id`` (its index entries stay): a record this
+    version cannot decode, as a corrupted one or one a newer release wrote."""
+    found: Any = store
+    if hasattr(found, "client"):
+        found.client.hset(found._job_prefix + job_id, "data", data)
+        return
+    import sqlalchemy as sa
+
+    table = found.job_table
+    with found.engine.begin() as conn:
+        conn.execute(sa.update(table).where(table.c.id == job_id).values(data=data))
+
+
+def test_prune_passes_over_a_record_it_cannot_read(
+    store: JobStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One undecodable record at the head of the retention index failed the batched read of
+    every prune, pass after pass, and the store grew without bound. It is left in the store
+    (a newer release may have written it), said once, and its entry moved an hour on; the
+    readable jobs behind it are pruned, a batch at a time."""
+    from ojs_celery.store.base import UNREADABLE_RETRY
+
+    jobs = [started(store) for _ in range(6)]
+    for i, job in enumerate(jobs):  # retention passes at +110, +111, ...
+        assert store.complete(job.id, 1, "w1", "ok", now=T0 + 10 + i).applied
+    bad, other = jobs[0], jobs[3]
+    _corrupt(store, bad.id)  # at the head of the index
+    newer = {"id": other.id, "type": "test.job", "args": [], "state": "paused"}
+    _corrupt(store, other.id, json.dumps(newer))  # a state a newer release might add
+    now = T0 + 200
+    with caplog.at_level(logging.WARNING, logger="ojs_celery.store.base"):
+        assert store.prune(now=now, limit=2) == 2  # the place of the bad one went to another
+        assert store.prune(now=now, limit=2) == 2
+        assert store.prune(now=now, limit=2) == 0
+    said = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [bad.id in r.getMessage() for r in said] == [True, False]
+    assert other.id in said[1].getMessage()
+    assert all(r.exc_info is None and "\n" not in r.getMessage() for r in said)
+    assert "ValidationError" in said[0].getMessage()
+    assert [store.get(job.id) is None for job in jobs[1:] if job is not other] == [True] * 4
+    with pytest.raises(ValueError):  # still there, as written
+        store.get(bad.id)
+    later = now + UNREADABLE_RETRY
+    assert sorted(store.due("retention", T0 + 1e9, 10)) == sorted(
+        [(bad.id, later), (other.id, later)])
+
+    caplog.clear()  # not read again before its new time...
+    loads: list[str] = []
+    get_records, get_record = store.get_records, store.get_record
+
+    def batch(job_ids: Any) -> list[Record | None]:
+        loads.extend(job_ids)
+        return get_records(job_ids)
+
+    def one(job_id: str) -> Record | None:
+        loads.append(job_id)
+        return get_record(job_id)
+
+    store.get_records, store.get_record = batch, one  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.WARNING, logger="ojs_celery.store.base"):
+            assert store.prune(now=later - 1, limit=2) == 0
+            assert loads == [] and caplog.records == []
+            assert store.prune(now=later, limit=2) == 0  # ...then again, still left alone
+    finally:
+        del store.get_records, store.get_record
+    assert set(loads) == {bad.id, other.id}
+    assert sorted(bad.id in r.getMessage() for r in caplog.records) == [False, True]
+    assert sorted(store.due("retention", T0 + 1e9, 10)) == sorted(
+        [(bad.id, later + UNREADABLE_RETRY), (other.id, later + UNREADABLE_RETRY)])
+
+
+def test_prune_raises_a_store_error_while_reading_past_a_record(store: JobStore) -> None:
+    """An outage is no record's fault: the prune ends with it, and nothing is moved."""
+    jobs = [started(store) for _ in range(2)]
+    for job in jobs:
+        assert store.complete(job.id, 1, "w1", "ok", now=T0 + 10).applied
+    _corrupt(store, jobs[0].id)
+
+    def gone(job_id: str) -> Record | None:
+        raise StoreError("store gone")
+
+    store.get_record = gone  # type: ignore[method-assign]
+    try:
+        with pytest.raises(StoreError):
+            store.prune(now=T0 + 200)
+    finally:
+        del store.get_record
+    assert [i for i, _ in store.due("retention", T0 + 200, 10)] == [j.id for j in jobs]
 
 
 def test_unknown_clock(store: JobStore) -> None:

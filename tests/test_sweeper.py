@@ -13,6 +13,7 @@ import threading
 import time
 import types
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -544,6 +545,64 @@ def _corrupt(runtime: Runtime, job_id: str) -> None:
     with store.engine.begin() as conn:
         table = store.job_table
         conn.execute(sa.update(table).where(table.c.id == job_id).values(data="{broken"))
+
+
+@pytest.fixture(params=["sqlite", "postgres", "redis"])
+def any_store_app(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Celery]:
+    """``app``, on each backend the store contract runs on (PostgreSQL too)."""
+    from tests import services
+    from tests.workers import filesystem_config, unique
+
+    config = filesystem_config(tmp_path)
+    if request.param != "sqlite":
+        url = services.redis_url() if request.param == "redis" else services.postgres_url()
+        config["ojs"] = {"store_url": url, "store_prefix": unique("t")}
+    config["ojs"]["events"] = False
+    celery_app = make_app(config)
+    yield celery_app
+    store = get_runtime(celery_app).store
+    store.clear()
+    drop = getattr(store, "drop_tables", None)
+    if drop is not None:
+        drop()
+
+
+def test_a_retained_record_that_cannot_be_read_does_not_stop_the_pruning(
+    any_store_app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One undecodable record at the head of the retention index failed every pass's prune
+    ("sweep could not prune"), forever: the store grew without bound. The readable jobs are
+    pruned, in several batches; the unreadable one stays, said once, and no pass reads it
+    again before its entry's new time."""
+    from ojs_celery.store.base import UNREADABLE_RETRY
+
+    app = any_store_app
+    runtime = runtime_of(app)
+    store = runtime.store
+    now = time.time()
+    ids = [enqueue({"type": "e2e.add", "args": [i, 1]}, app=app).id for i in range(6)]
+    for i, job_id in enumerate(ids):  # in this order on the retention clock
+        completed(app, [job_id], now + i)
+    _corrupt(runtime, ids[0])
+    at = now + 8 * 86400
+    with caplog.at_level(logging.WARNING, logger="ojs_celery"):
+        report = sweep(runtime, now=at, batch=2)
+    assert report.error is None and report.pruned == 5, report
+    assert [store.get(i) is None for i in ids[1:]] == [True] * 5
+    said = [r for r in caplog.records if ids[0] in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING and said[0].exc_info is None
+    assert not any("could not prune" in r.getMessage() for r in caplog.records)
+    assert store.due("retention", at + 1e9, 10) == [(ids[0], at + UNREADABLE_RETRY)]
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ojs_celery"):
+        assert sweep(runtime, now=at + 60).pruned == 0
+        assert caplog.records == []  # not read again
+        assert sweep(runtime, now=at + UNREADABLE_RETRY).pruned == 0
+    assert [ids[0] in r.getMessage() for r in caplog.records] == [True]  # tried, said again
+    assert [i for i, _ in store.due("retention", at + 1e9, 10)] == [ids[0]]
+    with pytest.raises(ValueError):  # left as it was
+        store.get(ids[0])
 
 
 def test_a_job_the_broker_refuses_is_skipped_then_discarded_and_the_pass_goes_on(

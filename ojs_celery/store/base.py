@@ -885,21 +885,96 @@ class JobStore(ABC):
         return self.apply(job_id, lambda r: lifecycle.expire_total(r, at, self.policy))
 
     def prune(self, now: float | None = None, limit: int = 500) -> int:
-        """Delete terminal jobs whose retention has passed; returns how many."""
+        """Delete terminal jobs whose retention has passed; returns how many, at most
+        ``limit``. Fewer than ``limit`` means that no more readable job is due (a sweep's
+        pruning goes on while the batches come back full).
+
+        A record among them that cannot be read (corrupt, or a field another version wrote
+        that this one cannot decode) is passed over: see :meth:`_put_off_unreadable`. Its
+        place in the batch goes to the next due entries, read at most :data:`PRUNE_READ_PAST`
+        × ``limit`` entries a call, so that a run of such records does not cut a pass short.
+        A store error (an outage) is raised, as always."""
         at = time.time() if now is None else now
-        due = [job_id for job_id, _ in self.due("retention", at, limit)]
+        seen: set[str] = set()
+        readable = 0
         expired: list[tuple[str, int]] = []
         missing: list[str] = []
-        for job_id, record in zip(due, self.get_records(due), strict=True):
-            if record is None:
-                missing.append(job_id)
-                continue
-            deadline = self._deadlines(record)["retention"]
-            if deadline is not None and deadline <= at:
-                expired.append((job_id, record.version))
+        while readable < limit and len(seen) < PRUNE_READ_PAST * limit:
+            wanted = limit - readable
+            due = [entry for entry in self.due("retention", at, len(seen) + wanted)
+                   if entry[0] not in seen][:wanted]
+            if not due:
+                break
+            seen.update(job_id for job_id, _ in due)
+            unreadable: list[tuple[str, float, Exception]] = []
+            for (job_id, read_at), record in zip(due, self._read_each(due), strict=True):
+                if isinstance(record, Exception):
+                    unreadable.append((job_id, read_at, record))
+                    continue
+                readable += 1
+                if record is None:
+                    missing.append(job_id)
+                    continue
+                deadline = self._deadlines(record)["retention"]
+                if deadline is not None and deadline <= at:
+                    expired.append((job_id, record.version))
+            if not unreadable:
+                break  # the batch was read whole: ``due`` had no more to give
+            self._put_off_unreadable(unreadable, at)
         if missing:
             self.forget_missing("retention", missing)
         return sum(self._delete_many(expired)) if expired else 0
+
+    def _read_each(self, due: Sequence[tuple[str, float]]) -> list[Record | Exception | None]:
+        """The records of ``due`` in one batched read; when one of them cannot be decoded
+        (which fails the whole batch), one by one, with the error in place of each record
+        that cannot be. A :class:`StoreError` is raised: an outage, no record's fault."""
+        job_ids = [job_id for job_id, _ in due]
+        try:
+            return list(self.get_records(job_ids))
+        except StoreError:
+            raise
+        except Exception:  # one record spoils the batch: go job by job to find it
+            pass
+        records: list[Record | Exception | None] = []
+        for job_id in job_ids:
+            try:
+                records.append(self.get_record(job_id))
+            except StoreError:
+                raise
+            except Exception as exc:
+                records.append(exc)
+        return records
+
+    def _put_off_unreadable(self, unreadable: Sequence[tuple[str, float, Exception]],
+                            now: float) -> None:
+        """Records due for pruning that cannot be read: each is logged (a WARNING naming the
+        job and the error) and its retention index entry moved :data:`UNREADABLE_RETRY`
+        seconds past ``now``; the record itself is left alone.
+
+        Not deleted: an index entry alone does not say the job may go. In a rolling deploy a
+        newer version may have written the record, live and in a format this version cannot
+        read, and a deletion could not be undone; a corrupt record is for an operator to look
+        at. Not left where it is: at the head of the index it would stop the pruning behind it
+        on every pass (the store then grows without bound). Moved by a bounded delay, so it
+        is read again later (by then a version that reads it may prune it, or an operator
+        mended it), once per :data:`UNREADABLE_RETRY` rather than every pass. The move is the
+        one a sweep makes for entries found not due (:meth:`move_due`: only if the entry
+        still holds the deadline read, so a write since keeps its own)."""
+        for job_id, _, exc in unreadable:  # one line each: a decoder's message has several
+            logger.warning("ojs_celery: could not read job %s to prune it (retention passed); "
+                           "left in the store, tried again in %.0fs: %s: %s", job_id,
+                           UNREADABLE_RETRY, type(exc).__name__,
+                           " | ".join(line.strip() for line in str(exc).splitlines()))
+        self.move_due("retention", [(job_id, read_at, now + UNREADABLE_RETRY)
+                                    for job_id, read_at, _ in unreadable])
+
+
+#: How long a record that cannot be read waits before pruning tries it again (see
+#: ``JobStore._put_off_unreadable``): an hour, so that it warns once an hour, not every pass.
+UNREADABLE_RETRY = 3600.0
+#: How many batches' worth of retention entries one ``prune`` reads past unreadable records.
+PRUNE_READ_PAST = 10
 
 
 def _extended_start(record: Record, lost: dict[str, Transition]) -> Transition | None:
