@@ -32,6 +32,7 @@ __all__ = [
     "celery_setting",
     "delays_natively",
     "filesystem_message_names",
+    "forget_pool_locks",
     "hide_setting",
     "jitter_backoff",
     "keeps_bound_queues",
@@ -310,6 +311,29 @@ def pool_connection(pool: Any) -> Any:
     if _REDIS_NEEDS_COMMAND_NAME:
         return pool.get_connection("_")
     return pool.get_connection()
+
+
+_RLOCK = type(threading.RLock())
+
+
+def forget_pool_locks(pool: Any) -> None:
+    """In a forked child: give a redis-py ``ConnectionPool`` new locks before it is first used.
+
+    The pool notices the fork at its next use and resets itself under its locks: ``_fork_lock``
+    (waited for 5 s, then ``ChildDeadlockedError``) and, from redis-py 8, ``_lock`` (waited for
+    without a bound), whose reset also takes the lock of its ``_event_dispatcher`` when it makes
+    a new connection. A parent thread that held one of them at the fork (a worker's beat thread
+    checking a connection in or out while Celery's prefork pool forks a replacement child) never
+    releases it in the child, whose first store call then waits for ever. Nothing else in the
+    child holds them: the pool was not used here yet. Each lock is replaced by one of its kind
+    (redis-py 5 uses ``Lock``, 8 ``RLock``); a pool or version without them is left as it is.
+    Read in redis-py 5.0, 5.2.1, 6.4 and 8.1's ``connection.py`` and ``event.py``.
+    """
+    for owner, name in ((pool, "_fork_lock"), (pool, "_lock"),
+                        (getattr(pool, "_event_dispatcher", None), "_lock")):
+        old = getattr(owner, name, None)
+        if old is not None and callable(getattr(old, "acquire", None)):
+            setattr(owner, name, threading.RLock() if isinstance(old, _RLOCK) else threading.Lock())
 
 
 def _redis_needs_command_name() -> bool:

@@ -4,8 +4,10 @@ ordinary path gives."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -107,3 +109,50 @@ def test_a_call_interrupted_before_its_reply_leaves_nothing_behind(store: RedisS
     store.client.rpush(queue, "for the abandoned BLPOP")
     assert store._lane.call("ECHO", "fresh") == "fresh"
     run_once(store, new_job())
+
+
+def test_a_child_forked_while_a_thread_holds_the_pools_locks_can_use_the_store(
+        store: RedisStore) -> None:
+    """Celery's prefork pool forks a replacement child while the worker's beat thread uses the
+    store: a lock of redis-py's pool held at that moment stays held for ever in the child,
+    whose pool resets itself under it at its first use there (redis-py 8 waits for ``_lock``
+    without a bound: the child's first job never ran). The child gets fresh locks instead."""
+    run_once(store, new_job())  # connections are open in the parent
+    pool = store.client.connection_pool
+    locks = [lock for lock in (getattr(pool, "_fork_lock", None), getattr(pool, "_lock", None),
+                               getattr(getattr(pool, "_event_dispatcher", None), "_lock", None))
+             if lock is not None]
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        for lock in locks:
+            lock.acquire()
+        held.set()
+        release.wait(30)
+        for lock in reversed(locks):
+            lock.release()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(5)
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                run_once(store, new_job())
+                code = 0
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 15
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child waited for a lock its parent's thread held")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        release.set()
+        holder.join(5)
+    run_once(store, new_job())  # the parent's pool is untouched

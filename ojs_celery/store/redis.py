@@ -29,6 +29,7 @@ from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from .. import compat
+from ..forking import forget_in_children
 from ..lifecycle import CLOCKS, Policy, Record
 from .base import (
     DEFAULT_TIMEOUT,
@@ -136,7 +137,9 @@ class RedisStore(JobStore):
     """Job store on Redis; see the module docstring.
 
     redis-py's connection pool notices a fork (it compares pids) and opens fresh connections in
-    the child, so a store used before Celery's prefork pool forks keeps working after.
+    the child, so a store used before Celery's prefork pool forks keeps working after; the
+    pool's locks are replaced in the child at the fork (:meth:`forget_parent`), since a parent
+    thread may hold them then.
     """
 
     def __init__(self, url: str, policy: Policy | None = None, prefix: str = "ojs",
@@ -171,6 +174,14 @@ class RedisStore(JobStore):
         self._lane = Lane(self.client)
         self.workers = RedisWorkerRegistry(self.client, prefix)
         self.meta = RedisMetaArea(self.client, prefix)
+        forget_in_children(self)
+
+    def forget_parent(self) -> None:
+        """In a forked child: the client's pool resets itself at its first use here (it
+        compares pids), under locks that a thread of the parent may have held at the fork (the
+        worker's beat thread uses this store while Celery's prefork pool forks a replacement
+        child): give it fresh ones first (see :func:`ojs_celery.compat.forget_pool_locks`)."""
+        compat.forget_pool_locks(self.client.connection_pool)
 
     def close(self) -> None:
         self.client.close()
