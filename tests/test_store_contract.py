@@ -684,6 +684,26 @@ def test_prune_passes_over_a_record_it_cannot_read(
         [(bad.id, later + UNREADABLE_RETRY), (other.id, later + UNREADABLE_RETRY)])
 
 
+def test_prune_moves_entries_its_own_retention_keeps_longer(store: JobStore) -> None:
+    """Entries written under a shorter retention than this store's (another version's or
+    process's settings) were read at the head of the index and left there, pass after pass:
+    a batch of them stopped the pruning behind it. They are moved to the deadline this
+    store's settings give; the due jobs behind them are pruned by the next pass."""
+    early = [started(store) for _ in range(2)]
+    for job in early:  # retention passes at +110 under the settings they were written with
+        assert store.complete(job.id, 1, "w1", "ok", now=T0 + 10).applied
+    store.policy = dataclasses.replace(store.policy, retention_completed=1000.0)
+    due = started(store)
+    assert store.complete(due.id, 1, "w1", "ok", now=T0 - 850).applied  # due at +150
+    assert store.prune(now=T0 + 200, limit=2) == 0  # the head: two entries not due here
+    assert sorted(store.due("retention", T0 + 1e9, 10)) == sorted(
+        [(due.id, T0 + 150), *[(job.id, T0 + 1010) for job in early]])
+    assert store.prune(now=T0 + 200, limit=2) == 1
+    assert store.get(due.id) is None
+    assert all(store.get(job.id) is not None for job in early)
+    assert store.prune(now=T0 + 1010, limit=2) == 2
+
+
 def test_prune_raises_a_store_error_while_reading_past_a_record(store: JobStore) -> None:
     """An outage is no record's fault: the prune ends with it, and nothing is moved."""
     jobs = [started(store) for _ in range(2)]

@@ -893,12 +893,17 @@ class JobStore(ABC):
         that this one cannot decode) is passed over: see :meth:`_put_off_unreadable`. Its
         place in the batch goes to the next due entries, read at most :data:`PRUNE_READ_PAST`
         × ``limit`` entries a call, so that a run of such records does not cut a pass short.
-        A store error (an outage) is raised, as always."""
+        An entry whose record this store's own ``retention`` setting keeps longer (written
+        under other settings) is moved to the deadline the record gives, as a sweep moves the
+        not-due entries of its other clocks: at the head of the index, a batch of them would
+        stop the pruning behind them on every pass. A store error (an outage) is raised, as
+        always."""
         at = time.time() if now is None else now
         seen: set[str] = set()
         readable = 0
         expired: list[tuple[str, int]] = []
         missing: list[str] = []
+        later: list[tuple[str, float, float]] = []  # entries this store's settings say are early
         while readable < limit and len(seen) < PRUNE_READ_PAST * limit:
             wanted = limit - readable
             due = [entry for entry in self.due("retention", at, len(seen) + wanted)
@@ -918,11 +923,15 @@ class JobStore(ABC):
                 deadline = self._deadlines(record)["retention"]
                 if deadline is not None and deadline <= at:
                     expired.append((job_id, record.version))
+                elif deadline is not None and deadline > read_at:
+                    later.append((job_id, read_at, deadline))
             if not unreadable:
                 break  # the batch was read whole: ``due`` had no more to give
             self._put_off_unreadable(unreadable, at)
         if missing:
             self.forget_missing("retention", missing)
+        if later:  # as a sweep does for its other clocks (:meth:`move_due`)
+            self.move_due("retention", later)
         return sum(self._delete_many(expired)) if expired else 0
 
     def _read_each(self, due: Sequence[tuple[str, float]]) -> list[Record | Exception | None]:
