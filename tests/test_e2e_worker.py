@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from ojs_celery import enqueue
+from ojs_celery import cancel, enqueue
 from ojs_celery.runtime import get_runtime
 from ojs_celery.store import WorkerInfo
 from tests.conftest import Env, start_env
@@ -99,7 +99,9 @@ def test_registration_beats_and_listing(env: Env, tmp_path: pathlib.Path) -> Non
         assert info.worker_id.startswith("worker_") and info.state == "running"
         assert info.queues == [queue_of(worker)] and info.concurrency == 2
         assert info.time_limits  # prefork ends an attempt at its hard limit by itself
-        job = enqueue({"type": "e2e.sleep", "args": [5.0], "queue": queue_of(worker)},
+        # long enough to be running still when the listing is read on a loaded machine (a
+        # 5 s job once had ended by then), and cancelled once it is read
+        job = enqueue({"type": "e2e.sleep", "args": [60.0], "queue": queue_of(worker)},
                       app=env.app)
         env.wait_state(job.id, "active")
         beats_pass(env, info, 2)
@@ -112,7 +114,8 @@ def test_registration_beats_and_listing(env: Env, tmp_path: pathlib.Path) -> Non
         assert mine["labels"] == list(env.app.conf.ojs.get("labels", []))
         assert mine["started_at"].endswith("Z")
         assert mine["heartbeat_timeout"] == get_runtime(env.app).settings.worker_heartbeat_timeout
-        env.wait_state(job.id, "completed")
+        cancel(job.id, app=env.app)
+        env.wait_state(job.id, "cancelled")
         types = env.wait_events(info.worker_id,
                                 lambda t: "worker.started" in t and "worker.heartbeat" in t)
         assert types[0] == "worker.started"
