@@ -82,8 +82,12 @@ def test_the_drain_stops_a_queue_added_at_run_time(tmp_path: pathlib.Path) -> No
         long = enqueue({"type": "e2e.sleep", "args": [SETTLE + 2]}, app=env.app)
         wait_for(lambda: env.lines("runs"), 10, "the long job started")
         env.worker.process.send_signal(signal.SIGTERM)  # drains while the long job runs
-        wait_for(lambda: f"Canceling queue {added}" in env.worker.log(), 10,
-                 "the drain to cancel the added queue")
+        try:
+            wait_for(lambda: f"Canceling queue {added}" in env.worker.log(), 10,
+                     "the drain to cancel the added queue")
+        except AssertionError as missed:  # seen once under load in a whole-suite run
+            raise AssertionError(f"{missed}; the worker's log ends:\n"
+                                 f"{env.worker.log()[-3000:]}") from None
         late = enqueue({"type": "e2e.add", "args": [4, 4], "queue": added}, app=env.app)
         env.wait_state(long.id, "completed")
         assert env.worker.process.wait(30) == 0
