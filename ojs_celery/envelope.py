@@ -796,11 +796,16 @@ def _oversized(exc: InvalidJob) -> bool:
 
 
 def _item_sizes(text: str | bytes) -> list[int]:
-    """The size in bytes of each item of ``text``, a valid JSON array, as written there."""
+    """The size in bytes of each envelope of ``text``, a valid batch (a JSON array, or an
+    object whose ``jobs`` is one: the OJS batch format), as written there. Bytes are read as
+    :func:`decode_json` reads them, a leading byte order mark skipped."""
     if isinstance(text, bytes):
-        text = text.decode("utf-8")
+        text = text.decode("utf-8-sig")
+    at = _past_space(text, 0)
+    if text[at] == "{":
+        at = _jobs_at(text, at)
     sizes: list[int] = []
-    at = _past_space(text, _past_space(text, 0) + 1)  # past the "["
+    at = _past_space(text, at + 1)  # past the "["
     while text[at] != "]":
         _, end = _DECODER.raw_decode(text, at)
         sizes.append(_utf8_size(text[at:end]))
@@ -808,6 +813,23 @@ def _item_sizes(text: str | bytes) -> list[int]:
         if text[at] == ",":
             at = _past_space(text, at + 1)
     return sizes
+
+
+def _jobs_at(text: str, at: int) -> int:
+    """The index of the ``jobs`` array in ``text``, a valid JSON object that starts at ``at``
+    (its last ``jobs`` key, the one :func:`decode_json` keeps)."""
+    found = -1
+    at = _past_space(text, at + 1)  # past the "{"
+    while text[at] != "}":
+        key, end = _DECODER.raw_decode(text, at)
+        at = _past_space(text, _past_space(text, end) + 1)  # past the ":"
+        _, end = _DECODER.raw_decode(text, at)
+        if key == "jobs":
+            found = at
+        at = _past_space(text, end)
+        if text[at] == ",":
+            at = _past_space(text, at + 1)
+    return found
 
 
 def _past_space(text: str, at: int) -> int:
@@ -999,10 +1021,10 @@ def parse_batch(data: str | bytes | list[Any], *, rules: Rules | None = None) ->
         if len(data) > MAX_BATCH_BYTES:
             raise InvalidJob([("(batch)", f"must not exceed {MAX_BATCH_BYTES // 2**20} MiB")])
         text, data = data, decode_json(data, "(batch)")
-        if not isinstance(data, list):  # items are measured in a top-level array only
-            text = None
     if isinstance(data, dict) and isinstance(data.get("jobs"), list):
         data = data["jobs"]
+    elif not isinstance(data, list):
+        text = None  # no batch: refused below, nothing to measure
     if not isinstance(data, list) or not data:
         raise InvalidJob([("(batch)", "must be a non-empty JSON array of job envelopes")])
     if len(data) > MAX_BATCH_JOBS:

@@ -620,6 +620,33 @@ def test_a_batch_given_as_text_measures_each_envelope_as_sent(encode: bool) -> N
         ("[1]", f"must not exceed 1 MiB (is {len(over)} bytes)")]
 
 
+@pytest.mark.parametrize("encode", [False, True])
+def test_a_batch_in_the_ojs_batch_format_measures_each_envelope_as_sent(encode: bool) -> None:
+    """``{"jobs": [...]}`` (the OJS batch format) given as text is a batch given as text too:
+    each envelope is measured as written there (its last ``jobs``, the one JSON keeps), not as
+    the job writes it (a JavaScript producer writes ``1e-7`` where the job writes ``1e-07``)."""
+    grows = '{"type":"email.send","args":[[' + ",".join(["1e5"] * 200_000) + "]]}"
+    text = (f' {{"x": {{"jobs": 1}}, "jobs": [], "job\\u0073" :\n [ {json.dumps(env())} ,'
+            f" {grows} ] }}")
+    jobs = parse_batch(text.encode() if encode else text)
+    assert [len(job.args) for job in jobs] == [len(env()["args"]), 1]
+    assert len(jobs[1].args[0]) == 200_000
+    over = json.dumps(env(args=["x" * MAX_ENVELOPE_BYTES]))
+    with pytest.raises(InvalidJob) as raised:
+        parse_batch(f'{{"jobs": [{json.dumps(env())}, {over}]}}')
+    assert raised.value.violations == [
+        ("[1]", f"must not exceed 1 MiB (is {len(over)} bytes)")]
+
+
+def test_a_batch_after_a_byte_order_mark_measures_each_envelope_as_sent() -> None:
+    """A batch file may start with a UTF-8 byte order mark (read as :func:`decode_json` reads
+    it): its envelopes are still measured as written, with no ``IndexError`` from the mark."""
+    grows = '{"type":"email.send","args":[[' + ",".join(["1e5"] * 200_000) + "]]}"
+    for text in (f"\ufeff[{grows}]", f'\ufeff{{"jobs": [{grows}]}}'):
+        [job] = parse_batch(text.encode())
+        assert len(job.args[0]) == 200_000
+
+
 def test_an_envelope_over_1_mib_as_sent_names_its_size() -> None:
     text = json.dumps(env(args=["é" * 600_000]), ensure_ascii=False)
     [(path, rule)] = violations(text)
