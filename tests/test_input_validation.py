@@ -302,3 +302,24 @@ def test_a_type_map_entry_naming_a_plain_task_is_refused(tmp_path: pathlib.Path)
     assert path == "type"
     assert "'e2e.plain'" in rule and "type_map" in rule and "base=OJSTask" in rule
     assert enqueue({"type": "legacy.add", "args": [1, 2]}, app=app).type == "legacy.add"
+
+
+def test_a_type_of_a_task_module_not_imported_yet_is_found(
+    app: Celery, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery imports an app's task modules (``include``, ``imports``, ``autodiscover_tasks``)
+    only in a worker, beat or a ``celery`` command: a web view calling ``enqueue`` imports none
+    of them. Its envelopes were refused as "not an OJS task" (``ojs-celery enqueue``, which
+    imports them, took the same envelope); the modules are now imported at the first miss."""
+    (tmp_path / "ojs_lazy_tasks_mod.py").write_text(
+        "from celery import shared_task\n"
+        "from ojs_celery import OJSTask\n"
+        "@shared_task(name='lazy.double', base=OJSTask)\n"
+        "def double(n):\n"
+        "    return 2 * n\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    app.conf.imports = ["ojs_lazy_tasks_mod"]
+    assert "lazy.double" not in app.tasks
+    job = enqueue({"type": "lazy.double", "args": [2]}, app=app)
+    assert get_job(job.id, app=app) is not None
+    assert rejected(app, {"type": "lazy.none", "args": []})[0][0] == "type"
