@@ -293,7 +293,13 @@ def wrap_send_task(app: Celery) -> None:
 def _ojs_task_named(app: Celery, name: str) -> Task | None:
     """The OJS task registered as ``name`` in ``app``. An app that may finalize itself does
     (its ``@app.task`` definitions are pending until then, as any enqueue would); one with
-    ``autofinalize`` off is read as it is, as Celery's ``send_task`` reads it."""
+    ``autofinalize`` off is read as it is, as Celery's ``send_task`` reads it. A name not
+    registered is looked for again once the app's task modules are imported (once per
+    process, :meth:`~ojs_celery.runtime.Runtime.import_task_modules`): a producer that
+    imported none of them would otherwise send a plain Celery message for an OJS task."""
     registry = app.tasks if app.autofinalize else app._tasks
     task = registry.get(name)
+    if task is None:
+        get_runtime(app).import_task_modules()
+        task = registry.get(name)
     return task if getattr(task, "__ojs_task__", False) else None

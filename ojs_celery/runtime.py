@@ -56,7 +56,7 @@ class Runtime:
         self.bus = EventBus(app)
         self.acks = DispatchAcker(lambda: self.store)
         self._task_names: dict[str, str] = {}  # OJS type -> task name, found by task_name_for
-        self._modules_imported = False  # see _import_task_modules
+        self._modules_imported = False  # see import_task_modules
         self._broker_driver: str | None = None
         self._joint: RedisStore | None = None
         self._joint_known = False  # whether _joint was decided for the current store
@@ -171,22 +171,21 @@ class Runtime:
 
         Only OJS tasks and explicit ``type_map`` entries qualify, so that an envelope can never
         invoke an arbitrary Celery task. A type not found is looked for once more after the
-        app's task modules are imported (see :meth:`_import_task_modules`).
+        app's task modules are imported (see :meth:`import_task_modules`).
         """
         try:
             return self._task_name_for(ojs_type)
         except UnknownType:
-            if not self._import_task_modules():
-                raise
+            self.import_task_modules()
         return self._task_name_for(ojs_type)
 
-    def _import_task_modules(self) -> bool:
+    def import_task_modules(self) -> None:
         """Import the app's task modules (its ``include`` and ``imports``, and what
         ``autodiscover_tasks`` finds), as a worker, beat and ``ojs-celery`` do at their start;
-        once per process, at the first type not found. Celery imports them lazily, so a
-        process that never starts a worker (a web view calling ``enqueue``) registers only
-        the tasks it imported itself, and would refuse every envelope of the others as "not
-        an OJS task". True once they are imported (a lookup again may find the type)."""
+        once per process, at the first type (or ``send_task`` name) not found. Celery imports
+        them lazily, so a process that never starts a worker (a web view calling ``enqueue``)
+        registers only the tasks it imported itself, and would refuse every envelope of the
+        others as "not an OJS task"."""
         with self._lock:
             if not self._modules_imported:
                 self._modules_imported = True
@@ -196,7 +195,6 @@ class Runtime:
                     logger.warning("ojs_celery: could not import the task modules of app %r "
                                    "(an envelope of their types is refused as not an OJS "
                                    "task): %s: %s", self.app.main, type(exc).__name__, exc)
-        return True
 
     def _task_name_for(self, ojs_type: str) -> str:
         mapped = self.settings.type_map.get(ojs_type)

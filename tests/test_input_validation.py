@@ -323,3 +323,23 @@ def test_a_type_of_a_task_module_not_imported_yet_is_found(
     job = enqueue({"type": "lazy.double", "args": [2]}, app=app)
     assert get_job(job.id, app=app) is not None
     assert rejected(app, {"type": "lazy.none", "args": []})[0][0] == "type"
+
+
+def test_send_task_of_a_task_module_not_imported_yet_is_an_ojs_job(
+    app: Celery, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a producer's ``send_task`` by name: it sent a plain Celery message for an
+    OJS task whose module the producer had not imported (no job stored, no OJS guarantees)."""
+    (tmp_path / "ojs_lazy_send_mod.py").write_text(
+        "from celery import shared_task\n"
+        "from ojs_celery import OJSTask\n"
+        "@shared_task(name='lazy.triple', base=OJSTask)\n"
+        "def triple(n):\n"
+        "    return 3 * n\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    app.conf.imports = ["ojs_lazy_send_mod"]
+    assert "lazy.triple" not in app.tasks
+    result = app.send_task("lazy.triple", args=[2])
+    job = get_job(result.id, app=app)
+    assert job is not None and job.type == "lazy.triple" and job.args == [2]
+    assert len(published(app)) == 1
