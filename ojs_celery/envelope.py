@@ -230,8 +230,12 @@ def _duration(text: str) -> str:
     return text
 
 
-#: How an RFC 3339 timestamp begins: a full date, then the time (``T``, or a space).
-_RFC3339_START = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]")
+#: An RFC 3339 timestamp (its ``date-time``): a full date, ``T`` (or a space, which RFC 3339
+#: allows for readability), the time with its seconds, a fraction after a ``.``, then ``Z`` or
+#: ``±hh:mm``. What ISO 8601 and pydantic's parser also take (no seconds, ``,5``, ``+0100``,
+#: ``+01``) is refused: a producer in another language must write what every OJS reader reads.
+_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?"
+                      r"(?P<zone>[Zz]|[+-]\d{2}:\d{2})?")
 _RFC3339_RULE = ("must be an RFC 3339 timestamp string with a time zone "
                  "(YYYY-MM-DDThh:mm:ss[.fraction] then Z or ±hh:mm)")
 #: A leap second (``23:59:60Z``): the minute, then what follows the seconds.
@@ -395,8 +399,11 @@ class Job(BaseModel):
         a rule that says what is wrong in place of pydantic's parser message."""
         if value is None or isinstance(value, datetime):
             return handler(value)
-        if not isinstance(value, str) or not _RFC3339_START.match(value):
+        form = _RFC3339.fullmatch(value) if isinstance(value, str) else None
+        if form is None:
             raise ValueError(_RFC3339_RULE)
+        if form["zone"] is None:
+            raise ValueError(f"{_RFC3339_RULE}: the time zone is missing")
         leap = _LEAP_SECOND.fullmatch(value) if ":60" in value else None
         try:
             if leap is None:
