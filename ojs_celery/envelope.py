@@ -720,6 +720,19 @@ def parse_envelope(data: dict[str, Any] | str | bytes | Job) -> Job:
     return parse_input(data)
 
 
+#: What a batch (an array, or ``{"jobs": [...]}``) sent where one envelope is expected is told.
+BATCH_HINT = ("this is a batch of envelopes; send it with enqueue_batch "
+              "(ojs-celery enqueue --batch)")
+
+
+def _looks_like_a_batch(data: Any) -> bool:
+    """Whether ``data``, sent as one envelope, is a batch: an array of objects, or an object
+    with a ``jobs`` array and no ``type`` (the OJS batch format)."""
+    if isinstance(data, dict):
+        data = data.get("jobs") if "type" not in data else None
+    return isinstance(data, list) and bool(data) and all(isinstance(item, dict) for item in data)
+
+
 def parse_input(
     data: dict[str, Any] | str | bytes | Job, *, rules: Rules | None = None,
     celery_id: bool = False, sent: int | None = None, typed: bool = False,
@@ -745,6 +758,8 @@ def parse_input(
         raise InvalidJob([("(envelope)", f"{_OVERSIZED} (is {sent} bytes)")])
     if isinstance(data, (str, bytes)):
         data = decode_json(data)
+    if _looks_like_a_batch(data):
+        raise InvalidJob([("(envelope)", f"must be a JSON object: {BATCH_HINT}")])
     if not isinstance(data, dict):
         raise InvalidJob([("(envelope)", "must be a JSON object")])
     clean = {k: v for k, v in data.items() if k not in SYSTEM_FIELDS and v is not None}

@@ -697,6 +697,15 @@ def test_envelope_must_be_object(data: Any) -> None:
     assert violations(data) == [("(envelope)", "must be a JSON object")]
 
 
+@pytest.mark.parametrize("data", [
+    '[{"type": "a.b", "args": []}]', [{"type": "a.b", "args": []}],
+    {"jobs": [{"type": "a.b", "args": []}]}, '{"jobs": [{"type": "a.b", "args": []}]}'])
+def test_a_batch_sent_as_one_envelope_is_told_where_batches_go(data: Any) -> None:
+    """It was told only "type: is required" and "args: is required" for ``{"jobs": [...]}``."""
+    [(path, rule)] = violations(data)
+    assert path == "(envelope)" and "batch" in rule and "enqueue --batch" in rule
+
+
 # ----------------------------------------------------------------- unknown and system fields
 
 
