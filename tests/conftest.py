@@ -185,17 +185,29 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(params=["sqlite", "redis"])
 def app(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Celery]:
+    with store_app(request.param, tmp_path) as celery_app:
+        yield celery_app
+
+
+@contextmanager
+def store_app(store: str, tmp_path: pathlib.Path) -> Iterator[Celery]:
+    """An app on the embedded broker folder, with no events, whose job store is ``store``
+    ("sqlite", "redis" or "postgres", under a prefix of its own); its records are removed
+    at the end."""
     config = filesystem_config(tmp_path)
-    if request.param == "redis":
-        config["ojs"] = {"store_url": services.redis_url(), "store_prefix": unique("t")}
+    if store != "sqlite":
+        url = services.redis_url() if store == "redis" else services.postgres_url()
+        config["ojs"] = {"store_url": url, "store_prefix": unique("t")}
     config["ojs"]["events"] = False
     celery_app = make_app(config)
-    yield celery_app
-    store = get_runtime(celery_app).store
-    store.clear()
-    drop = getattr(store, "drop_tables", None)
-    if drop is not None:
-        drop()
+    try:
+        yield celery_app
+    finally:
+        job_store = get_runtime(celery_app).store
+        job_store.clear()
+        drop = getattr(job_store, "drop_tables", None)
+        if drop is not None:
+            drop()
 
 
 @pytest.fixture

@@ -304,6 +304,21 @@ def test_a_type_map_entry_naming_a_plain_task_is_refused(tmp_path: pathlib.Path)
     assert enqueue({"type": "legacy.add", "args": [1, 2]}, app=app).type == "legacy.add"
 
 
+def lazy_task_module(app: Celery, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                     module: str, task: str) -> None:
+    """A module that defines the OJS task ``task``, listed in ``app``'s ``imports`` and not
+    imported yet (as in a web process: Celery imports task modules in workers only)."""
+    (tmp_path / f"{module}.py").write_text(
+        "from celery import shared_task\n"
+        "from ojs_celery import OJSTask\n"
+        f"@shared_task(name={task!r}, base=OJSTask)\n"
+        "def double(n):\n"
+        "    return 2 * n\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    app.conf.imports = [module]
+    assert task not in app.tasks
+
+
 def test_a_type_of_a_task_module_not_imported_yet_is_found(
     app: Celery, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -311,15 +326,7 @@ def test_a_type_of_a_task_module_not_imported_yet_is_found(
     only in a worker, beat or a ``celery`` command: a web view calling ``enqueue`` imports none
     of them. Its envelopes were refused as "not an OJS task" (``ojs-celery enqueue``, which
     imports them, took the same envelope); the modules are now imported at the first miss."""
-    (tmp_path / "ojs_lazy_tasks_mod.py").write_text(
-        "from celery import shared_task\n"
-        "from ojs_celery import OJSTask\n"
-        "@shared_task(name='lazy.double', base=OJSTask)\n"
-        "def double(n):\n"
-        "    return 2 * n\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    app.conf.imports = ["ojs_lazy_tasks_mod"]
-    assert "lazy.double" not in app.tasks
+    lazy_task_module(app, tmp_path, monkeypatch, "ojs_lazy_tasks_mod", "lazy.double")
     job = enqueue({"type": "lazy.double", "args": [2]}, app=app)
     assert get_job(job.id, app=app) is not None
     assert rejected(app, {"type": "lazy.none", "args": []})[0][0] == "type"
@@ -330,15 +337,7 @@ def test_send_task_of_a_task_module_not_imported_yet_is_an_ojs_job(
 ) -> None:
     """The same for a producer's ``send_task`` by name: it sent a plain Celery message for an
     OJS task whose module the producer had not imported (no job stored, no OJS guarantees)."""
-    (tmp_path / "ojs_lazy_send_mod.py").write_text(
-        "from celery import shared_task\n"
-        "from ojs_celery import OJSTask\n"
-        "@shared_task(name='lazy.triple', base=OJSTask)\n"
-        "def triple(n):\n"
-        "    return 3 * n\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    app.conf.imports = ["ojs_lazy_send_mod"]
-    assert "lazy.triple" not in app.tasks
+    lazy_task_module(app, tmp_path, monkeypatch, "ojs_lazy_send_mod", "lazy.triple")
     result = app.send_task("lazy.triple", args=[2])
     job = get_job(result.id, app=app)
     assert job is not None and job.type == "lazy.triple" and job.args == [2]

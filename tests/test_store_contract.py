@@ -611,7 +611,7 @@ def test_prune_takes_a_batch_at_once(store: JobStore) -> None:
     assert all(store.get(job.id) is None for job in done)
 
 
-def _corrupt(store: JobStore, job_id: str, data: str = "{broken") -> None:
+def corrupt_record(store: JobStore, job_id: str, data: str = "{broken") -> None:
     """Write ``data`` over the stored job of ``job_id`` (its index entries stay): a record this
     version cannot decode, as a corrupted one or one a newer release wrote."""
     found: Any = store
@@ -638,9 +638,9 @@ def test_prune_passes_over_a_record_it_cannot_read(
     for i, job in enumerate(jobs):  # retention passes at +110, +111, ...
         assert store.complete(job.id, 1, "w1", "ok", now=T0 + 10 + i).applied
     bad, other = jobs[0], jobs[3]
-    _corrupt(store, bad.id)  # at the head of the index
+    corrupt_record(store, bad.id)  # at the head of the index
     newer = {"id": other.id, "type": "test.job", "args": [], "state": "paused"}
-    _corrupt(store, other.id, json.dumps(newer))  # a state a newer release might add
+    corrupt_record(store, other.id, json.dumps(newer))  # a state a newer release might add
     now = T0 + 200
     with caplog.at_level(logging.WARNING, logger="ojs_celery.store.base"):
         assert store.prune(now=now, limit=2) == 2  # the place of the bad one went to another
@@ -709,7 +709,7 @@ def test_prune_raises_a_store_error_while_reading_past_a_record(store: JobStore)
     jobs = [started(store) for _ in range(2)]
     for job in jobs:
         assert store.complete(job.id, 1, "w1", "ok", now=T0 + 10).applied
-    _corrupt(store, jobs[0].id)
+    corrupt_record(store, jobs[0].id)
 
     def gone(job_id: str) -> Record | None:
         raise StoreError("store gone")

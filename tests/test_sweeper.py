@@ -28,8 +28,9 @@ from ojs_celery.runtime import Runtime, get_runtime
 from ojs_celery.store import StoreError
 from ojs_celery.store.workers import WorkerInfo
 from ojs_celery.sweeper import READ_PAST, last_sweep, run_loop, sweep
-from tests.conftest import messages
+from tests.conftest import messages, store_app
 from tests.e2eapp import make_app
+from tests.test_store_contract import corrupt_record
 
 
 def runtime_of(app: Celery) -> Runtime:
@@ -536,35 +537,14 @@ def test_the_sweep_task_reports_an_unexpected_error(
 
 def _corrupt(runtime: Runtime, job_id: str) -> None:
     """Make a stored record undecodable (as a record written by a broken or newer release)."""
-    store: Any = runtime.store
-    if hasattr(store, "client"):
-        store.client.hset(f"{runtime.settings.store_prefix}:job:{job_id}", "data", "{broken")
-        return
-    import sqlalchemy as sa
-
-    with store.engine.begin() as conn:
-        table = store.job_table
-        conn.execute(sa.update(table).where(table.c.id == job_id).values(data="{broken"))
+    corrupt_record(runtime.store, job_id)
 
 
 @pytest.fixture(params=["sqlite", "postgres", "redis"])
 def any_store_app(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Celery]:
     """``app``, on each backend the store contract runs on (PostgreSQL too)."""
-    from tests import services
-    from tests.workers import filesystem_config, unique
-
-    config = filesystem_config(tmp_path)
-    if request.param != "sqlite":
-        url = services.redis_url() if request.param == "redis" else services.postgres_url()
-        config["ojs"] = {"store_url": url, "store_prefix": unique("t")}
-    config["ojs"]["events"] = False
-    celery_app = make_app(config)
-    yield celery_app
-    store = get_runtime(celery_app).store
-    store.clear()
-    drop = getattr(store, "drop_tables", None)
-    if drop is not None:
-        drop()
+    with store_app(request.param, tmp_path) as celery_app:
+        yield celery_app
 
 
 def test_a_retained_record_that_cannot_be_read_does_not_stop_the_pruning(
