@@ -186,6 +186,8 @@ class Runtime:
         them lazily, so a process that never starts a worker (a web view calling ``enqueue``)
         registers only the tasks it imported itself, and would refuse every envelope of the
         others as "not an OJS task"."""
+        if self._modules_imported:  # the common case, without the lock
+            return
         with self._lock:
             if not self._modules_imported:
                 self._modules_imported = True
