@@ -535,11 +535,6 @@ def test_the_sweep_task_reports_an_unexpected_error(
     assert report["error"] == "KeyError: 'a record that cannot be decoded'"
 
 
-def _corrupt(runtime: Runtime, job_id: str) -> None:
-    """Make a stored record undecodable (as a record written by a broken or newer release)."""
-    corrupt_record(runtime.store, job_id)
-
-
 @pytest.fixture(params=["sqlite", "postgres", "redis"])
 def any_store_app(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Celery]:
     """``app``, on each backend the store contract runs on (PostgreSQL too)."""
@@ -563,7 +558,7 @@ def test_a_retained_record_that_cannot_be_read_does_not_stop_the_pruning(
     ids = [enqueue({"type": "e2e.add", "args": [i, 1]}, app=app).id for i in range(6)]
     for i, job_id in enumerate(ids):  # in this order on the retention clock
         completed(app, [job_id], now + i)
-    _corrupt(runtime, ids[0])
+    corrupt_record(runtime.store, ids[0])
     at = now + 8 * 86400
     with caplog.at_level(logging.WARNING, logger="ojs_celery"):
         report = sweep(runtime, now=at, batch=2)
@@ -662,7 +657,7 @@ def test_a_record_that_cannot_be_decoded_does_not_stop_the_pass(app: Celery) -> 
                                             "enqueue_ttl": 1}), now=created)
         assert done.record is not None
         ids.append(done.record.job.id)
-    _corrupt(runtime, ids[1])
+    corrupt_record(runtime.store, ids[1])
     report = sweep(runtime, now=created + 2)
     assert report.error is None and report.skipped == 1
     assert report.applied["enqueue_ttl"] == 2
