@@ -3,6 +3,7 @@
     .venv/bin/python bench/chaos.py                          # 3000 jobs, 180 s of chaos
     .venv/bin/python bench/chaos.py --duration 60 --jobs 600
     .venv/bin/python bench/chaos.py --store postgres       # the job store in PostgreSQL
+    .venv/bin/python bench/chaos.py --broker rabbitmq      # the broker a private RabbitMQ
 
 Not part of the test suite. Needs ``redis-server`` on the PATH: the script starts a PRIVATE
 one on a free port (AOF with ``appendfsync always`` in a temp dir, so a restart loses no
@@ -10,7 +11,15 @@ acknowledged write), used as broker, result backend and job store, and stops it 
 With ``--store postgres`` the job store is a PRIVATE PostgreSQL server instead (``initdb`` in
 a temp dir, as ``tests/pgserver.py`` makes for the tests), so the path where the record and the
 message are two writes (the outbox, orphan messages) is soaked too, and the chaos also restarts
-PostgreSQL (a fast shutdown or a crash) and ends its client sessions.
+PostgreSQL (a fast shutdown or a crash) and ends its client sessions. With ``--broker rabbitmq``
+the broker is a PRIVATE RabbitMQ node (``tests/rabbitserver.py``'s, in a temp dir; Redis stays
+the result backend and, without ``--store postgres``, the job store), so the record and the
+message are two writes there too, and the chaos also restarts the node's broker
+(``rabbitmqctl stop_app``/``start_app``, or a kill -9 of the node: durable queues and persistent
+messages are kept, unacknowledged ones are redelivered) and closes its client connections.
+Publisher confirms are on, as the README's Brokers section asks for RabbitMQ; ``--no-confirms``
+turns them off (then a message in a socket the broker closes is lost, and its job waits for the
+redispatch backstop).
 
 What runs: ``--workers`` (3) ``celery worker`` subprocesses (prefork, concurrency 2) of
 ``bench/chaosapp.py`` and two ``ojs-celery sweep --loop`` processes. A producer thread in this
@@ -184,6 +193,40 @@ class PostgresStore:
         self.server.destroy()
 
 
+class RabbitBroker:
+    """The broker's private RabbitMQ node (``--broker rabbitmq``), with the chaos it takes:
+    restarts of the broker inside the node, kills of the whole node, closed connections."""
+
+    def __init__(self) -> None:
+        sys.path.insert(0, str(ROOT))
+        from tests.rabbitserver import PrivateRabbit  # the tests' private node, reused
+
+        self.server = PrivateRabbit()
+        self.url = self.server.url
+
+    def restart(self, rng: random.Random) -> str:
+        down = rng.uniform(0.0, 3.0)
+        if rng.random() < 0.3:  # a crash: the node's Erlang VM killed, started again
+            process = self.server.process
+            assert process is not None
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(30)
+            time.sleep(down)
+            self.server.start()
+            return f"rabbitmq node kill -9 (down {down:.1f}s + its start)"
+        self.server.stop_app()
+        time.sleep(down)
+        self.server.start_app()
+        return f"rabbitmq restart (down {down:.1f}s)"
+
+    def cut(self) -> str:
+        self.server.ctl("close_all_connections", "chaos")
+        return "rabbitmq close_all_connections"
+
+    def close(self) -> None:
+        self.server.destroy()
+
+
 @dataclass
 class Proc:
     """A worker or sweeper subprocess in its own process group."""
@@ -216,6 +259,8 @@ class Tally:
     cuts: int = 0
     pg_restarts: int = 0
     pg_cuts: int = 0
+    rabbit_restarts: int = 0
+    rabbit_cuts: int = 0
     enqueue_errors: Counter[str] = field(default_factory=Counter)
 
 
@@ -366,10 +411,13 @@ class Producer(threading.Thread):
 
 
 def chaos_step(cluster: Cluster, server: RedisServer, store: PostgresStore | None,
-               rng: random.Random, tally: Tally, actions: list[str]) -> None:
+               broker: RabbitBroker | None, rng: random.Random, tally: Tally,
+               actions: list[str]) -> None:
     choices = ["kill", "kill", "stop", "stop", "deploy", "restart", "cut", "cut"]
     if store is not None:
         choices += ["pg-restart", "pg-cut"]
+    if broker is not None:
+        choices += ["rabbit-restart", "rabbit-cut"]
     action = rng.choice(choices)
     running = cluster.running()
     if action in ("kill", "stop", "deploy") and not running:
@@ -414,6 +462,16 @@ def chaos_step(cluster: Cluster, server: RedisServer, store: PostgresStore | Non
             actions.append(f"session cut failed: {exc}")
             return
         tally.pg_cuts += 1
+    elif action == "rabbit-restart" and broker is not None:
+        actions.append(broker.restart(rng))
+        tally.rabbit_restarts += 1
+    elif action == "rabbit-cut" and broker is not None:
+        try:
+            actions.append(broker.cut())
+        except subprocess.SubprocessError as exc:
+            actions.append(f"rabbitmq connection cut failed: {exc}")
+            return
+        tally.rabbit_cuts += 1
     else:
         try:
             client = redis.Redis.from_url(server.url, socket_timeout=5)
@@ -581,6 +639,10 @@ def main() -> int:
                         help="ojs.redispatch_after (default: the library's, an hour)")
     parser.add_argument("--store", choices=("redis", "postgres"), default="redis",
                         help="the job store: the broker's Redis, or a private PostgreSQL")
+    parser.add_argument("--broker", choices=("redis", "rabbitmq"), default="redis",
+                        help="the broker: the private Redis, or a private RabbitMQ node")
+    parser.add_argument("--no-confirms", action="store_true",
+                        help="with --broker rabbitmq: publisher confirms off (on by default)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the temp dir")
     options = parser.parse_args()
@@ -592,10 +654,15 @@ def main() -> int:
     (directory / "redis").mkdir()
     server = RedisServer(directory / "redis", free_port())
     server.start()
+    store: PostgresStore | None = None
+    broker: RabbitBroker | None = None
     try:
         store = PostgresStore() if options.store == "postgres" else None
+        broker = RabbitBroker() if options.broker == "rabbitmq" else None
     except BaseException:
         server.close()
+        if store is not None:
+            store.close()
         raise
     prefix = "chaos"
     ojs: dict[str, Any] = {
@@ -605,9 +672,13 @@ def main() -> int:
         "shutdown_grace_period": 8.0, "shutdown_cancel_window": 2.0}
     if options.redispatch_after is not None:
         ojs["redispatch_after"] = options.redispatch_after
-    config = {"redis_url": server.url, "queue": "chaos", "dir": str(directory), "ojs": ojs}
+    config = {"redis_url": server.url, "queue": "chaos", "dir": str(directory), "ojs": ojs,
+              "broker_url": broker.url if broker is not None else server.url}
+    if broker is not None and not options.no_confirms:
+        config["broker_transport_options"] = {"confirm_publish": True}
     say(f"seed {seed}, redis on port {server.port}"
         + (f", postgres on port {store.server.port}" if store is not None else "")
+        + (f", rabbitmq on port {broker.server.port}" if broker is not None else "")
         + f", files in {directory}")
     cluster = Cluster(directory, config, workers)
     tally = Tally()
@@ -627,7 +698,7 @@ def main() -> int:
             cluster.tend()
             if time.monotonic() >= next_action:
                 if draining_count(cluster) == 0 or rng.random() < 0.5:
-                    chaos_step(cluster, server, store, rng, tally, actions)
+                    chaos_step(cluster, server, store, broker, rng, tally, actions)
                     say(actions[-1])
                     actions[-1] = f"{time.strftime('%H:%M:%S')} {actions[-1]}"
                 next_action = time.monotonic() + rng.uniform(1.0, 3.0)
@@ -672,6 +743,8 @@ def main() -> int:
               f"{tally.cuts} connection cuts"
               + (f", {tally.pg_restarts} postgres restarts, {tally.pg_cuts} session cuts"
                  if store is not None else "")
+              + (f", {tally.rabbit_restarts} rabbitmq restarts, {tally.rabbit_cuts} rabbitmq "
+                 "cuts" if broker is not None else "")
               + f" in {chaos_seconds:.0f}s "
               f"(enqueue retries: {errors or 'none'}; sweeps applied: {applied or 'none'}; "
               f"seed {seed})", flush=True)
@@ -683,6 +756,8 @@ def main() -> int:
         server.close()
         if store is not None:
             store.close()
+        if broker is not None:
+            broker.close()
         if failed or options.keep:
             say(f"files kept in {directory}")
         else:

@@ -33,7 +33,7 @@ TERMINAL_EVENTS = ("job.completed", "job.discarded", "job.cancelled")
 def make_app(config: dict[str, Any]) -> Celery:
     app = Celery("chaos", set_as_current=False)
     app.conf.update(
-        broker_url=config["redis_url"],
+        broker_url=config.get("broker_url", config["redis_url"]),
         result_backend=config["redis_url"],
         broker_transport_options=config.get("broker_transport_options", {}),
         task_default_queue=config["queue"],
