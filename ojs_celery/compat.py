@@ -109,16 +109,6 @@ def set_celery_setting(conf: Any, key: str, value: Any) -> None:
     conf[key] = value
 
 
-def _copy(items: Iterable[Any]) -> list[Any]:
-    """A copy of a set or list the worker's main thread may change while we read it."""
-    for _ in range(5):
-        try:
-            return list(items)
-        except RuntimeError:  # "Set changed size during iteration"
-            continue
-    return []
-
-
 def publish_confirm_limit(seconds: float) -> dict[str, float]:
     """The publish option that bounds the wait for a broker's publisher confirmation
     (``ojs.publish_timeout``), for ``send_task``: Celery 5.5+ passes ``confirm_timeout`` on
