@@ -19,28 +19,6 @@ from celery.utils.dispatch import Signal
 
 ojs_event = Signal(name="ojs_event", providing_args={"event"})
 
-EVENT_TYPES = (
-    "job.enqueued",
-    "job.scheduled",
-    "job.started",
-    "job.completed",
-    "job.failed",
-    "job.retrying",
-    "job.discarded",
-    "job.cancelled",
-    "job.timeout",
-    "job.stalled",
-    "job.ttl_expired",
-    "job.total_timeout",
-    "job.expired",
-    "job.heartbeat",
-    "job.progress",
-    "worker.started",
-    "worker.quiet",
-    "worker.stopped",
-    "worker.heartbeat",
-)
-
 job_enqueued = Signal(name="job.enqueued", providing_args={"event"})
 job_scheduled = Signal(name="job.scheduled", providing_args={"event"})
 job_started = Signal(name="job.started", providing_args={"event"})
