@@ -32,9 +32,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: The states a worker reports in its beats.
-STATES = ("running", "quiet", "terminate")
-
 
 def _snapshot(requests: Any) -> list[Any]:
     """A copy of one of Celery's request sets, which the main thread changes as we read."""
@@ -110,6 +107,7 @@ class WorkerNode:
         #: The queues the task consumer listened on when last seen (see consumed_queues).
         self._consumed: list[str] = [q.name for q in consumer.task_consumer.queues]
         self.time_limits = enforces_time_limits(getattr(consumer.controller, "pool_cls", ""))
+        #: What the beats report: "running", "quiet" or "terminate".
         self.state = "running"
         self.state_lock = threading.Lock()
         self.left = False  # deregistered: set once, under state_lock
