@@ -113,6 +113,9 @@ class WorkerNode:
         self.left = False  # deregistered: set once, under state_lock
         #: The store took this worker's record at start (else its first beat registers it).
         self.registered = False
+        #: The OJS requests it held without running them at the last :meth:`info` (a beat):
+        #: what a failed broker connection may have dropped (:mod:`.reconnect`).
+        self.last_held: list[Any] = []
 
     def consumed_queues(self) -> list[str]:
         """The names of the queues the worker's task consumer listens on now (``add_consumer``
@@ -143,6 +146,7 @@ class WorkerNode:
         pool = getattr(consumer, "pool", None)
         concurrency = getattr(consumer.controller, "concurrency", None) or getattr(
             pool, "limit", None) or 1
+        self.last_held = ojs_requests(active=False, timer=getattr(consumer, "timer", None))
         return WorkerInfo(
             worker_id=self.worker_id,
             hostname=socket.gethostname(),
@@ -157,8 +161,7 @@ class WorkerNode:
             state=self.state,
             last_beat=time.time(),
             active_job_ids=[r.id for r in ojs_requests()],
-            reserved_job_ids=[r.id for r in ojs_requests(active=False,
-                                                         timer=getattr(consumer, "timer", None))],
+            reserved_job_ids=[r.id for r in self.last_held],
         )
 
 
