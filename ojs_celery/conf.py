@@ -287,6 +287,17 @@ class Settings(BaseModel):
         )
 
 
+def raw_settings(conf: Any) -> Any:
+    """The ``ojs`` setting as Celery's configuration ``conf`` holds it: ``ojs`` (a Django
+    project's ``CELERY_OJS`` with ``namespace="CELERY"``), else ``CELERY_OJS``, the name it has
+    in a configuration in Celery's old upper-case style (``BROKER_URL``,
+    ``CELERY_RESULT_BACKEND``) or a Django settings module read without a namespace, where
+    Celery keeps a name it does not know as it is written (it was silently ignored: the app
+    ran on the default SQLite store)."""
+    raw = conf.get("ojs")
+    return conf.get("CELERY_OJS") if raw is None else raw
+
+
 def read_settings(raw: Any) -> Settings:
     """Validate the raw ``ojs`` setting; raise ``ImproperlyConfigured`` naming each bad key."""
     if raw is None:

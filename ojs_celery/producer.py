@@ -28,7 +28,7 @@ from kombu.exceptions import EncodeError, OperationalError, SerializerNotInstall
 from kombu.serialization import dumps as _kombu_dumps
 
 from . import compat, header
-from .conf import Settings
+from .conf import Settings, raw_settings
 from .envelope import (
     CELERY_KWARGS_FIELD,
     CELERY_OPTIONS_FIELD,
@@ -562,7 +562,7 @@ def warn_default_timeouts(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None or not hasattr(app, "_ojs_runtime"):
         return
-    raw = app.conf.get("ojs") or {}
+    raw = raw_settings(app.conf) or {}
     timeout = raw.get("default_timeout", Settings.model_fields["default_timeout"].default)
     for name in tasks_without_limit(app):
         if name in _warned:

@@ -21,7 +21,7 @@ from celery import Celery, current_app
 from celery.exceptions import ImproperlyConfigured
 
 from . import compat, unacked
-from .conf import Settings, read_settings
+from .conf import Settings, raw_settings, read_settings
 from .events import EventBus
 from .outbox import DispatchAcker
 from .store import JobStore, open_store
@@ -78,7 +78,7 @@ class Runtime:
         """(Re)read the settings from Celery's configuration ``conf``; returns them, or None
         when they are invalid (the error is raised by :attr:`settings`)."""
         try:
-            settings = read_settings(conf.get("ojs"))
+            settings = read_settings(raw_settings(conf))
             _require_extras(conf)
         except ImproperlyConfigured as exc:
             self._settings, self._settings_error = None, exc

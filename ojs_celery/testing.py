@@ -33,6 +33,7 @@ from celery import Celery
 
 from . import compat
 from .api import enqueue, get_job
+from .conf import raw_settings
 from .embedded import embedded_settings
 from .envelope import Job
 from .install import install
@@ -99,7 +100,7 @@ def configure(app: Celery, settings: dict[str, Any]) -> Celery:
                 os.environ[variable] = str(settings[key])
             else:
                 del os.environ[variable]
-    ojs = {"shutdown_grace_period": SHUTDOWN_GRACE, **(app.conf.get("ojs") or {}),
+    ojs = {"shutdown_grace_period": SHUTDOWN_GRACE, **(raw_settings(app.conf) or {}),
            **settings["ojs"], "sweep_interval": SWEEP_INTERVAL}
     for key, value in {"broker_read_url": None, "broker_write_url": None, **settings,
                        "ojs": ojs}.items():

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from celery.exceptions import ImproperlyConfigured
 
-from ojs_celery.conf import Retention, Settings, read_settings
+from ojs_celery.conf import Retention, Settings, raw_settings, read_settings
 from ojs_celery.lifecycle import DAY, Policy
 
 
@@ -321,3 +321,41 @@ def test_nan_is_named_for_what_it_is_not_as_a_bound(key: str) -> None:
     for value in (float("nan"), "nan", "NaN"):
         message = bad({outer: {inner: value}} if inner else {key: value})
         assert f"ojs.{key}: must be a finite number of seconds, not nan" in message
+
+
+def test_celery_ojs_is_read_from_an_upper_case_configuration(tmp_path: Any) -> None:
+    """An app configured in Celery's old upper-case style (``BROKER_URL``,
+    ``CELERY_RESULT_BACKEND``; or a Django settings module read without a namespace) keeps
+    ``CELERY_OJS`` under that name: it was ignored, and the app ran on the default store."""
+    import types
+
+    from celery import Celery
+
+    from ojs_celery import install
+    from ojs_celery.runtime import get_runtime
+
+    store = f"sqlite:///{tmp_path / 'old.sqlite3'}"
+    config = types.SimpleNamespace(
+        BROKER_URL="memory://", CELERY_RESULT_BACKEND="cache+memory://",
+        CELERY_DEFAULT_QUEUE="old", CELERY_OJS={"store_url": store, "sweep_interval": 7})
+    app = Celery("old", set_as_current=False)
+    app.config_from_object(config)
+    install(app)
+    assert app.conf.task_default_queue == "old"  # Celery read the old-style names
+    settings = get_runtime(app).settings
+    assert (settings.store_url, settings.sweep_interval) == (store, 7)
+
+    bad_config = types.SimpleNamespace(
+        BROKER_URL="memory://", CELERY_OJS={"store_url": store, "sweep_intervall": 7})
+    app = Celery("old", set_as_current=False)
+    app.config_from_object(bad_config)
+    install(app)
+    with pytest.raises(ImproperlyConfigured, match=r"ojs\.sweep_intervall: unknown setting"):
+        get_runtime(app).settings  # noqa: B018
+
+
+def test_ojs_wins_over_celery_ojs() -> None:
+    conf = {"ojs": {"sweep_interval": 3}, "CELERY_OJS": {"sweep_interval": 9}}
+    assert read_settings(raw_settings(conf)).sweep_interval == 3
+    assert read_settings(raw_settings({"CELERY_OJS": {"sweep_interval": 9}})).sweep_interval == 9
+    assert raw_settings({}) is None
