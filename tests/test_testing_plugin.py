@@ -3,6 +3,8 @@ in a subprocess with the plugin enabled, against a real prefork worker on the em
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 
 pytest_plugins = ["pytester"]
@@ -111,6 +113,8 @@ def email(to):
 '''
 
 PRODUCTION_TESTS = '''
+import textwrap
+
 import pytest
 
 from ojs_celery.runtime import get_runtime
@@ -274,3 +278,28 @@ def test_the_fixtures_worker_starts_for_settings_that_require_the_urls_from_the_
         "CELERY_BROKER": "redis://127.0.0.1:1/4",
         "RESULT_BACKEND": "db+sqlite:///{production}/cli-results.sqlite3",
     })
+
+
+def test_the_readmes_fixture_override_is_session_scoped_as_the_plugins_fixture_is() -> None:
+    """The README tells users to override ``ojs_worker_arguments`` (and ``ojs_app_path``): an
+    override in the function scope, pytest's default, stops every test that uses ``ojs_worker``
+    with a ``ScopeMismatch``, so the README shows the session-scoped override, which must be the
+    plugin's own fixtures' scope."""
+    import pathlib
+    import re
+
+    from ojs_celery import testing
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("### Tests: eager mode and the pytest plugin"):]
+    section = section[:section.index("\n## ")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    override = [block for block in blocks if "def ojs_worker_arguments" in block]
+    assert override, "the README shows no override of ojs_worker_arguments"
+    assert '@pytest.fixture(scope="session")' in override[0]
+    namespace: dict[str, object] = {"pytest": pytest}
+    exec(textwrap.dedent(override[0]), namespace)  # the README's own example compiles
+    source = pathlib.Path(testing.__file__).read_text()
+    for name in ("ojs_worker_arguments", "ojs_app_path"):
+        assert f'@pytest.fixture(scope="session")\ndef {name}(' in source
+    assert "ojs_app_path` fixture, session-scoped" in " ".join(section.split())
