@@ -464,6 +464,9 @@ def _print_report(report: Report, as_json: bool) -> None:
         # a task not migrated keeps Celery's behaviour: its lines say what base=OJSTask brings
         once = "" if task.ojs else "once migrated, "
         click.echo(f"    {once}a Celery call's job: {fields}")
+        if task.celery_retry is not None:
+            retries = json.dumps(task.celery_retry, separators=(",", ":"))
+            click.echo(f"    {once}its Celery retries (self.retry, autoretry_for): {retries}")
         for warning in task.warnings:
             click.echo(f"    warning: {once}{warning}")
     for warning in report.warnings:

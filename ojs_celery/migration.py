@@ -15,9 +15,15 @@ from typing import Any
 
 from celery import Celery, Task
 
-from .envelope import QUEUE_PATTERN, TYPE_PATTERN, Job
+from .envelope import CELERY_SEMANTICS_FIELD, QUEUE_PATTERN, TYPE_PATTERN, Job, RetryPolicy
 from .install import check_sweep_queue
-from .producer import broker_driver, celery_time_fields, ojs_queue_of, tasks_without_limit
+from .producer import (
+    broker_driver,
+    celery_semantics_of,
+    celery_time_fields,
+    ojs_queue_of,
+    tasks_without_limit,
+)
 from .runtime import get_runtime
 from .sweeper import SWEEP_TASK
 from .worker.pools import WEAK_POOLS, pool_name
@@ -58,6 +64,10 @@ class TaskReport:
     ojs_queue: str | None
     envelope: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    #: how ``self.retry``/``autoretry_for`` retry a Celery call's job (its Celery semantics,
+    #: kept in the record's ``x_celery_semantics``) in OJS terms; None when the job follows
+    #: the OJS retry policy (``ojs_semantics``, ``celery_callers: "ojs"``)
+    celery_retry: dict[str, Any] | None = None
 
 
 @dataclass
@@ -150,7 +160,15 @@ def _task_report(app: Celery, task: Any, name: str, mapped_type: str | None,
     autoretry = getattr(task, "autoretry_for", ()) or ()
     if autoretry:
         retry["x_celery_autoretry_for"] = [getattr(e, "__name__", str(e)) for e in autoretry]
-    envelope["retry"] = retry
+    # the job's record: the OJS retry policy (for a Celery caller's job, that of the
+    # recoveries: a lost worker, a shutdown) and, with Celery's semantics, what bounds its
+    # Celery retries; the record has no translation of them (README, "Celery callers")
+    envelope["retry"] = RetryPolicy().model_dump(
+        mode="json", exclude={"non_retryable_errors", "on_exhaustion"})
+    semantics = celery_semantics_of(task, settings)
+    if semantics is not None:
+        envelope[CELERY_SEMANTICS_FIELD] = semantics
+        report.celery_retry = retry
     expires = getattr(task, "expires", None)
     if expires is not None:
         envelope["expires_at"] = f"enqueue time + {expires}s" if not hasattr(

@@ -39,10 +39,14 @@ def test_every_registered_task_with_its_type_queue_and_envelope() -> None:
     assert (charge["ojs"], charge["ojs_type"], charge["queue"]) == (True, "billing.charge",
                                                                     "billing")
     assert charge["envelope"]["timeout"] == 900 and charge["envelope"]["grace_period"] == 60
-    assert charge["envelope"]["retry"]["max_attempts"] == 6
-    assert charge["envelope"]["retry"]["initial_interval"] == "PT2S"
-    assert charge["envelope"]["retry"]["max_interval"] == "PT60S"
-    assert charge["envelope"]["retry"]["x_celery_autoretry_for"] == ["GatewayError"]
+    # the record keeps Celery's retry semantics, not a translation into its retry policy
+    assert charge["envelope"]["x_celery_semantics"] == {"max_retries": 5,
+                                                        "default_retry_delay": 180.0}
+    assert charge["envelope"]["retry"]["max_attempts"] == 3  # the OJS policy: recoveries
+    assert charge["celery_retry"]["max_attempts"] == 6
+    assert charge["celery_retry"]["initial_interval"] == "PT2S"
+    assert charge["celery_retry"]["max_interval"] == "PT60S"
+    assert charge["celery_retry"]["x_celery_autoretry_for"] == ["GatewayError"]
     assert "expires_at" in charge["envelope"]
     # a type_map entry naming a plain task: its type, but no OJS task until base=OJSTask
     assert not tasks["maintenance.cleanup"]["ojs"] and \
@@ -160,3 +164,44 @@ def test_a_project_task_class_that_base_ojstask_would_take_the_place_of_is_named
     text = inspect("custom_app").stdout
     assert "warning: once migrated, base=OJSTask takes the place of the app's task class" in text
     assert not any("task_cls" in w for w in by_name(report("django_app"))["django.job"]["warnings"])
+
+
+def test_the_reported_job_is_the_record_a_celery_call_makes(tmp_path: pathlib.Path) -> None:
+    """What ``a Celery call's job`` reports is what the job's record holds after a ``.delay()``:
+    the report once gave ``retry`` a translation of Celery's ``max_retries`` and backoff
+    (``max_attempts`` 6 for ``max_retries=5``) that no record has (the record keeps the OJS
+    policy, for recoveries, and ``x_celery_semantics``), nor a job with OJS semantics."""
+    from celery import Celery
+
+    from ojs_celery import OJSTask, get_job, install
+    from ojs_celery.migration import build_report
+
+    class Flaky(Exception):
+        pass
+
+    app = Celery("report_vs_record", set_as_current=False)
+    app.conf.update(broker_url="memory://", result_backend="cache+memory://",
+                    ojs={"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}"})
+    install(app)
+
+    @app.task(name="r.flaky", base=OJSTask, bind=True, autoretry_for=(Flaky,), max_retries=5,
+              retry_backoff=1, retry_backoff_max=4, time_limit=60, soft_time_limit=50,
+              shared=False)
+    def flaky(self: OJSTask) -> None:
+        return None
+
+    @app.task(name="r.ojs", base=OJSTask, ojs_semantics=True, max_retries=7, shared=False)
+    def ojs_task() -> None:
+        return None
+
+    tasks = {task.name: task for task in build_report(app).tasks}
+    for name in ("r.flaky", "r.ojs"):
+        record = get_job(app.tasks[name].delay().id, app=app)
+        assert record is not None
+        stored = record.model_dump(mode="json")
+        reported = tasks[name].envelope
+        stored["retry"] = {key: stored["retry"][key] for key in reported["retry"]}
+        assert {key: stored.get(key) for key in reported} == reported, name
+    assert tasks["r.flaky"].celery_retry is not None
+    assert tasks["r.flaky"].celery_retry["max_attempts"] == 6
+    assert tasks["r.ojs"].celery_retry is None
