@@ -11,16 +11,20 @@ jobs (``ojs_celery.worker.reconnect``).
 from __future__ import annotations
 
 import datetime
+import logging
 import pathlib
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from celery import Celery
+from kombu import Connection
 
 from ojs_celery import enqueue
 from ojs_celery.runtime import get_runtime
 from ojs_celery.store import JobStore
+from ojs_celery.worker.reconnect import ReconnectStep
 from tests.e2eapp import make_app
 from tests.test_store_faults import PrivateRedis
 from tests.workers import Worker, lines, unique, wait_for
@@ -109,3 +113,38 @@ def test_held_messages_go_back_to_their_queue_after_a_broker_restart(
         worker.stop()
         runtime.close()
         store.clear()
+
+
+def test_a_broker_down_again_at_the_hand_back_keeps_the_messages_for_the_next_one(
+    durable_broker: PrivateRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hand-back meets the broker gone again: one WARNING, nothing lost; the messages are
+    put back at the next reconnection (kombu's own channel and unacked record, no worker)."""
+    queue = unique("q")
+    with Connection(durable_broker.url) as producer:
+        producer.SimpleQueue(queue).put({"n": 1})
+    consumer = Connection(durable_broker.url)
+    delivered = consumer.SimpleQueue(queue).get(timeout=5)  # now in kombu's unacked record
+    parent = SimpleNamespace(connection=consumer)
+    consumer.default_channel  # noqa: B018 - made while the broker answers, as after a reconnect
+    step = ReconnectStep(parent)
+    step.hooked = True  # as after its first start: the next starts hand back
+    step.held = {delivered.delivery_tag: "job-1"}
+    try:
+        durable_broker.stop()
+        with caplog.at_level(logging.WARNING, logger="ojs_celery"):
+            step.start(parent)
+        assert step.held == {delivered.delivery_tag: "job-1"}
+        assert "could not put back 1 held OJS message(s)" in caplog.text
+        caplog.clear()
+        durable_broker.start()
+        with caplog.at_level(logging.WARNING, logger="ojs_celery"):
+            step.start(parent)
+        assert step.held == {}
+        assert "put back in their queue 1 OJS message(s)" in caplog.text
+        with Connection(durable_broker.url) as other:
+            again = other.SimpleQueue(queue).get(timeout=5)
+            assert again.payload == {"n": 1}
+            again.ack()
+    finally:
+        consumer.release()

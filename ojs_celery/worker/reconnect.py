@@ -83,18 +83,20 @@ class ReconnectStep(bootsteps.StartStopStep):  # type: ignore[misc]
         held, self.held = self.held, {}
         channel = parent.connection.default_channel
         qos = channel.qos
-        restored = []
+        restored: list[str] = []
         try:
             with channel.conn_or_acquire() as client:
-                for tag, job_id in held.items():
+                for tag in list(held):
                     if client.hget(qos.unacked_key, tag) is not None:  # HGET: key-prefixed
                         qos.restore_by_tag(tag, client=client)
-                        restored.append(job_id)
-        except Exception as exc:  # the broker failed again: its visibility_timeout remains
+                        restored.append(held[tag])
+                    del held[tag]
+        except Exception as exc:  # the broker failed again: tried again at the next reconnect
+            self.held.update(held)
             logger.warning(
                 "ojs_celery: could not put back %d held OJS message(s) after the broker "
-                "connection was lost (%r): kombu restores them after the broker's "
-                "visibility_timeout", len(held) - len(restored), exc)
+                "connection was lost (%r); trying again when the worker reconnects (kombu "
+                "restores them after the broker's visibility_timeout)", len(held), exc)
         if restored:
             named = ", ".join(restored[:LISTED]) + (", ..." if len(restored) > LISTED else "")
             logger.warning(
