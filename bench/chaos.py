@@ -21,7 +21,8 @@ Publisher confirms are on, as the README's Brokers section asks for RabbitMQ; ``
 turns them off (then a message in a socket the broker closes is lost, and its job waits for the
 redispatch backstop).
 
-What runs: ``--workers`` (3) ``celery worker`` subprocesses (prefork, concurrency 2) of
+What runs: ``--workers`` (3) ``celery worker`` subprocesses (``--pool``, prefork by default;
+concurrency 2) of
 ``bench/chaosapp.py`` and two ``ojs-celery sweep --loop`` processes. A producer thread in this
 process enqueues ``--jobs`` jobs over the first 70 % of the chaos period (a producer that gets
 an exception retries as the ``enqueue`` contract says: with the job's id after
@@ -267,8 +268,10 @@ class Tally:
 class Cluster:
     """The workers and sweepers of one run, and every process group ever started."""
 
-    def __init__(self, directory: pathlib.Path, config: dict[str, Any], workers: int) -> None:
+    def __init__(self, directory: pathlib.Path, config: dict[str, Any], workers: int,
+                 pool: str = "prefork") -> None:
         self.directory = directory
+        self.pool = pool
         self.config = config
         self.target = workers
         self.env = {**os.environ, "OJS_CHAOS_CONFIG": json.dumps(config),
@@ -289,7 +292,7 @@ class Cluster:
         self.count += 1
         name = f"worker{self.count}"
         proc = self._spawn(name, [
-            sys.executable, "-m", "celery", "-A", "chaosapp:app", "worker", "--pool", "prefork",
+            sys.executable, "-m", "celery", "-A", "chaosapp:app", "worker", "--pool", self.pool,
             "--concurrency", "2", "--loglevel", "INFO", "--queues", self.config["queue"],
             "--hostname", f"{name}@chaos", "--without-gossip", "--without-mingle"])
         self.workers.append(proc)
@@ -641,6 +644,8 @@ def main() -> int:
                         help="the job store: the broker's Redis, or a private PostgreSQL")
     parser.add_argument("--broker", choices=("redis", "rabbitmq"), default="redis",
                         help="the broker: the private Redis, or a private RabbitMQ node")
+    parser.add_argument("--pool", choices=("prefork", "threads", "gevent", "solo"),
+                        default="prefork", help="the workers' pool (concurrency 2)")
     parser.add_argument("--no-confirms", action="store_true",
                         help="with --broker rabbitmq: publisher confirms off (on by default)")
     parser.add_argument("--seed", type=int, default=None)
@@ -680,7 +685,7 @@ def main() -> int:
         + (f", postgres on port {store.server.port}" if store is not None else "")
         + (f", rabbitmq on port {broker.server.port}" if broker is not None else "")
         + f", files in {directory}")
-    cluster = Cluster(directory, config, workers)
+    cluster = Cluster(directory, config, workers, options.pool)
     tally = Tally()
     actions: list[str] = []
     app = make_app(config)
