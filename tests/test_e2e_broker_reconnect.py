@@ -78,11 +78,13 @@ def test_held_messages_go_back_to_their_queue_after_a_broker_restart(
                     extra=["--prefetch-multiplier", "6"])  # it holds what waits behind one job
     try:
         worker.wait_ready()
-        busy = enqueue({"type": "e2e.sleep", "args": [6]}, app=app).id  # its one process
+        # its one process, long enough that the others are still held at the restart on a
+        # loaded machine
+        busy = enqueue({"type": "e2e.sleep", "args": [10]}, app=app).id
         wait_for(lambda: state_of(store, busy) == "active", 15, "the long job to start")
         prefetched = [enqueue({"type": "e2e.add", "args": [i, 1]}, app=app).id
                       for i in range(3)]
-        soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=8)
+        soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=20)
         for_eta = [enqueue({"type": "e2e.add", "args": [i, 2], "scheduled_at": soon.isoformat()},
                            app=app).id for i in range(2)]
         held = {*prefetched, *for_eta}
