@@ -163,6 +163,10 @@ class PostgresStore:
     """The job store's private PostgreSQL server (``--store postgres``), with the chaos it
     takes: restarts and ended sessions."""
 
+    #: Its chaos actions' prefix (``pg-restart``, ``pg-cut``), and what a failed cut raises.
+    prefix = "pg"
+    cut_errors: tuple[type[Exception], ...] = (psycopg.Error,)
+
     def __init__(self) -> None:
         sys.path.insert(0, str(ROOT))
         from tests.pgserver import PrivatePostgres  # the tests' private server, reused
@@ -197,6 +201,9 @@ class PostgresStore:
 class RabbitBroker:
     """The broker's private RabbitMQ node (``--broker rabbitmq``), with the chaos it takes:
     restarts of the broker inside the node, kills of the whole node, closed connections."""
+
+    prefix = "rabbit"
+    cut_errors: tuple[type[Exception], ...] = (subprocess.SubprocessError,)
 
     def __init__(self) -> None:
         sys.path.insert(0, str(ROOT))
@@ -258,10 +265,9 @@ class Tally:
     deploys: int = 0
     restarts: int = 0
     cuts: int = 0
-    pg_restarts: int = 0
-    pg_cuts: int = 0
-    rabbit_restarts: int = 0
-    rabbit_cuts: int = 0
+    #: Restarts and cuts of the other servers (PostgreSQL, RabbitMQ), by action prefix.
+    service_restarts: Counter[str] = field(default_factory=Counter)
+    service_cuts: Counter[str] = field(default_factory=Counter)
     enqueue_errors: Counter[str] = field(default_factory=Counter)
 
 
@@ -417,10 +423,9 @@ def chaos_step(cluster: Cluster, server: RedisServer, store: PostgresStore | Non
                broker: RabbitBroker | None, rng: random.Random, tally: Tally,
                actions: list[str]) -> None:
     choices = ["kill", "kill", "stop", "stop", "deploy", "restart", "cut", "cut"]
-    if store is not None:
-        choices += ["pg-restart", "pg-cut"]
-    if broker is not None:
-        choices += ["rabbit-restart", "rabbit-cut"]
+    services = {service.prefix: service for service in (store, broker) if service is not None}
+    for prefix in services:
+        choices += [f"{prefix}-restart", f"{prefix}-cut"]
     action = rng.choice(choices)
     running = cluster.running()
     if action in ("kill", "stop", "deploy") and not running:
@@ -455,26 +460,18 @@ def chaos_step(cluster: Cluster, server: RedisServer, store: PostgresStore | Non
         server.start()
         tally.restarts += 1
         actions.append(f"redis restart (down {down:.1f}s)")
-    elif action == "pg-restart" and store is not None:
-        actions.append(store.restart(rng))
-        tally.pg_restarts += 1
-    elif action == "pg-cut" and store is not None:
+    elif action.endswith("-restart"):
+        service = services[action.removesuffix("-restart")]
+        actions.append(service.restart(rng))
+        tally.service_restarts[service.prefix] += 1
+    elif action.endswith("-cut"):
+        service = services[action.removesuffix("-cut")]
         try:
-            actions.append(store.cut())
-        except psycopg.Error as exc:
-            actions.append(f"session cut failed: {exc}")
+            actions.append(service.cut())
+        except service.cut_errors as exc:
+            actions.append(f"{action} failed: {exc}")
             return
-        tally.pg_cuts += 1
-    elif action == "rabbit-restart" and broker is not None:
-        actions.append(broker.restart(rng))
-        tally.rabbit_restarts += 1
-    elif action == "rabbit-cut" and broker is not None:
-        try:
-            actions.append(broker.cut())
-        except subprocess.SubprocessError as exc:
-            actions.append(f"rabbitmq connection cut failed: {exc}")
-            return
-        tally.rabbit_cuts += 1
+        tally.service_cuts[service.prefix] += 1
     else:
         try:
             client = redis.Redis.from_url(server.url, socket_timeout=5)
@@ -746,10 +743,11 @@ def main() -> int:
               f"{counts.get('phantom', 0)} phantoms, {tally.kills} kills, "
               f"{tally.stops} stops, {tally.deploys} deploys, {tally.restarts} redis restarts, "
               f"{tally.cuts} connection cuts"
-              + (f", {tally.pg_restarts} postgres restarts, {tally.pg_cuts} session cuts"
+              + (f", {tally.service_restarts['pg']} postgres restarts, "
+                 f"{tally.service_cuts['pg']} session cuts"
                  if store is not None else "")
-              + (f", {tally.rabbit_restarts} rabbitmq restarts, {tally.rabbit_cuts} rabbitmq "
-                 "cuts" if broker is not None else "")
+              + (f", {tally.service_restarts['rabbit']} rabbitmq restarts, "
+                 f"{tally.service_cuts['rabbit']} rabbitmq cuts" if broker is not None else "")
               + f" in {chaos_seconds:.0f}s "
               f"(enqueue retries: {errors or 'none'}; sweeps applied: {applied or 'none'}; "
               f"seed {seed})", flush=True)
