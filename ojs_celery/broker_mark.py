@@ -34,13 +34,15 @@ def mark_key(store_prefix: str) -> str:
 
 class BrokerMarker:
     """The mark's key in the app's Redis broker; a client kept for the process (made at the
-    first use, again after a failure to make it)."""
+    first use, again after a failure to make it), whose kombu channel the sweeper also puts
+    held messages back with (:mod:`ojs_celery.handback`)."""
 
     def __init__(self, app: Celery, store_prefix: str) -> None:
         self._app = app
         self._name = mark_key(store_prefix)
         self._connection: Any = None
         self._client: redis.Redis | None = None
+        self._channel: Any = None
         self._key = ""
         #: Whether the last check failed: said once per outage (of this app's broker), not
         #: once per pass.
@@ -69,8 +71,14 @@ class BrokerMarker:
         except _errors() as exc:
             raise _unavailable(exc) from exc
 
+    def channel(self) -> Any:
+        """The kombu Redis channel the mark's client runs on. Raises :class:`Unreachable`."""
+        self._open()
+        return self._channel
+
     def close(self) -> None:
         connection, self._connection, self._client = self._connection, None, None
+        self._channel = None
         if connection is not None:
             with contextlib.suppress(Exception):  # best effort: it is being dropped
                 connection.release()
@@ -96,7 +104,7 @@ class BrokerMarker:
             except (OperationalError, *_errors(), *connection.connection_errors) as exc:
                 connection.release()
                 raise _unavailable(exc) from exc
-            self._connection = connection
+            self._connection, self._channel = connection, channel
             self._client = redis.Redis(connection_pool=channel.pool)
             self._key = (getattr(channel, "global_keyprefix", "") or "") + self._name
         return self._client, self._key

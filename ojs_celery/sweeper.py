@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from . import lifecycle
+from . import handback, lifecycle
 from .broker_mark import Unreachable
 from .effects import carry_out
 from .entropy import random_hex
@@ -31,7 +31,7 @@ from .faults import AtMostEvery, OncePerKind
 from .lifecycle import BlindSpell, Clock, Heard, Rule, WorkerClock
 from .producer import BrokerUnavailable
 from .runtime import Runtime, UnknownType
-from .store import BrokerMark, StoreError
+from .store import BrokerMark, StoreError, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +347,7 @@ def _bury_dead_workers(
     store = runtime.store
     policy = store.policy
     cutoff = clock.cutoff(now, policy)
-    buried: set[str] = set()
+    buried: dict[str, WorkerInfo] = {}
     for worker_id in store.workers.stale(cutoff, READ_PAST * limit):
         if len(buried) >= limit:
             break
@@ -357,7 +357,7 @@ def _bury_dead_workers(
             continue  # it beat meanwhile, its own timeout is longer, or a blind spell
         if not store.remove_worker(worker_id, info.active_job_ids):  # the drain marks those
             continue  # another sweeper took it
-        buried.add(worker_id)
+        buried[worker_id] = info
         report.applied[clock.name] += 1
         logger.warning("ojs_celery: worker %s (%s) missed its beats for %.1fs: declared dead",
                        worker_id, info.nodename or info.hostname, now - info.last_beat)
@@ -382,6 +382,7 @@ def _bury_dead_workers(
                     raise failure from exc
     if buried:
         _recover_unlisted(runtime, clock, frozenset(buried), now, limit, report)
+        _put_back_unlisted(runtime, list(buried.values()), limit, report)
 
 
 #: Counted in ``SweepReport.applied``: messages published again because the broker lost them.
@@ -517,6 +518,59 @@ def _recover_unlisted(
             report.skipped += 1
             logger.warning("ojs_celery: sweep could not check active job %s for a dead "
                            "worker: %s: %s", job_id, type(exc).__name__, exc)
+
+
+#: Counted in ``SweepReport.applied``: messages dead workers received after their last beat,
+#: put back in their queue (see :func:`_put_back_unlisted`).
+PUT_BACK = "put_back"
+#: How long before a dead worker's last beat (by the sweeper's clock) the messages it may have
+#: received unlisted are looked for: kombu stamps a delivery with the receiving host's clock.
+DELIVERY_SKEW = 30.0
+#: How long after a live worker's last beat a message it received may still be unlisted (the
+#: beat lists what it holds, then stamps its time).
+LISTING_LAG = 1.0
+
+
+def _put_back_unlisted(runtime: Runtime, buried: list[WorkerInfo], limit: int,
+                       report: SweepReport) -> None:
+    """The messages the workers just declared dead received after their last beat, which no
+    beat listed: on a Redis broker kombu keeps them for ``visibility_timeout`` (an hour) while
+    their jobs wait. Those delivered since the earliest of those beats (``DELIVERY_SKEW``
+    before it) and before every live worker's last beat, listed by no worker, whose job still
+    waits for that very message, go back to their queue (:mod:`ojs_celery.handback`): among
+    the first :data:`READ_PAST` × ``limit`` messages kombu recorded then (those of the jobs
+    live workers run count too, as their messages are acknowledged at the end). A message put
+    back that a worker does hold only costs a copy, which fencing drops. Not reaching the
+    broker or the store leaves them to kombu's ``visibility_timeout`` (logged): the workers are
+    buried by then, so no later pass would look again."""
+    marker = runtime.broker_marker
+    if marker is None:  # RabbitMQ redelivers what a closed connection held
+        return
+    store = runtime.store
+    workers = store.workers.all()
+    listed = {job_id for info in [*workers, *buried]
+              for job_id in [*info.active_job_ids, *info.reserved_job_ids]}
+    since = min(info.last_beat for info in buried) - DELIVERY_SKEW
+    until = min([time.time(), *(info.last_beat for info in workers)]) - LISTING_LAG
+    try:
+        channel = marker.channel()
+        recorded = handback.delivered_between(channel, since, until, READ_PAST * limit)
+        found = [delivery for delivery in recorded if delivery.job_id not in listed]
+        records = store.get_records([delivery.job_id for delivery in found]) if found else []
+        owed = [delivery for delivery, record in zip(found, records, strict=True)
+                if record is not None and record.token == delivery.token
+                and record.job.state in lifecycle.STARTABLE]
+        put = set(handback.put_back(channel, [delivery.tag for delivery in owed]))
+    except Exception as exc:  # the broker or the store failed: kombu restores them later
+        logger.warning("ojs_celery: could not put back the messages that workers declared dead "
+                       "received after their last beat (kombu restores them after the broker's "
+                       "visibility_timeout): %s: %s", type(exc).__name__, exc)
+        return
+    if put:
+        report.applied[PUT_BACK] += len(put)
+        logger.warning("ojs_celery: put back in their queue %d OJS message(s) that workers "
+                       "declared dead received after their last beat: jobs %s", len(put),
+                       handback.named([d.job_id for d in owed if d.tag in put]))
 
 
 def last_sweep(runtime: Runtime) -> float | None:

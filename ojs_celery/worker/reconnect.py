@@ -12,9 +12,8 @@ waited for the redispatch backstop.
 
 :class:`ReconnectStep` notes the OJS messages the worker held when Celery learns that the
 connection failed and, once the consumer is connected again, puts each one still in ``unacked``
-back in its queue with kombu's own ``QoS.restore_by_tag`` (a transaction that watches the record,
-so a message that kombu did restore is not restored twice). Only OJS messages: a copy of one
-is harmless (fencing drops it at its start), while a plain task's message that the pool took just
+back in its queue (:func:`ojs_celery.handback.put_back`). Only OJS messages: a copy of one is
+harmless (fencing drops it at its start), while a plain task's message that the pool took just
 before the loss could run twice.
 
 It also keeps Celery 5.7 from ending the worker there. Celery 5.7 closes the failed connection
@@ -34,14 +33,12 @@ from typing import Any
 
 from celery import bootsteps
 
+from .. import handback
 from ..runtime import get_runtime
 from .node import node_of, ojs_requests
 from .registration import RegistrationStep
 
 logger = logging.getLogger(__name__)
-
-#: How many of the jobs put back the log line names.
-LISTED = 10
 
 
 class ReconnectStep(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -81,28 +78,21 @@ class ReconnectStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def _hand_back(self, parent: Any) -> None:
         held, self.held = self.held, {}
-        channel = parent.connection.default_channel
-        qos = channel.qos
-        restored: list[str] = []
         try:
-            with channel.conn_or_acquire() as client:
-                for tag in list(held):
-                    if client.hget(qos.unacked_key, tag) is not None:  # HGET: key-prefixed
-                        qos.restore_by_tag(tag, client=client)
-                        restored.append(held[tag])
-                    del held[tag]
+            restored = [held[tag] for tag in
+                        handback.put_back(parent.connection.default_channel, held)]
         except Exception as exc:  # the broker failed again: tried again at the next reconnect
             self.held.update(held)
             logger.warning(
                 "ojs_celery: could not put back %d held OJS message(s) after the broker "
                 "connection was lost (%r); trying again when the worker reconnects (kombu "
                 "restores them after the broker's visibility_timeout)", len(held), exc)
+            return
         if restored:
-            named = ", ".join(restored[:LISTED]) + (", ..." if len(restored) > LISTED else "")
             logger.warning(
                 "ojs_celery: put back in their queue %d OJS message(s) this worker held when "
                 "the broker connection was lost (kombu could not while Redis was away): jobs %s",
-                len(restored), named)
+                len(restored), handback.named(restored))
 
 
 def _held_tags(parent: Any) -> dict[str, str]:

@@ -1,0 +1,119 @@
+"""OJS messages that kombu's Redis transport holds for a worker that no longer will run them,
+put back in their queue at once rather than after the broker's ``visibility_timeout``.
+
+On a Redis broker kombu records every message it delivers in an ``unacked`` hash (the message)
+and an ``unacked_index`` sorted set (when it was delivered, by the receiving host's clock) until
+it is acknowledged, and puts back what was never acknowledged once ``visibility_timeout`` (an
+hour by default) has passed. Two holders go away sooner without kombu noticing:
+
+- a worker whose broker connection failed while Redis was away: Celery drops what it held
+  (:mod:`ojs_celery.worker.reconnect` hands its messages back once it reconnects);
+- a worker killed or frozen just after it received a message, before a beat listed it: the
+  sweeper that declares it dead redispatches the jobs its last beat listed, and puts back the
+  messages delivered since that no worker lists (:func:`ojs_celery.sweeper.sweep`).
+
+Both put messages back with kombu's own ``QoS.restore_by_tag``: a transaction that watches the
+record, so a message that kombu or another sweeper put back meanwhile is not put back twice.
+Only OJS messages: a copy of one is harmless (fencing drops it at its start), a plain task's is
+not.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from . import header
+
+__all__ = ["Delivery", "delivered_between", "named", "put_back"]
+
+#: How many of the jobs put back a log line names.
+LISTED = 10
+#: How many messages :func:`delivered_between` reads from kombu's record per round trip.
+PAGE = 100
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One unacknowledged OJS message in kombu's record."""
+
+    tag: str
+    job_id: str
+    #: The dispatch token it carries (None: its header has none this version can read).
+    token: int | None
+
+
+def delivered_between(channel: Any, since: float, until: float, limit: int) -> list[Delivery]:
+    """The OJS messages kombu records as delivered between ``since`` and ``until`` and not yet
+    acknowledged, oldest first, at most ``limit`` of those recorded then (plain messages
+    count towards it and are left out). ``channel`` is a kombu Redis channel; its errors
+    (redis-py's, ``OSError``) are the caller's."""
+    with _plain_client(channel) as (client, prefix):
+        tags = client.execute_command("ZRANGEBYSCORE", prefix + channel.unacked_index_key,
+                                      since, until, "LIMIT", 0, limit)
+        if not tags:
+            return []
+        found = []
+        for start in range(0, len(tags), PAGE):  # the messages' bodies, a page at a time
+            page = tags[start:start + PAGE]
+            payloads = client.execute_command("HMGET", prefix + channel.unacked_key, *page)
+            for tag, payload in zip(page, payloads, strict=True):
+                delivery = _ojs_delivery(_text(tag), payload)
+                if delivery is not None:
+                    found.append(delivery)
+    return found
+
+
+def put_back(channel: Any, tags: Iterable[str]) -> list[str]:
+    """Put each message still in kombu's record back in its queue (kombu's
+    ``QoS.restore_by_tag``); the tags of those it put back (a tag missing from the record was
+    acknowledged or put back meanwhile). A failure of the broker is the caller's: the messages
+    not yet put back stay in the record."""
+    qos = channel.qos
+    restored = []
+    with channel.conn_or_acquire() as client:  # kombu's client: it prefixes HGET and WATCH
+        for tag in tags:
+            if client.hget(qos.unacked_key, tag) is not None:  # only to count what went back
+                qos.restore_by_tag(tag, client=client)
+                restored.append(tag)
+    return restored
+
+
+def named(job_ids: list[str]) -> str:
+    """The jobs put back, as a log line names them."""
+    return ", ".join(job_ids[:LISTED]) + (", ..." if len(job_ids) > LISTED else "")
+
+
+@contextmanager
+def _plain_client(channel: Any) -> Iterator[tuple[Any, str]]:
+    """A redis-py client on the channel's pool that prefixes nothing, and kombu's
+    ``global_keyprefix`` to put before each key: kombu's own client prefixes only the commands it
+    uses itself, not ``ZRANGEBYSCORE`` or ``HMGET``."""
+    import redis  # only with a Redis broker, so with kombu's Redis extra
+
+    client = redis.Redis(connection_pool=channel.pool)
+    yield client, getattr(channel, "global_keyprefix", "") or ""
+
+
+def _ojs_delivery(tag: str, payload: Any) -> Delivery | None:
+    """The delivery of an OJS message from kombu's record (``[message, exchange,
+    routing_key]``); None for any other message, or one the record no longer holds."""
+    if payload is None:
+        return None
+    try:
+        message = json.loads(payload)[0]
+        headers = message["headers"]
+        ojs = headers[header.NAME]
+        job_id = headers["id"]
+    except (ValueError, LookupError, TypeError):
+        return None  # a plain message, a Celery protocol 1 one, or not kombu's JSON
+    if not isinstance(ojs, dict) or not isinstance(job_id, str):
+        return None
+    return Delivery(tag, job_id, header.parse_token(ojs.get("token")))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,162 @@
+"""Messages a worker received just before it died, which no beat of its listed: on a Redis broker
+kombu keeps them in its ``unacked`` record for the broker's ``visibility_timeout`` (an hour), so
+the sweeper that declares the worker dead puts back those whose job still waits for them
+(:mod:`ojs_celery.handback`). The real kill is ``test_e2e_worker``'s
+``test_kill_9_just_after_a_worker_received_a_message_runs_it_once_soon``; here, which messages
+go back and what a failing broker does.
+
+A private ``redis-server`` is broker and store. The dead worker is a process that took messages
+with kombu and was killed (``kill -9``: kombu's record keeps them); the workers' records are
+written as their beats would have left them; the sweeps run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery
+
+from ojs_celery import cancel, enqueue
+from ojs_celery.runtime import get_runtime
+from ojs_celery.store import WorkerInfo
+from ojs_celery.sweeper import PUT_BACK, SweepReport, sweep
+from tests.e2eapp import make_app
+from tests.test_store_faults import PrivateRedis
+from tests.workers import filesystem_config, unique, wait_for
+
+#: Takes ``count`` messages from a queue as a consumer would (kombu records each in its
+#: ``unacked``), says so, and waits to be killed.
+HOLDER = """
+import sys, kombu
+url, queue, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with kombu.Connection(url) as connection:
+    channel = connection.channel()
+    held = 0
+    while held < count:
+        if channel.basic_get(queue, no_ack=False) is not None:
+            held += 1
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def broker(tmp_path: pathlib.Path) -> Iterator[PrivateRedis]:
+    server = PrivateRedis(tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def app(broker: PrivateRedis, tmp_path: pathlib.Path) -> Iterator[Celery]:
+    config = filesystem_config(tmp_path)
+    config.update(broker_url=broker.url, broker_transport_options={},
+                  result_backend=f"db+sqlite:///{tmp_path / 'results.sqlite3'}")
+    config["ojs"] = {"store_url": broker.url, "store_prefix": unique("rd"), "events": False}
+    made = make_app(config)
+    try:
+        yield made
+    finally:
+        get_runtime(made).close()
+
+
+def hold_and_die(broker: PrivateRedis, queue: str, count: int) -> float:
+    """A consumer takes ``count`` messages and is killed; when it had taken them."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, broker.url, queue, str(count)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        return time.time()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+
+
+def beats(app: Celery, held_at: float, dead_listing: list[str], live_listing: list[str]) -> None:
+    """The dead worker's last beat, long before the messages came (listing ``dead_listing``),
+    and a live worker's, after them (listing ``live_listing``)."""
+    store = get_runtime(app).store
+    timeout = get_runtime(app).settings.worker_heartbeat_timeout
+    wait_for(lambda: time.time() > held_at + 1.5, 5, "a beat's time after the messages")
+    store.workers.save(WorkerInfo("dead", "host", 1, last_beat=time.time() - timeout - 5,
+                                  reserved_job_ids=dead_listing))
+    store.workers.save(WorkerInfo("live", "host", 2, last_beat=time.time(),
+                                  reserved_job_ids=live_listing))
+
+
+def queued(broker: PrivateRedis, queue: str) -> list[str]:
+    """The ids of the messages waiting in ``queue``."""
+    return [json.loads(raw)["headers"]["id"] for raw in broker.admin.lrange(queue, 0, -1)]
+
+
+def checked(report: SweepReport) -> SweepReport:
+    assert report.error is None, report.error
+    return report
+
+
+def test_only_the_unlisted_messages_of_waiting_jobs_go_back(
+    app: Celery, broker: PrivateRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue = unique("held")
+    job = {"type": "e2e.add", "args": [1, 2], "queue": queue}
+    unlisted, live_held, dead_held, cancelled = (enqueue(job, app=app).id for _ in range(4))
+    plain = app.send_task("e2e.plain", (1,), queue=queue).id
+    held_at = hold_and_die(broker, queue, 5)
+    # a hostile entry in kombu's record: not kombu's JSON
+    broker.admin.hset("unacked", "garbage", "{not json")
+    broker.admin.zadd("unacked_index", {"garbage": held_at})
+    cancel(cancelled, app=app)
+    beats(app, held_at, dead_listing=[dead_held], live_listing=[live_held])
+    with caplog.at_level(logging.WARNING, logger="ojs_celery"):
+        report = checked(sweep(get_runtime(app)))
+    assert report.applied["worker"] == 1 and report.applied[PUT_BACK] == 1
+    # back in the queue: the unlisted one as it was, the dead worker's listed one as a copy
+    # the store's redispatch published (same token)
+    assert sorted(queued(broker, queue)) == sorted([unlisted, dead_held])
+    for job_id in (unlisted, dead_held):
+        record = get_runtime(app).store.get_record(job_id)
+        assert record is not None and record.token == 1 and record.job.attempt == 0
+    left = {json.loads(raw)[0]["headers"]["id"]
+            for tag, raw in broker.admin.hgetall("unacked").items() if tag != "garbage"}
+    assert left == {live_held, cancelled, plain, dead_held}
+    said = [r.message for r in caplog.records if "put back in their queue" in r.message]
+    assert said == [f"ojs_celery: put back in their queue 1 OJS message(s) that workers "
+                    f"declared dead received after their last beat: jobs {unlisted}"]
+    assert checked(sweep(get_runtime(app))).applied[PUT_BACK] == 0  # nobody else died
+
+
+def test_a_broker_that_answers_with_an_error_leaves_them_to_kombu(
+    app: Celery, broker: PrivateRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kombu's index is not a sorted set (an error reply to the sweeper's read): one line, the
+    worker still declared dead, the pass's other work done, the message left where it was."""
+    queue = unique("held")
+    waiting = enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app).id
+    held_at = hold_and_die(broker, queue, 1)
+    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
+    broker.admin.delete("unacked_index")
+    broker.admin.set("unacked_index", "not a sorted set")
+    beats(app, held_at, dead_listing=[], live_listing=[])
+    try:
+        with caplog.at_level(logging.WARNING, logger="ojs_celery"):
+            report = checked(sweep(get_runtime(app)))
+    finally:
+        broker.admin.delete("unacked_index")
+        broker.admin.zadd("unacked_index", dict(index))
+    assert report.applied["worker"] == 1 and report.applied[PUT_BACK] == 0
+    assert get_runtime(app).store.workers.get("dead") is None
+    said = [r for r in caplog.records if "could not put back" in r.message]
+    assert len(said) == 1 and said[0].exc_info is None and "WRONGTYPE" in said[0].message
+    assert queued(broker, queue) == []
+    assert [json.loads(raw)[0]["headers"]["id"]
+            for raw in broker.admin.hvals("unacked")] == [waiting]
