@@ -41,9 +41,10 @@ from .envelope import (
 )
 from .events import listen
 from .install import install
+from .lifecycle import Policy, WorkerClock
 from .migration import Report, build_report
 from .runtime import get_runtime
-from .store import StoreError
+from .store import StoreError, WorkerInfo
 from .sweeper import run_loop, sweep
 from .worker.registry import DIRECTIVES
 
@@ -512,27 +513,66 @@ def workers_command(ctx: click.Context, as_json: bool) -> None:
 
 
 def _directive(name: str) -> click.Command:
-    @click.command(name=name, help=f"Send the one-shot `{name}` directive to WORKER_ID(s) "
-                   "(delivered in the reply to its next beat). Exit status 1 if one of them "
-                   "is not registered (then none is sent).")
-    @click.argument("worker_ids", nargs=-1)
+    @click.command(name=name, help=f"Send the one-shot `{name}` directive to WORKER(s): each a "
+                   "worker id, or a Celery node name (`celery@host`, as `celery inspect -d` "
+                   "takes it; its live workers, see `ojs-celery workers`). It is delivered in "
+                   "the reply to the worker's next beat. Exit status 1 if one of them names no "
+                   "registered worker (then none is sent).")
+    @click.argument("workers", nargs=-1, metavar="[WORKER]...")
     @click.option("--all", "everyone", is_flag=True, help="Every registered worker.")
     @click.pass_context
-    def send(ctx: click.Context, worker_ids: tuple[str, ...], everyone: bool) -> None:
-        if everyone == bool(worker_ids):  # a usage error needs no store (status 2, not 4)
-            raise click.UsageError("give WORKER_ID(s) or --all (not both)")
-        app = _app(ctx)
-        store = get_runtime(app).store
-        known = {w.worker_id for w in store.workers.all()}
-        targets = sorted(known) if everyone else list(worker_ids)
-        unknown = [w for w in targets if w not in known]
-        if unknown:
-            _fail([f"error: no registered worker {', '.join(unknown)}"], EXIT_FAILED)
-        for worker_id in targets:
-            store.meta.send_directive(worker_id, name)
-            _line({"worker_id": worker_id, "directive": name})
+    def send(ctx: click.Context, workers: tuple[str, ...], everyone: bool) -> None:
+        if everyone == bool(workers):  # a usage error needs no store (status 2, not 4)
+            raise click.UsageError("give WORKER(s) (ids or node names) or --all (not both)")
+        runtime = get_runtime(_app(ctx))
+        store = runtime.store
+        known = store.workers.all()
+        targets = sorted(known, key=lambda w: w.worker_id) if everyone else _named_workers(
+            known, workers, store.policy)
+        for info in targets:
+            store.meta.send_directive(info.worker_id, name)
+            _line({"worker_id": info.worker_id, "nodename": info.nodename, "directive": name})
 
     return send
+
+
+def _named_workers(known: list[WorkerInfo], names: tuple[str, ...],
+                   policy: Policy) -> list[WorkerInfo]:
+    """The registered workers ``names`` name, each a worker id or a Celery node name, in the
+    order named (each once). A node name stands for its live workers, those the sweeper would
+    not declare dead (a worker restarted under the same name leaves its old record behind until
+    the sweeper removes it): the stale records it also names are left out, one line each on
+    stderr; if none of them is live, all of them. A name that is neither ends the command with
+    status 1 before anything is sent."""
+    by_id = {info.worker_id: info for info in known}
+    now = time.time()
+    clock = WorkerClock()
+    chosen: dict[str, WorkerInfo] = {}
+    unknown: list[str] = []
+    notes: list[str] = []
+    for name in names:
+        if name in by_id:
+            chosen.setdefault(name, by_id[name])
+            continue
+        node = [info for info in known if info.nodename == name]
+        if not node:
+            unknown.append(name)
+            continue
+        live = [info for info in node if not clock.is_dead(
+            info.last_beat, now, policy, own_timeout=info.heartbeat_timeout)]
+        for info in node:
+            if live and info not in live:
+                notes.append(f"note: {name}: left out worker {info.worker_id}, a stale record "
+                             f"(no beat for {now - info.last_beat:.1f}s); name its id to send "
+                             "it all the same")
+        for info in live or node:
+            chosen.setdefault(info.worker_id, info)
+    if unknown:
+        _fail([f"error: no registered worker with the id or node name {', '.join(unknown)} "
+               "(see `ojs-celery workers`)"], EXIT_FAILED)
+    for note in notes:
+        click.echo(_one_line(note), err=True)
+    return list(chosen.values())
 
 
 for _name in DIRECTIVES:

@@ -20,11 +20,11 @@ import redis
 
 from ojs_celery import enqueue
 from ojs_celery.runtime import get_runtime
-from ojs_celery.store import open_store
+from ojs_celery.store import WorkerInfo, open_store
 from tests.conftest import Env, start_env
 from tests.e2eapp import make_app
 from tests.test_store_faults import PrivateRedis
-from tests.workers import ROOT, redis_config, wait_for
+from tests.workers import ROOT, redis_config, unique, wait_for
 
 CLI = str(pathlib.Path(sys.executable).parent / "ojs-celery")
 
@@ -543,7 +543,55 @@ def test_a_directive_without_workers_is_a_usage_error_whatever_the_store(env: En
     down = {"ojs": {**env.config["ojs"], "store_url": "redis://127.0.0.1:1/0"}}
     out = run_with(env, down, "workers", "quiet")
     assert out.returncode == 2, out.stderr
-    assert "give WORKER_ID(s) or --all" in out.stderr
+    assert "give WORKER(s) (ids or node names) or --all" in out.stderr
+
+
+def test_a_directive_takes_a_node_name_and_sends_it_to_its_live_workers(env: Env) -> None:
+    """``workers quiet celery@host``: Celery users name workers by node name. A node name
+    whose worker was restarted has a stale record beside the live one until the sweeper
+    removes it: the directive goes to the live worker only. An id still names its worker, and
+    an unknown name is one line and status 1, with nothing sent."""
+    store = get_runtime(env.app).store
+    node, other = f"{unique('node')}@host", f"{unique('node')}@host"
+    now = time.time()
+    stale = WorkerInfo(f"worker_{unique('stale')}", "host", 1, node, last_beat=now - 3600)
+    live = WorkerInfo(f"worker_{unique('live')}", "host", 2, node, last_beat=now)
+    elsewhere = WorkerInfo(f"worker_{unique('other')}", "host", 3, other, last_beat=now)
+    infos = (stale, live, elsewhere)
+    for info in infos:
+        store.workers.save(info)
+    try:
+        def pending() -> list[str | None]:
+            return [store.meta.pending_directive(info.worker_id) for info in infos]
+
+        unknown = run(env, "workers", "quiet", node, "celery@nosuchnode")
+        assert unknown.returncode == 1, unknown.stderr
+        assert unknown.stderr.splitlines() == [
+            "error: no registered worker with the id or node name celery@nosuchnode "
+            "(see `ojs-celery workers`)"]
+        assert pending() == [None, None, None]  # nothing sent
+
+        out = run(env, "workers", "quiet", node)
+        assert out.returncode == 0, out.stderr
+        assert [json.loads(line) for line in out.stdout.splitlines()] == [
+            {"worker_id": live.worker_id, "nodename": node, "directive": "quiet"}]
+        assert stale.worker_id in out.stderr  # it says which record it left out
+        assert pending() == [None, "quiet", None]
+
+        by_id = run(env, "workers", "resume", stale.worker_id, other, live.worker_id)
+        assert by_id.returncode == 0, by_id.stderr
+        assert [json.loads(line)["worker_id"] for line in by_id.stdout.splitlines()] == [
+            stale.worker_id, elsewhere.worker_id, live.worker_id]
+        assert pending() == ["resume", "resume", "resume"]
+
+        store.workers.remove(live.worker_id)  # only the stale record is left: it is named
+        left = run(env, "workers", "terminate", node)
+        assert left.returncode == 0, left.stderr
+        assert [json.loads(line)["worker_id"] for line in left.stdout.splitlines()] == [
+            stale.worker_id]
+    finally:
+        for info in infos:
+            store.remove_worker(info.worker_id)
 
 
 def test_output_that_cannot_be_written_is_one_line_and_status_1(env: Env) -> None:

@@ -153,6 +153,25 @@ def test_directives_quiet_resume_terminate(env: Env, tmp_path: pathlib.Path) -> 
         stop_all([worker])
 
 
+def test_directives_by_celery_node_name(env: Env, tmp_path: pathlib.Path) -> None:
+    """``ojs-celery workers quiet celery@host``, the node name ``celery inspect -d`` takes,
+    reaches the worker as its id does (a node's stale records: ``tests/test_cli.py``, where
+    no sweeper removes them first)."""
+    [worker] = own_workers(env, tmp_path)
+    store = get_runtime(env.app).store
+    try:
+        info = registered(env, worker)
+        assert info.nodename and "@" in info.nodename
+        assert cli(env, "workers", "quiet", info.nodename).returncode == 0
+        wait_for(lambda: (w := store.workers.get(info.worker_id)) and w.state == "quiet",
+                 BEAT + SLACK, "quiet")
+        assert cli(env, "workers", "terminate", info.nodename).returncode == 0
+        assert worker.process.wait(BEAT + SLACK + 5) == 0
+        assert store.workers.get(info.worker_id) is None
+    finally:
+        stop_all([worker])
+
+
 def test_sigtstp_quiets_and_sigcont_resumes(env: Env, tmp_path: pathlib.Path) -> None:
     [worker] = own_workers(env, tmp_path)
     try:
