@@ -44,7 +44,7 @@ from .install import install
 from .lifecycle import Policy, WorkerClock
 from .migration import Report, build_report
 from .runtime import get_runtime
-from .store import StoreError, WorkerInfo
+from .store import StoreError, StoreMisconfigured, WorkerInfo
 from .sweeper import run_loop, sweep
 from .worker.registry import DIRECTIVES
 
@@ -181,6 +181,8 @@ class _Commands(click.Group):
         except InvalidJob as exc:  # DuplicateJob included
             status = EXIT_DUPLICATE if isinstance(exc, DuplicateJob) else EXIT_INVALID
             _fail([f"{path}: {rule}" for path, rule in exc.violations], status)
+        except StoreMisconfigured as exc:  # store_url names what the server refuses: a setting
+            _fail([f"error: {exc}"], EXIT_INVALID)
         except StoreError as exc:
             _fail([f"error: {exc}"], EXIT_STORE)  # it says what failed, whatever the backend
         except SerializerNotInstalled as exc:  # the app's task_serializer: a bad setting

@@ -30,6 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
+from celery.exceptions import ImproperlyConfigured
 from pydantic_core import PydanticSerializationError
 
 from .. import lifecycle
@@ -141,6 +142,14 @@ class StoreRefused(StoreError):
     read is sent to settle it: under a lock that read would wait as long again. (It answers
     for its own try only: after an earlier try of the same insert lost its reply, that try
     may still be done, see :meth:`JobStore._settle_insert`.)"""
+
+
+class StoreMisconfigured(StoreRefused, ImproperlyConfigured):  # type: ignore[misc]
+    """``store_url`` names a store the server refuses every session to, for a reason only a
+    change of the configuration mends: a PostgreSQL database that does not exist, a user or
+    password the server does not accept. Raised when the first session is refused, before
+    anything is written; retrying cannot help (it is Celery's ``ImproperlyConfigured`` too,
+    as a bad setting is). The message names the database or user and what to do."""
 
 
 def answered(failure: StoreError) -> bool:

@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import re
 import sqlite3
 import threading
 import zlib
@@ -48,6 +49,7 @@ from .base import (
     JobStore,
     NewRow,
     StoreError,
+    StoreMisconfigured,
     StoreRefused,
     Write,
     decode_job,
@@ -242,6 +244,46 @@ def _why_not_opened(path: str) -> str:
             os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK)):
         return "no permission to open or create it"
     return "SQLite cannot open it"
+
+
+#: What a PostgreSQL server refuses a new session for that only a change of ``store_url`` (or
+#: of the server's configuration) mends: SQLSTATE, libpq's words (psycopg gives no SQLSTATE for
+#: a session it could not open; the server words its FATAL in English unless its
+#: ``lc_messages`` says otherwise), what to do. ``{name}``: the database (3D000) or user named.
+_MISCONFIGURED = (
+    ("3D000", re.compile(r'FATAL:\s+database "(?P<name>[^"]*)" does not exist'),
+     'the database "{name}" does not exist on the PostgreSQL server at {server}: create it '
+     "(createdb {name}) or name one that exists"),
+    ("28P01", re.compile(r'FATAL:\s+password authentication failed for user "(?P<name>[^"]*)"'),
+     'the PostgreSQL server at {server} does not accept the password of user "{name}": give '
+     "the right one"),
+    ("28000", re.compile(r'FATAL:\s+(?:role "(?P<name>[^"]*)" does not exist|no pg_hba\.conf '
+                         r"entry|\w+ authentication failed for user)"),
+     'the PostgreSQL server at {server} does not let user "{name}" in: name a user it knows '
+     "and lets in from this host (pg_hba.conf)"),
+    ("", re.compile(r"fe_sendauth: no password supplied"),
+     'the PostgreSQL server at {server} asks user "{name}" for a password and the URL gives '
+     "none: give one (or a ~/.pgpass entry)"),
+)
+
+
+def _misconfigured(url: URL, error: BaseException | None) -> StoreMisconfigured | None:
+    """The :class:`StoreMisconfigured` for ``error``, the driver's refusal of a new session to
+    the PostgreSQL server of ``url``, when it is one of :data:`_MISCONFIGURED` (a database
+    that does not exist, a user or password the server does not accept); else None."""
+    if error is None or url.get_backend_name() != "postgresql":
+        return None
+    sqlstate = getattr(error, "sqlstate", None) or getattr(error, "pgcode", None)
+    for code, words, rule in _MISCONFIGURED:
+        found = words.search(str(error))
+        if found is None and not (code and sqlstate == code):
+            continue
+        name = (found.groupdict().get("name") if found is not None else None) or (
+            url.database if code == "3D000" else url.username) or "(libpq's default)"
+        server = f"{url.host or 'localhost'}:{url.port or 5432}"
+        return StoreMisconfigured(f"ojs.store_url: {rule.format(name=name, server=server)} "
+                                  f"({store_message(error)})")
+    return None
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -524,6 +566,9 @@ class SQLStore(JobStore):
                 try:
                     self._create_tables(self._engine)
                 except sa_exc.OperationalError as exc:
+                    refusal = _misconfigured(self.url, exc.orig)
+                    if refusal is not None:
+                        raise refusal from exc
                     if self._file is not None and _cannot_open(exc.orig):
                         raise StoreRefused(store_message(
                             exc.orig, "the job store is unavailable, it cannot open its "

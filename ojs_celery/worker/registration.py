@@ -11,6 +11,7 @@ from celery import bootsteps
 from celery.worker import state as worker_state
 
 from ..runtime import Runtime, get_runtime
+from ..store import StoreMisconfigured
 from ..store.sql import sqlite_file
 from .node import WorkerNode
 
@@ -35,6 +36,9 @@ class RegistrationStep(bootsteps.StartStopStep):  # type: ignore[misc]
         info = node.info()
         try:
             node.registry.register(info)
+        except StoreMisconfigured as exc:  # no beat can mend store_url: exit, naming it
+            node.left = True  # never registered: nothing to leave
+            raise SystemExit(f"ojs_celery: {exc}") from None
         except Exception as exc:  # any store fault: the next beat registers it
             logger.warning("ojs_celery: could not register worker %s (will retry with the "
                            "next beat): %r", node.worker_id, exc)
