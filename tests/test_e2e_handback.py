@@ -2,8 +2,8 @@
 kombu keeps them in its ``unacked`` record for the broker's ``visibility_timeout`` (an hour), so
 the sweeper that declares the worker dead puts back those whose job still waits for them
 (:mod:`ojs_celery.handback`). The real kill is ``test_e2e_worker``'s
-``test_kill_9_just_after_a_worker_received_a_message_runs_it_once_soon``; here, which messages
-go back and what a failing broker does.
+``test_kill_9_of_a_worker_holding_an_eta_message_runs_it_once_when_due`` (``unlisted``); here,
+which messages go back and what a failing broker does.
 
 A private ``redis-server`` is broker and store. The dead worker is a process that took messages
 with kombu and was killed (``kill -9``: kombu's record keeps them); the workers' records are
@@ -49,12 +49,8 @@ with kombu.Connection(url) as connection:
 
 
 @pytest.fixture
-def broker(tmp_path: pathlib.Path) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path)
-    try:
-        yield server
-    finally:
-        server.stop()
+def broker(redis_server: PrivateRedis) -> PrivateRedis:
+    return redis_server
 
 
 @pytest.fixture

@@ -509,32 +509,50 @@ def test_a_message_held_for_its_eta_is_listed_in_beats(env: Env, tmp_path: pathl
         stop_all([worker])
 
 
+#: A victim whose next beat comes long after the message it receives (the sweeper honours
+#: its own longer timeout).
+SLOW_BEATS = {"heartbeat_interval": 8.0, "worker_heartbeat_timeout": 10.0}
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["listed", "unlisted"])
 def test_kill_9_of_a_worker_holding_an_eta_message_runs_it_once_when_due(
-    env: Env, tmp_path: pathlib.Path
+    env: Env, tmp_path: pathlib.Path, listed: bool
 ) -> None:
-    """The victim holds a job due in a few seconds (listed in its beats); kill -9 loses the
-    message with it. The sweeper re-dispatches it when it buries the victim, still for its
-    ETA: another worker runs it once, not before it is due."""
+    """The victim holds a job due in a few seconds; kill -9 loses the message with it. Listed
+    in its beats, the job is re-dispatched by the sweeper that buries the victim. Received
+    after its last beat (its beats are slow here), the message is redelivered by RabbitMQ as
+    the connection closes; on a Redis broker kombu would keep it for its ``visibility_timeout``
+    (an hour), and the sweeper puts it back in its queue. Either way another worker runs it
+    once, as the same attempt, not before it is due."""
     queue = unique("own")
     config = {**env.config, "worker_queues": [queue]}
-    victim = Worker(config, tmp_path / "victim.log", concurrency=1)
+    beats = {} if listed else SLOW_BEATS
+    victim = Worker({**config, "ojs": {**env.config["ojs"], **beats}}, tmp_path / "victim.log",
+                    concurrency=1)
     survivor: Worker | None = None
     try:
         victim.wait_ready()
         victim_id = registered(env, victim).worker_id
-        due = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=10)
+        due = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=8)
         job = enqueue({"type": "e2e.whoami", "args": [0.1], "queue": queue,
                        "scheduled_at": due.isoformat()}, app=env.app)
         store = get_runtime(env.app).store
-        wait_for(lambda: (w := store.workers.get(victim_id)) and job.id in w.reserved_job_ids,
-                 5, "the victim to list the ETA-held job")
+        if listed:
+            wait_for(lambda: (w := store.workers.get(victim_id)) and job.id in w.reserved_job_ids,
+                     5, "the victim to list the ETA-held job")
+        else:
+            wait_for(lambda: any(job.id in line for line in env.lines("received")), 5,
+                     "the victim to receive the job's message")
         os.killpg(victim.process.pid, signal.SIGKILL)
+        last = store.workers.get(victim_id)
+        assert last is not None and (job.id in last.reserved_job_ids) == listed
         survivor = Worker(config, tmp_path / "survivor.log", concurrency=1)
         survivor.wait_ready()
         survivor_id = registered(env, survivor).worker_id
-        wait_for(lambda: store.workers.get(victim_id) is None, DEAD_AFTER + SWEEP + SLACK,
+        dead_after = float(beats.get("worker_heartbeat_timeout", DEAD_AFTER))
+        wait_for(lambda: store.workers.get(victim_id) is None, dead_after + SWEEP + SLACK,
                  "the sweeper to bury the victim")
-        done = env.wait_state(job.id, "completed", timeout=10 + SLACK + 5)
+        done = env.wait_state(job.id, "completed", timeout=8 + SLACK + 5, worker=survivor)
         assert done.result == survivor_id and done.attempt == 1 and done.errors == []
         assert done.started_at is not None and done.started_at >= due  # not before it is due
         assert len([r for r in env.lines("runs") if job.id in r]) == 1
@@ -622,45 +640,3 @@ def test_on_gevent_signals_quiet_resume_and_drain(env: Env, tmp_path: pathlib.Pa
     finally:
         stop_all([worker])
 
-
-#: A victim whose next beat comes long after the message it receives (the sweeper honours
-#: its own longer timeout).
-SLOW_BEATS = {"heartbeat_interval": 8.0, "worker_heartbeat_timeout": 10.0}
-
-
-def test_kill_9_just_after_a_worker_received_a_message_runs_it_once_soon(
-    env: Env, tmp_path: pathlib.Path
-) -> None:
-    """The victim receives a job's message and is killed before any beat lists it. RabbitMQ
-    redelivers what the closed connection held; on a Redis broker kombu would keep the message
-    for its ``visibility_timeout`` (an hour), so the sweeper that declares the victim dead puts
-    it back in its queue: another worker runs it once, as the same attempt, long before."""
-    queue = unique("own")
-    config = {**env.config, "worker_queues": [queue], "ojs": {**env.config["ojs"], **SLOW_BEATS}}
-    victim = Worker(config, tmp_path / "victim.log", concurrency=1)
-    survivor: Worker | None = None
-    try:
-        victim.wait_ready()
-        victim_id = registered(env, victim).worker_id
-        due = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=6)
-        job = enqueue({"type": "e2e.whoami", "args": [0.1], "queue": queue,
-                       "scheduled_at": due.isoformat()}, app=env.app)
-        wait_for(lambda: any(job.id in line for line in env.lines("received")), 5,
-                 "the victim to receive the job's message")
-        os.killpg(victim.process.pid, signal.SIGKILL)
-        store = get_runtime(env.app).store
-        last = store.workers.get(victim_id)
-        assert last is not None and job.id not in last.reserved_job_ids  # no beat listed it
-        survivor = Worker(config | {"ojs": env.config["ojs"]}, tmp_path / "survivor.log",
-                          concurrency=1)
-        survivor.wait_ready()
-        survivor_id = registered(env, survivor).worker_id
-        wait_for(lambda: store.workers.get(victim_id) is None,
-                 SLOW_BEATS["worker_heartbeat_timeout"] + SWEEP + SLACK,
-                 "the sweeper to bury the victim")
-        done = env.wait_state(job.id, "completed", timeout=6 + SLACK + 5, worker=survivor)
-        assert done.result == survivor_id and done.attempt == 1 and done.errors == []
-        assert done.started_at is not None and done.started_at >= due  # not before it is due
-        assert len([r for r in env.lines("runs") if job.id in r]) == 1
-    finally:
-        stop_all([victim] + ([survivor] if survivor else []))
