@@ -28,7 +28,7 @@ from typing import Any
 
 from . import header
 
-__all__ = ["Delivery", "delivered_between", "named", "put_back"]
+__all__ = ["Delivery", "delivered_between", "learn_exchanges", "named", "put_back", "routable"]
 
 #: How many of the jobs put back a log line names.
 LISTED = 10
@@ -44,6 +44,9 @@ class Delivery:
     job_id: str
     #: The dispatch token it carries (None: its header has none this version can read).
     token: int | None
+    #: Where kombu would put it back: the exchange and routing key it was published with.
+    exchange: str
+    routing_key: str
 
 
 def delivered_between(channel: Any, since: float, until: float, limit: int) -> list[Delivery]:
@@ -52,8 +55,8 @@ def delivered_between(channel: Any, since: float, until: float, limit: int) -> l
     count towards it and are left out). ``channel`` is a kombu Redis channel; its errors
     (redis-py's, ``OSError``) are the caller's."""
     with _plain_client(channel) as (client, prefix):
-        tags = client.execute_command("ZRANGEBYSCORE", prefix + channel.unacked_index_key,
-                                      since, until, "LIMIT", 0, limit)
+        tags = client.execute_command("ZRANGE", prefix + channel.unacked_index_key, since,
+                                      until, "BYSCORE", "LIMIT", 0, limit)  # as kombu reads it
         if not tags:
             return []
         found = []
@@ -87,11 +90,32 @@ def named(job_ids: list[str]) -> str:
     return ", ".join(job_ids[:LISTED]) + (", ..." if len(job_ids) > LISTED else "")
 
 
+def learn_exchanges(channel: Any, app: Any) -> None:
+    """Make the app's exchanges (those of its ``task_queues``) known to ``channel``, as a
+    worker's channel knows them once it has declared its queues. kombu's virtual transports
+    keep an exchange's type in memory only, and a channel that never declared one routes by
+    it as a direct exchange: a message published to a topic exchange would be put back in no
+    queue. Nothing is written to the broker."""
+    for queue in list(app.amqp.queues.values()):
+        exchange = queue.exchange
+        if exchange is not None and exchange.name:
+            channel.exchange_declare(exchange=exchange.name, type=exchange.type,
+                                     durable=exchange.durable,
+                                     auto_delete=exchange.auto_delete)
+
+
+def routable(channel: Any, delivery: Delivery) -> bool:
+    """Whether kombu would put ``delivery`` back in some queue (its ``_lookup``, which
+    ``restore_by_tag`` follows): a message it would route nowhere is left to kombu's own
+    restore, by a worker's channel that knows its exchange."""
+    return bool(channel._lookup(delivery.exchange, delivery.routing_key))
+
+
 @contextmanager
 def _plain_client(channel: Any) -> Iterator[tuple[Any, str]]:
     """A redis-py client on the channel's pool that prefixes nothing, and kombu's
     ``global_keyprefix`` to put before each key: kombu's own client prefixes only the commands it
-    uses itself, not ``ZRANGEBYSCORE`` or ``HMGET``."""
+    uses itself (``ZRANGE`` only as its first argument, ``HMGET`` not at all)."""
     import redis  # only with a Redis broker, so with kombu's Redis extra
 
     client = redis.Redis(connection_pool=channel.pool)
@@ -104,15 +128,16 @@ def _ojs_delivery(tag: str, payload: Any) -> Delivery | None:
     if payload is None:
         return None
     try:
-        message = json.loads(payload)[0]
+        message, exchange, routing_key = json.loads(payload)
         headers = message["headers"]
         ojs = headers[header.NAME]
         job_id = headers["id"]
     except (ValueError, LookupError, TypeError):
         return None  # a plain message, a Celery protocol 1 one, or not kombu's JSON
-    if not isinstance(ojs, dict) or not isinstance(job_id, str):
+    if not (isinstance(ojs, dict) and isinstance(job_id, str) and isinstance(exchange, str)
+            and isinstance(routing_key, str)):
         return None
-    return Delivery(tag, job_id, header.parse_token(ojs.get("token")))
+    return Delivery(tag, job_id, header.parse_token(ojs.get("token")), exchange, routing_key)
 
 
 def _text(value: Any) -> str:

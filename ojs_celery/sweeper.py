@@ -380,9 +380,9 @@ def _bury_dead_workers(
                 failure = _skip(runtime, clock.name, job_id, exc, now, report)
                 if failure is not None:
                     raise failure from exc
-    if buried:
+    if buried:  # the put-back first: it never raises, and the pass may end in the other
+        _put_back_unlisted(runtime, clock, list(buried.values()), now, limit, report, spell)
         _recover_unlisted(runtime, clock, frozenset(buried), now, limit, report)
-        _put_back_unlisted(runtime, list(buried.values()), limit, report)
 
 
 #: Counted in ``SweepReport.applied``: messages published again because the broker lost them.
@@ -523,43 +523,54 @@ def _recover_unlisted(
 #: Counted in ``SweepReport.applied``: messages dead workers received after their last beat,
 #: put back in their queue (see :func:`_put_back_unlisted`).
 PUT_BACK = "put_back"
-#: How long before a dead worker's last beat (by the sweeper's clock) the messages it may have
-#: received unlisted are looked for: kombu stamps a delivery with the receiving host's clock.
-DELIVERY_SKEW = 30.0
-#: How long after a live worker's last beat a message it received may still be unlisted (the
-#: beat lists what it holds, then stamps its time).
+#: How long around a beat a message a worker received may still be unlisted (a beat lists what
+#: the worker holds, then stamps its time).
 LISTING_LAG = 1.0
 
 
-def _put_back_unlisted(runtime: Runtime, buried: list[WorkerInfo], limit: int,
-                       report: SweepReport) -> None:
+def _put_back_unlisted(runtime: Runtime, clock: WorkerClock, buried: list[WorkerInfo],
+                       now: float, limit: int, report: SweepReport,
+                       spell: BlindSpell | None) -> None:
     """The messages the workers just declared dead received after their last beat, which no
     beat listed: on a Redis broker kombu keeps them for ``visibility_timeout`` (an hour) while
-    their jobs wait. Those delivered since the earliest of those beats (``DELIVERY_SKEW``
-    before it) and before every live worker's last beat, listed by no worker, whose job still
-    waits for that very message, go back to their queue (:mod:`ojs_celery.handback`): among
-    the first :data:`READ_PAST` × ``limit`` messages kombu recorded then (those of the jobs
-    live workers run count too, as their messages are acknowledged at the end). A message put
-    back that a worker does hold only costs a copy, which fencing drops. Not reaching the
-    broker or the store leaves them to kombu's ``visibility_timeout`` (logged): the workers are
-    buried by then, so no later pass would look again."""
+    their jobs wait. kombu stamps a delivery with the receiving host's clock, as the worker
+    stamps its beats, so each dead worker's are among those delivered since its last beat (up
+    to :data:`READ_PAST` × ``limit``, oldest first) and before every live worker's last beat
+    (a live worker lists what it received before it). Those that no worker lists, whose job
+    still waits for that very message and that kombu can route (the app's exchanges, which
+    this channel never declared, are made known to it) go back to their queue
+    (:mod:`ojs_celery.handback`). A message put back that a worker does hold (a frozen one
+    declared dead) only costs a copy, which fencing drops. Best effort: a failure of the broker
+    or the store is logged and leaves them to kombu's ``visibility_timeout``, as the workers
+    are buried by then and no later pass looks again."""
     marker = runtime.broker_marker
     if marker is None:  # RabbitMQ redelivers what a closed connection held
         return
     store = runtime.store
-    workers = store.workers.all()
-    listed = {job_id for info in [*workers, *buried]
-              for job_id in [*info.active_job_ids, *info.reserved_job_ids]}
-    since = min(info.last_beat for info in buried) - DELIVERY_SKEW
-    until = min([time.time(), *(info.last_beat for info in workers)]) - LISTING_LAG
     try:
+        workers = store.workers.all()
+        listed = {job_id for info in [*workers, *buried]
+                  for job_id in [*info.active_job_ids, *info.reserved_job_ids]}
+        live = [info.last_beat for info in workers
+                if not clock.is_dead(info.last_beat, now, store.policy, spell,
+                                     info.heartbeat_timeout)]
+        until = min([time.time(), *live]) - LISTING_LAG
         channel = marker.channel()
-        recorded = handback.delivered_between(channel, since, until, READ_PAST * limit)
-        found = [delivery for delivery in recorded if delivery.job_id not in listed]
-        records = store.get_records([delivery.job_id for delivery in found]) if found else []
-        owed = [delivery for delivery, record in zip(found, records, strict=True)
+        handback.learn_exchanges(channel, runtime.app)
+        found: dict[str, handback.Delivery] = {}
+        for info in buried:
+            for delivery in handback.delivered_between(channel, info.last_beat - LISTING_LAG,
+                                                       until, READ_PAST * limit):
+                if delivery.job_id not in listed:
+                    found.setdefault(delivery.tag, delivery)
+        unlisted = list(found.values())
+        if not unlisted:
+            return
+        records = store.get_records([delivery.job_id for delivery in unlisted])
+        owed = [delivery for delivery, record in zip(unlisted, records, strict=True)
                 if record is not None and record.token == delivery.token
-                and record.job.state in lifecycle.STARTABLE]
+                and record.job.state in lifecycle.STARTABLE
+                and handback.routable(channel, delivery)]
         put = set(handback.put_back(channel, [delivery.tag for delivery in owed]))
     except Exception as exc:  # the broker or the store failed: kombu restores them later
         logger.warning("ojs_celery: could not put back the messages that workers declared dead "

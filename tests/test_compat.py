@@ -20,7 +20,7 @@ from celery.contrib.testing.worker import start_worker
 from kombu import Connection
 
 from ojs_celery import compat
-from ojs_celery.worker.node import eta_held
+from ojs_celery.worker.node import bucket_held, eta_held
 from tests import services
 from tests.workers import wait_for
 
@@ -140,6 +140,30 @@ def test_scheduled_requests_lists_a_countdown_job_held_by_the_worker(
                         "the countdown job to be held")
         assert [request.id for request in held] == [result.id]
         result.revoke()
+
+
+def test_a_rate_limits_bucket_holds_requests_no_other_set_lists(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A task's ``rate_limit`` keeps the requests past it in the consumer's bucket, in neither
+    ``reserved_requests`` nor the timer's entries: the worker's beats list them from there."""
+    app = Celery("compat", broker="memory://", backend="cache+memory://",
+                 set_as_current=False)
+    app.conf.worker_hijack_root_logger = False
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", root.level)  # start_worker sets it to ERROR for good
+
+    @app.task(name="compat.limited", shared=False, rate_limit="1/h")
+    def limited() -> None:
+        return None
+
+    with start_worker(app, pool="solo", perform_ping_check=False) as worker:
+        results = [limited.delay() for _ in range(3)]
+        held = wait_for(lambda: len(bucket_held(worker.consumer)) == 2 and
+                        bucket_held(worker.consumer), 20, "two calls in the rate limit's bucket")
+        assert [request.id for request in held] == [r.id for r in results[1:]]
+        for result in results:
+            result.revoke()
 
 
 def test_call_soon_runs_promptly_while_the_hub_waits_in_poll() -> None:

@@ -20,9 +20,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 from celery import Celery
+from kombu import Exchange, Queue
 
 from ojs_celery import cancel, enqueue
 from ojs_celery.runtime import get_runtime
@@ -53,17 +56,25 @@ def broker(redis_server: PrivateRedis) -> PrivateRedis:
     return redis_server
 
 
-@pytest.fixture
-def app(broker: PrivateRedis, tmp_path: pathlib.Path) -> Iterator[Celery]:
+@contextmanager
+def app_on(broker: PrivateRedis, tmp_path: pathlib.Path,
+           celery: dict[str, Any] | None = None) -> Iterator[Celery]:
     config = filesystem_config(tmp_path)
     config.update(broker_url=broker.url, broker_transport_options={},
-                  result_backend=f"db+sqlite:///{tmp_path / 'results.sqlite3'}")
+                  result_backend=f"db+sqlite:///{tmp_path / 'results.sqlite3'}",
+                  celery=celery or {})
     config["ojs"] = {"store_url": broker.url, "store_prefix": unique("rd"), "events": False}
     made = make_app(config)
     try:
         yield made
     finally:
         get_runtime(made).close()
+
+
+@pytest.fixture
+def app(broker: PrivateRedis, tmp_path: pathlib.Path) -> Iterator[Celery]:
+    with app_on(broker, tmp_path) as made:
+        yield made
 
 
 def hold_and_die(broker: PrivateRedis, queue: str, count: int) -> float:
@@ -156,3 +167,22 @@ def test_a_broker_that_answers_with_an_error_leaves_them_to_kombu(
     assert queued(broker, queue) == []
     assert [json.loads(raw)[0]["headers"]["id"]
             for raw in broker.admin.hvals("unacked")] == [waiting]
+
+
+def test_a_message_routed_by_a_topic_exchange_goes_back_to_its_queue(
+    broker: PrivateRedis, tmp_path: pathlib.Path
+) -> None:
+    """Celery's topic routing: the sweeper's channel never declared the exchange, and kombu
+    would take it for a direct one and route the message nowhere (it left kombu's record and
+    reached no queue); the app's exchanges are made known to it first."""
+    queue = unique("topic")
+    routing = {"task_queues": [Queue(queue, Exchange(unique("tx"), type="topic"),
+                                     routing_key="jobs.#")],
+               "task_routes": {"e2e.add": {"queue": queue, "routing_key": "jobs.add"}}}
+    with app_on(broker, tmp_path, routing) as app:
+        job_id = app.tasks["e2e.add"].delay(1, 2).id
+        held_at = hold_and_die(broker, queue, 1)
+        beats(app, held_at, dead_listing=[], live_listing=[])
+        report = checked(sweep(get_runtime(app)))
+        assert report.applied[PUT_BACK] == 1
+        assert queued(broker, queue) == [job_id]

@@ -511,7 +511,7 @@ def test_a_message_held_for_its_eta_is_listed_in_beats(env: Env, tmp_path: pathl
 
 #: A victim whose next beat comes long after the message it receives (the sweeper honours
 #: its own longer timeout).
-SLOW_BEATS = {"heartbeat_interval": 8.0, "worker_heartbeat_timeout": 10.0}
+SLOW_BEATS = {"heartbeat_interval": 12.0, "worker_heartbeat_timeout": 14.0}
 
 
 @pytest.mark.parametrize("listed", [True, False], ids=["listed", "unlisted"])

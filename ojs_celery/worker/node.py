@@ -43,16 +43,17 @@ def _snapshot(requests: Any) -> list[Any]:
     return []
 
 
-def ojs_requests(active: bool = True, timer: Any = None) -> list[Any]:
+def ojs_requests(active: bool = True, consumer: Any = None) -> list[Any]:
     """The OJS requests this worker runs (``active``), or holds without running: prefetched,
-    and held for an ETA (a retry's backoff, a job due in a few seconds) when ``timer`` (the
-    consumer's) is given."""
+    and, when ``consumer`` is given, held for an ETA (a retry's backoff, a job due in a few
+    seconds) or in a rate limit's bucket."""
     running = _snapshot(worker_state.active_requests)
     if active:
         return [r for r in running if token_of(r) is not None]
     seen = {r.id for r in running}
     held = []
-    for request in [*_snapshot(worker_state.reserved_requests), *eta_held(timer)]:
+    for request in [*_snapshot(worker_state.reserved_requests),
+                    *eta_held(getattr(consumer, "timer", None)), *bucket_held(consumer)]:
         if token_of(request) is not None and request.id not in seen:
             seen.add(request.id)
             held.append(request)
@@ -75,6 +76,20 @@ def eta_held(timer: Any) -> list[Any]:
         if args and not getattr(entry, "canceled", False) and hasattr(args[0], "id"):
             requests.setdefault(args[0].id, args[0])
     return list(requests.values())
+
+
+def bucket_held(consumer: Any) -> list[Any]:
+    """The requests waiting in a rate limit's bucket (a task's ``rate_limit``): Celery's
+    consumer keeps them as ``(request, tokens)`` in ``task_buckets[name].contents`` until
+    a token frees them, in no other set of requests."""
+    buckets = getattr(consumer, "task_buckets", None) or {}
+    held = []
+    for bucket in _snapshot(buckets.values()):
+        for item in _snapshot(getattr(bucket, "contents", ())):
+            request = item[0] if isinstance(item, tuple) and item else None
+            if hasattr(request, "id"):
+                held.append(request)
+    return held
 
 
 def anything_running() -> bool:
@@ -146,7 +161,7 @@ class WorkerNode:
         pool = getattr(consumer, "pool", None)
         concurrency = getattr(consumer.controller, "concurrency", None) or getattr(
             pool, "limit", None) or 1
-        self.last_held = ojs_requests(active=False, timer=getattr(consumer, "timer", None))
+        self.last_held = ojs_requests(active=False, consumer=consumer)
         return WorkerInfo(
             worker_id=self.worker_id,
             hostname=socket.gethostname(),

@@ -102,7 +102,7 @@ def _held_tags(parent: Any) -> dict[str, str]:
     has already cleared the timer that held the ones waiting for an ETA)."""
     running = {request.id for request in ojs_requests()}
     held = {}
-    for request in [*ojs_requests(active=False, timer=parent.timer), *node_of(parent).last_held]:
+    for request in [*ojs_requests(active=False, consumer=parent), *node_of(parent).last_held]:
         tag = getattr(getattr(request, "message", None), "delivery_tag", None)
         if (isinstance(tag, str) and request.id not in running
                 and not getattr(request, "acknowledged", False)):
