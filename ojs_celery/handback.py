@@ -28,11 +28,12 @@ from typing import Any
 
 from . import header
 
-__all__ = ["Delivery", "delivered_between", "learn_exchanges", "named", "put_back", "routable"]
+__all__ = ["Delivery", "deliveries", "learn_exchanges", "named", "put_back", "recorded_between",
+           "routable"]
 
 #: How many of the jobs put back a log line names.
 LISTED = 10
-#: How many messages :func:`delivered_between` reads from kombu's record per round trip.
+#: How many messages :func:`deliveries` reads from kombu's record per round trip.
 PAGE = 100
 
 
@@ -49,22 +50,27 @@ class Delivery:
     routing_key: str
 
 
-def delivered_between(channel: Any, since: float, until: float, limit: int) -> list[Delivery]:
-    """The OJS messages kombu records as delivered between ``since`` and ``until`` and not yet
-    acknowledged, oldest first, at most ``limit`` of those recorded then (plain messages
-    count towards it and are left out). ``channel`` is a kombu Redis channel; its errors
-    (redis-py's, ``OSError``) are the caller's."""
+def recorded_between(channel: Any, since: float, until: float, limit: int) -> list[str]:
+    """The delivery tags kombu records as delivered between ``since`` and ``until`` and not
+    yet acknowledged, oldest first, at most ``limit`` (plain messages among them).
+    ``channel`` is a kombu Redis channel; its errors (redis-py's, ``OSError``) are the
+    caller's."""
     with _plain_client(channel) as (client, prefix):
         tags = client.execute_command("ZRANGE", prefix + channel.unacked_index_key, since,
                                       until, "BYSCORE", "LIMIT", 0, limit)  # as kombu reads it
-        if not tags:
-            return []
-        found = []
-        for start in range(0, len(tags), PAGE):  # the messages' bodies, a page at a time
+    return [_text(tag) for tag in tags or ()]
+
+
+def deliveries(channel: Any, tags: list[str]) -> list[Delivery]:
+    """The OJS messages among those kombu records under ``tags`` (plain messages, and those
+    acknowledged meanwhile, left out), read a page at a time."""
+    found = []
+    with _plain_client(channel) as (client, prefix):
+        for start in range(0, len(tags), PAGE):
             page = tags[start:start + PAGE]
             payloads = client.execute_command("HMGET", prefix + channel.unacked_key, *page)
             for tag, payload in zip(page, payloads, strict=True):
-                delivery = _ojs_delivery(_text(tag), payload)
+                delivery = _ojs_delivery(tag, payload)
                 if delivery is not None:
                     found.append(delivery)
     return found

@@ -557,13 +557,12 @@ def _put_back_unlisted(runtime: Runtime, clock: WorkerClock, buried: list[Worker
         until = min([time.time(), *live]) - LISTING_LAG
         channel = marker.channel()
         handback.learn_exchanges(channel, runtime.app)
-        found: dict[str, handback.Delivery] = {}
+        tags: dict[str, None] = {}  # each message's body is read once
         for info in buried:
-            for delivery in handback.delivered_between(channel, info.last_beat - LISTING_LAG,
-                                                       until, READ_PAST * limit):
-                if delivery.job_id not in listed:
-                    found.setdefault(delivery.tag, delivery)
-        unlisted = list(found.values())
+            tags.update(dict.fromkeys(handback.recorded_between(
+                channel, info.last_beat - LISTING_LAG, until, READ_PAST * limit)))
+        unlisted = [delivery for delivery in handback.deliveries(channel, list(tags))
+                    if delivery.job_id not in listed]
         if not unlisted:
             return
         records = store.get_records([delivery.job_id for delivery in unlisted])
