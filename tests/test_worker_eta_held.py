@@ -1,6 +1,7 @@
-"""On the embedded filesystem transport a message consumed by a worker is gone from the broker:
-after kill -9 of a worker holding a job for its ETA, only the worker's beats (which list it) let
-the sweeper re-dispatch it. The same test runs on Redis and RabbitMQ in test_e2e_worker."""
+"""On the embedded filesystem transport a message consumed by a worker is claimed (renamed) in the
+broker's folder: after kill -9 of a worker holding a job for its ETA, the sweeper re-dispatches
+it when the worker's beats listed it, and the transport restores the claims of a process that is
+gone when they did not. The same test runs on Redis and RabbitMQ in test_e2e_worker."""
 
 from __future__ import annotations
 
@@ -24,5 +25,6 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         yield started
 
 
-def test_kill_9_on_the_embedded_transport(env: Env, tmp_path: pathlib.Path) -> None:
-    kill_9_holding_eta(env, tmp_path)
+@pytest.mark.parametrize("listed", [True, False], ids=["listed", "unlisted"])
+def test_kill_9_on_the_embedded_transport(env: Env, tmp_path: pathlib.Path, listed: bool) -> None:
+    kill_9_holding_eta(env, tmp_path, listed)
