@@ -31,7 +31,7 @@ from .faults import AtMostEvery, OncePerKind
 from .lifecycle import BlindSpell, Clock, Heard, Rule, WorkerClock
 from .producer import BrokerUnavailable
 from .runtime import Runtime, UnknownType
-from .store import BrokerMark, StoreError, WorkerInfo
+from .store import BrokerMark, StoreError, StoreMisconfigured, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +81,12 @@ def sweep(
     faults: OncePerKind | None = None,
     interval: float | None = None,
 ) -> SweepReport:
-    """One enforcement pass; it never raises. Store or broker trouble is logged and ends the
-    pass early; so does any other error (logged through ``faults``, with its traceback the
-    first time). What was not done is still due, so the next pass does it. ``error`` in the
-    report says why the pass ended early. ``interval``: the seconds until the next pass (a
-    loop's own; default ``sweep_interval``), which the pruning may take."""
+    """One enforcement pass. Store or broker trouble is logged and ends the pass early; so
+    does any other error (logged through ``faults``, with its traceback the first time). What
+    was not done is still due, so the next pass does it. ``error`` in the report says why the
+    pass ended early. It raises only :class:`~ojs_celery.store.StoreMisconfigured`, which no
+    later pass can mend (a loop would retry it for ever). ``interval``: the seconds until the
+    next pass (a loop's own; default ``sweep_interval``), which the pruning may take."""
     at = time.time() if now is None else now
     report = SweepReport(started=at)
     try:
@@ -101,6 +102,8 @@ def sweep(
                 faults.succeeded()
         finally:
             runtime.acks.flush()
+    except StoreMisconfigured:
+        raise
     except (StoreError, BrokerUnavailable) as exc:
         report.error = str(exc)
         logger.warning("ojs_celery: sweep skipped, will retry next interval: %s", exc)
@@ -594,9 +597,9 @@ def run_loop(runtime: Runtime, interval: float | None = None,
     is asked before each pass (a pass under way is finished). ``pause`` waits between passes:
     a stop event's ``wait`` ends the wait as soon as the event is set.
 
-    No error ends it: after a failed pass it waits twice as long as after the one before
-    (from ``interval`` up to :data:`MAX_BACKOFF`), and back to ``interval`` after a pass that
-    worked."""
+    No error ends it but a misconfigured store (see :func:`sweep`): after a failed pass it
+    waits twice as long as after the one before (from ``interval`` up to :data:`MAX_BACKOFF`),
+    and back to ``interval`` after a pass that worked."""
     every = interval or runtime.settings.sweep_interval
     faults = sweep_faults()
     failures = 0

@@ -2,8 +2,8 @@
 not let in, is a configuration error (``StoreMisconfigured``, Celery's ``ImproperlyConfigured``
 too) raised at the first session, before anything is written: not ``StoreUncertain`` ("the job
 may or may not be stored, retry"), which no retry mends. The CLI says so in one line with the
-settings' exit status (2); a worker exits at start naming it, instead of running jobs it can
-never record."""
+settings' exit status (2), and so does the sweep loop, which no later pass would mend; a worker
+exits at start naming it, instead of running jobs it can never record."""
 
 from __future__ import annotations
 
@@ -60,13 +60,14 @@ def test_a_database_that_does_not_exist_is_a_configuration_error(tmp_path: pathl
     config = _config(tmp_path, _url(database=database))
     said = str(_enqueue_refused(config))
     assert f'the database "{database}" does not exist' in said and "create it" in said
-    for args in (("enqueue", "-"), ("workers",)):
+    for args in (("enqueue", "-"), ("workers",), ("sweep", "--loop"), ("sweep", "--once")):
         done = subprocess.run([CLI, "-A", "tests.e2eapp:app", *args],
                               input='{"type": "e2e.add", "args": [1, 2]}', capture_output=True,
                               text=True, cwd=ROOT, env=_env(config), timeout=60)
         assert done.returncode == 2, done.stderr
-        assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
-        assert f'"{database}" does not exist' in done.stderr and done.stdout == ""
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in done.stderr  # the loop says it starts
+        assert f'"{database}" does not exist' in errors[0] and done.stdout == ""
 
 
 def test_a_user_the_server_does_not_know_is_a_configuration_error(
