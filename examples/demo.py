@@ -84,6 +84,9 @@ def start_worker(app: Any, base: pathlib.Path) -> subprocess.Popen[bytes]:
 def main() -> int:
     base: pathlib.Path | None = None
     worker: subprocess.Popen[bytes] | None = None
+    # the listener ends before the broker's folder goes (else it says it lost the broker)
+    stop_listening = threading.Event()
+    listener: threading.Thread | None = None
     # Ctrl-C at any point, from the imports on: one line, the same clean-up, status 130
     try:
         base = pathlib.Path(tempfile.mkdtemp(prefix="ojs-demo-"))
@@ -99,8 +102,10 @@ def main() -> int:
         def show(event: dict[str, Any]) -> None:
             print(describe(event, started), flush=True)
 
-        threading.Thread(target=listen, args=(app, show), kwargs={"ready": ready},
-                         daemon=True).start()
+        listener = threading.Thread(target=listen, args=(app, show),
+                                    kwargs={"ready": ready, "stop": stop_listening},
+                                    daemon=True)
+        listener.start()
         ready.wait(10)
         # the worker before the header: a Ctrl-C once the header shows finds it to stop (one
         # between the two left it running, its output holding the terminal's pipes open)
@@ -146,6 +151,9 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
+        stop_listening.set()
+        if listener is not None:
+            listener.join(3)
         if base is not None and os.environ.get("OJS_DEMO_KEEP"):
             print(f"\nkept {base} (OJS_DEMO_KEEP is set)", flush=True)
         elif base is not None:  # the store, the broker's folders, the beat schedule: all go

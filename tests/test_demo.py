@@ -33,6 +33,8 @@ def test_demo_shows_completion_timeout_and_retries_then_ends() -> None:
     assert len(pages) == 2 and 0 < pages[0] < pages[1], done.stderr
     assert f"last_checkpoint={{'page': {pages[1]}}}" in final
     assert "no OJS sweep has completed" not in done.stderr
+    # its event listener ends before the broker's folder is removed, not alarmed by it
+    assert "lost the broker" not in done.stdout + done.stderr
     found = re.search(r"SQLite store in (\S+)\)", out)
     assert found is not None and not pathlib.Path(found.group(1)).exists()  # nothing left
 
