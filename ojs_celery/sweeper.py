@@ -346,11 +346,15 @@ def _bury_dead_workers(
     most ``limit`` of them. Silence during a blind spell does not count (see
     :class:`~ojs_celery.lifecycle.BlindSpell`): a worker silent since before it is declared
     dead that much later. Workers silent for this process's timeout but not their own longer
-    one are read past, up to :data:`READ_PAST` × ``limit``: they must not hide dead ones."""
+    one are read past, up to :data:`READ_PAST` × ``limit``: they must not hide dead ones. A
+    worker is removed before its jobs are recovered, once: a broker that fails a recovery's
+    publish does not stop the others (each is written, its message left in the outbox for the
+    dispatch clock), and is raised at the end."""
     store = runtime.store
     policy = store.policy
     cutoff = clock.cutoff(now, policy)
     buried: dict[str, WorkerInfo] = {}
+    unpublished: BrokerUnavailable | None = None
     for worker_id in store.workers.stale(cutoff, READ_PAST * limit):
         if len(buried) >= limit:
             break
@@ -375,17 +379,23 @@ def _bury_dead_workers(
         for job_id, rule in recoveries:
             try:
                 done = store.apply(job_id, rule)
-                report.published += carry_out(runtime, done, raise_unpublished=True,
-                                              report_result=True)
+                report.published += carry_out(runtime, done, publish_message=unpublished is None,
+                                              raise_unpublished=True, report_result=True)
+            except BrokerUnavailable as exc:  # written: its message waits in the outbox, and
+                unpublished = unpublished or exc  # so do the rest's (the worker is gone)
             except OUTAGES:
                 raise
             except Exception as exc:
                 failure = _skip(runtime, clock.name, job_id, exc, now, report)
                 if failure is not None:
                     raise failure from exc
-    if buried:  # the put-back first: it never raises, and the pass may end in the other
-        _put_back_unlisted(runtime, clock, list(buried.values()), now, limit, report, spell)
+    # the put-back first, and at every pass (it retries what a failing broker kept it from):
+    # it never raises, and the pass may end in the other
+    _put_back_unlisted(runtime, clock, list(buried.values()), now, limit, report, spell)
+    if buried:
         _recover_unlisted(runtime, clock, frozenset(buried), now, limit, report)
+    if unpublished is not None:
+        raise unpublished
 
 
 #: Counted in ``SweepReport.applied``: messages published again because the broker lost them.
@@ -526,6 +536,9 @@ def _recover_unlisted(
 #: Counted in ``SweepReport.applied``: messages dead workers received after their last beat,
 #: put back in their queue (see :func:`_put_back_unlisted`).
 PUT_BACK = "put_back"
+#: How long after a dead worker's last beat the put-back of its messages is tried again, pass
+#: after pass, while the broker or the store fails it.
+PUT_BACK_TRIES = 600.0
 #: How long around a beat a message a worker received may still be unlisted (a beat lists what
 #: the worker holds, then stamps its time).
 LISTING_LAG = 1.0
@@ -544,10 +557,17 @@ def _put_back_unlisted(runtime: Runtime, clock: WorkerClock, buried: list[Worker
     this channel never declared, are made known to it) go back to their queue
     (:mod:`ojs_celery.handback`). A message put back that a worker does hold (a frozen one
     declared dead) only costs a copy, which fencing drops. Best effort: a failure of the broker
-    or the store is logged and leaves them to kombu's ``visibility_timeout``, as the workers
-    are buried by then and no later pass looks again."""
+    or the store is logged, and the next passes of this process try again (the workers are
+    buried by then, so no other sweeper knows of them) until :data:`PUT_BACK_TRIES` after
+    their last beat; then, or if this process stops, kombu's ``visibility_timeout`` restores
+    them."""
     marker = runtime.broker_marker
     if marker is None:  # RabbitMQ redelivers what a closed connection held
+        return
+    buried = [info for info in marker.put_back_owed if info.last_beat > now - PUT_BACK_TRIES
+              ] + buried
+    marker.put_back_owed = []
+    if not buried:
         return
     store = runtime.store
     try:
@@ -574,10 +594,12 @@ def _put_back_unlisted(runtime: Runtime, clock: WorkerClock, buried: list[Worker
                 and record.job.state in lifecycle.STARTABLE
                 and handback.routable(channel, delivery)]
         put = set(handback.put_back(channel, [delivery.tag for delivery in owed]))
-    except Exception as exc:  # the broker or the store failed: kombu restores them later
+    except Exception as exc:  # the broker or the store failed: tried again next pass
+        marker.put_back_owed = buried
         logger.warning("ojs_celery: could not put back the messages that workers declared dead "
-                       "received after their last beat (kombu restores them after the broker's "
-                       "visibility_timeout): %s: %s", type(exc).__name__, exc)
+                       "received after their last beat (tried again next pass, for %gs; then "
+                       "kombu restores them after the broker's visibility_timeout): %s: %s",
+                       PUT_BACK_TRIES, type(exc).__name__, exc)
         return
     if put:
         report.applied[PUT_BACK] += len(put)

@@ -28,6 +28,7 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 from ojs_celery import cancel, enqueue
+from ojs_celery.embedded import sqlite_url
 from ojs_celery.runtime import get_runtime
 from ojs_celery.store import WorkerInfo
 from ojs_celery.sweeper import PUT_BACK, SweepReport, sweep
@@ -57,13 +58,15 @@ def broker(redis_server: PrivateRedis) -> PrivateRedis:
 
 
 @contextmanager
-def app_on(broker: PrivateRedis, tmp_path: pathlib.Path,
-           celery: dict[str, Any] | None = None) -> Iterator[Celery]:
+def app_on(broker: PrivateRedis, tmp_path: pathlib.Path, celery: dict[str, Any] | None = None,
+           store_url: str | None = None) -> Iterator[Celery]:
+    """An app on ``broker``, its job store there too unless ``store_url``."""
     config = filesystem_config(tmp_path)
     config.update(broker_url=broker.url, broker_transport_options={},
                   result_backend=f"db+sqlite:///{tmp_path / 'results.sqlite3'}",
                   celery=celery or {})
-    config["ojs"] = {"store_url": broker.url, "store_prefix": unique("rd"), "events": False}
+    config["ojs"] = {"store_url": store_url or broker.url, "store_prefix": unique("rd"),
+                     "events": False}
     made = make_app(config)
     try:
         yield made
@@ -142,11 +145,12 @@ def test_only_the_unlisted_messages_of_waiting_jobs_go_back(
     assert checked(sweep(get_runtime(app))).applied[PUT_BACK] == 0  # nobody else died
 
 
-def test_a_broker_that_answers_with_an_error_leaves_them_to_kombu(
+def test_a_broker_that_answers_with_an_error_is_tried_again_next_pass(
     app: Celery, broker: PrivateRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
     """kombu's index is not a sorted set (an error reply to the sweeper's read): one line, the
-    worker still declared dead, the pass's other work done, the message left where it was."""
+    worker still declared dead, the pass's other work done, the message left where it was;
+    the next pass, the broker mended, puts it back (no other sweeper knows of the worker)."""
     queue = unique("held")
     waiting = enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app).id
     held_at = hold_and_die(broker, queue, 1)
@@ -167,6 +171,36 @@ def test_a_broker_that_answers_with_an_error_leaves_them_to_kombu(
     assert queued(broker, queue) == []
     assert [json.loads(raw)[0]["headers"]["id"]
             for raw in broker.admin.hvals("unacked")] == [waiting]
+    again = checked(sweep(get_runtime(app)))
+    assert again.applied[PUT_BACK] == 1 and queued(broker, queue) == [waiting]
+    assert checked(sweep(get_runtime(app))).applied[PUT_BACK] == 0  # done with
+
+
+def test_a_broker_down_as_a_worker_is_buried_still_recovers_every_job_it_listed(
+    broker: PrivateRedis, tmp_path: pathlib.Path
+) -> None:
+    """The broker goes away as the sweeper buries a worker that listed several held jobs: the
+    first republish fails, and the others are still written, their messages left in the
+    outbox; once the broker is back the dispatch clock publishes each (the worker's record
+    is gone: nothing else would recover them but the hour-long backstop)."""
+    with app_on(broker, tmp_path, store_url=sqlite_url(tmp_path / "store.sqlite3")) as app:
+        runtime = get_runtime(app)
+        queue = unique("held")
+        jobs = [enqueue({"type": "e2e.add", "args": [i, 1], "queue": queue}, app=app).id
+                for i in range(3)]
+        broker.admin.delete(queue)  # the dead worker had taken them
+        dead = WorkerInfo("dead", "host", 1, reserved_job_ids=jobs,
+                          last_beat=time.time() - runtime.settings.worker_heartbeat_timeout - 5)
+        runtime.store.workers.save(dead)
+        broker.admin.shutdown(nosave=True)
+        broker.process.wait(10)
+        report = sweep(runtime)
+        assert report.error is not None and report.applied["worker"] == 1
+        assert runtime.store.workers.get("dead") is None
+        broker.start()
+        later = time.time() + runtime.settings.dispatch_grace + 1
+        published = checked(sweep(runtime, now=later)).published
+        assert published == 3 and sorted(queued(broker, queue)) == sorted(jobs)
 
 
 def test_a_message_routed_by_a_topic_exchange_goes_back_to_its_queue(
