@@ -552,15 +552,15 @@ def _put_back_unlisted(runtime: Runtime, clock: WorkerClock, buried: list[Worker
     their jobs wait. kombu stamps a delivery with the receiving host's clock, as the worker
     stamps its beats, so each dead worker's are among those delivered since its last beat (up
     to :data:`READ_PAST` × ``limit``, oldest first) and before every live worker's last beat
-    (a live worker lists what it received before it). Those that no worker lists, whose job
-    still waits for that very message and that kombu can route (the app's exchanges, which
-    this channel never declared, are made known to it) go back to their queue
-    (:mod:`ojs_celery.handback`). A message put back that a worker does hold (a frozen one
-    declared dead) only costs a copy, which fencing drops. Best effort: a failure of the broker
-    or the store is logged, and the next passes of this process try again (the workers are
-    buried by then, so no other sweeper knows of them) until :data:`PUT_BACK_TRIES` after
-    their last beat; then, or if this process stops, kombu's ``visibility_timeout`` restores
-    them."""
+    (a live worker lists what it received before it). Those that no worker lists as held (nor
+    a live one as running), whose job still waits for that very message and that kombu can
+    route (the app's exchanges, which this channel never declared, are made known to it) go
+    back to their queue (:mod:`ojs_celery.handback`). A message put back that a worker does
+    hold (a frozen one declared dead) only costs a copy, which fencing drops. Best effort: a
+    failure of the broker or the store is logged, and the next passes of this process try
+    again (the workers are buried by then, so no other sweeper knows of them) until
+    :data:`PUT_BACK_TRIES` after their last beat; then, or if this process stops, kombu's
+    ``visibility_timeout`` restores them."""
     marker = runtime.broker_marker
     if marker is None:  # RabbitMQ redelivers what a closed connection held
         return
@@ -572,8 +572,12 @@ def _put_back_unlisted(runtime: Runtime, clock: WorkerClock, buried: list[Worker
     store = runtime.store
     try:
         workers = store.workers.all()
-        listed = {job_id for info in [*workers, *buried]
+        # what a live worker holds, and what the dead ones held (republished from the store
+        # just now); not what they ran: a retry's message received after the beat that
+        # listed the attempt is owed if the record waits for its token (checked below)
+        listed = {job_id for info in workers
                   for job_id in [*info.active_job_ids, *info.reserved_job_ids]}
+        listed.update(job_id for info in buried for job_id in info.reserved_job_ids)
         live = [info.last_beat for info in workers
                 if not clock.is_dead(info.last_beat, now, store.policy, spell,
                                      info.heartbeat_timeout)]

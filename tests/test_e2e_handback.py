@@ -92,14 +92,17 @@ def hold_and_die(broker: PrivateRedis, queue: str, count: int) -> float:
         holder.wait(10)
 
 
-def beats(app: Celery, held_at: float, dead_listing: list[str], live_listing: list[str]) -> None:
-    """The dead worker's last beat, long before the messages came (listing ``dead_listing``),
-    and a live worker's, after them (listing ``live_listing``)."""
+def beats(app: Celery, held_at: float, dead_listing: list[str], live_listing: list[str],
+          dead_running: tuple[str, ...] = ()) -> None:
+    """The dead worker's last beat, long before the messages came (listing ``dead_listing``
+    as held, ``dead_running`` as running), and a live worker's, after them (listing
+    ``live_listing``)."""
     store = get_runtime(app).store
     timeout = get_runtime(app).settings.worker_heartbeat_timeout
     wait_for(lambda: time.time() > held_at + 1.5, 5, "a beat's time after the messages")
     store.workers.save(WorkerInfo("dead", "host", 1, last_beat=time.time() - timeout - 5,
-                                  reserved_job_ids=dead_listing))
+                                  reserved_job_ids=dead_listing,
+                                  active_job_ids=list(dead_running)))
     store.workers.save(WorkerInfo("live", "host", 2, last_beat=time.time(),
                                   reserved_job_ids=live_listing))
 
@@ -119,29 +122,33 @@ def test_only_the_unlisted_messages_of_waiting_jobs_go_back(
 ) -> None:
     queue = unique("held")
     job = {"type": "e2e.add", "args": [1, 2], "queue": queue}
-    unlisted, live_held, dead_held, cancelled = (enqueue(job, app=app).id for _ in range(4))
+    unlisted, live_held, dead_held, cancelled, retried = (enqueue(job, app=app).id
+                                                          for _ in range(5))
     plain = app.send_task("e2e.plain", (1,), queue=queue).id
-    held_at = hold_and_die(broker, queue, 5)
+    held_at = hold_and_die(broker, queue, 6)
     # a hostile entry in kombu's record: not kombu's JSON
     broker.admin.hset("unacked", "garbage", "{not json")
     broker.admin.zadd("unacked_index", {"garbage": held_at})
     cancel(cancelled, app=app)
-    beats(app, held_at, dead_listing=[dead_held], live_listing=[live_held])
+    # ``retried``: the beat listed its attempt running; the message of its retry (the record
+    # waits for its token, as for these) came after
+    beats(app, held_at, dead_listing=[dead_held], live_listing=[live_held],
+          dead_running=(retried,))
     with caplog.at_level(logging.WARNING, logger="ojs_celery"):
         report = checked(sweep(get_runtime(app)))
-    assert report.applied["worker"] == 1 and report.applied[PUT_BACK] == 1
-    # back in the queue: the unlisted one as it was, the dead worker's listed one as a copy
+    assert report.applied["worker"] == 1 and report.applied[PUT_BACK] == 2
+    # back in the queue: the unlisted ones as they were, the dead worker's listed one as a copy
     # the store's redispatch published (same token)
-    assert sorted(queued(broker, queue)) == sorted([unlisted, dead_held])
-    for job_id in (unlisted, dead_held):
+    assert sorted(queued(broker, queue)) == sorted([unlisted, retried, dead_held])
+    for job_id in (unlisted, retried, dead_held):
         record = get_runtime(app).store.get_record(job_id)
         assert record is not None and record.token == 1 and record.job.attempt == 0
     left = {json.loads(raw)[0]["headers"]["id"]
             for tag, raw in broker.admin.hgetall("unacked").items() if tag != "garbage"}
     assert left == {live_held, cancelled, plain, dead_held}
     said = [r.message for r in caplog.records if "put back in their queue" in r.message]
-    assert said == [f"ojs_celery: put back in their queue 1 OJS message(s) that workers "
-                    f"declared dead received after their last beat: jobs {unlisted}"]
+    assert said == [f"ojs_celery: put back in their queue 2 OJS message(s) that workers "
+                    f"declared dead received after their last beat: jobs {unlisted}, {retried}"]
     assert checked(sweep(get_runtime(app))).applied[PUT_BACK] == 0  # nobody else died
 
 
