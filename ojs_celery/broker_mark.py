@@ -18,6 +18,8 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 from kombu.utils.url import maybe_sanitize_url
 
+from .handback import plain_client
+
 if TYPE_CHECKING:
     import redis
 
@@ -93,7 +95,6 @@ class BrokerMarker:
         TLS and Sentinel), and the key under kombu's ``global_keyprefix`` (kombu's prefixing
         client leaves ``GET`` unprefixed, so the prefix is added here)."""
         if self._client is None:
-            import redis  # only with a Redis broker, so with kombu's Redis extra
             from kombu.transport.redis import SentinelTransport
 
             connection = self._app.connection_for_write()
@@ -110,8 +111,8 @@ class BrokerMarker:
                 connection.release()
                 raise _unavailable(exc) from exc
             self._connection, self._channel = connection, channel
-            self._client = redis.Redis(connection_pool=channel.pool)
-            self._key = (getattr(channel, "global_keyprefix", "") or "") + self._name
+            self._client, prefix = plain_client(channel)
+            self._key = prefix + self._name
         return self._client, self._key
 
 

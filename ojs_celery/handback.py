@@ -21,15 +21,14 @@ not.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from . import header
 
-__all__ = ["Delivery", "deliveries", "learn_exchanges", "named", "put_back", "recorded_between",
-           "routable"]
+__all__ = ["Delivery", "deliveries", "learn_exchanges", "named", "plain_client", "put_back",
+           "recorded_between", "routable"]
 
 #: How many of the jobs put back a log line names.
 LISTED = 10
@@ -55,9 +54,9 @@ def recorded_between(channel: Any, since: float, until: float, limit: int) -> li
     yet acknowledged, oldest first, at most ``limit`` (plain messages among them).
     ``channel`` is a kombu Redis channel; its errors (redis-py's, ``OSError``) are the
     caller's."""
-    with _plain_client(channel) as (client, prefix):
-        tags = client.execute_command("ZRANGE", prefix + channel.unacked_index_key, since,
-                                      until, "BYSCORE", "LIMIT", 0, limit)  # as kombu reads it
+    client, prefix = plain_client(channel)
+    tags = client.execute_command("ZRANGE", prefix + channel.unacked_index_key, since,
+                                  until, "BYSCORE", "LIMIT", 0, limit)  # as kombu reads it
     return [_text(tag) for tag in tags or ()]
 
 
@@ -65,14 +64,14 @@ def deliveries(channel: Any, tags: list[str]) -> list[Delivery]:
     """The OJS messages among those kombu records under ``tags`` (plain messages, and those
     acknowledged meanwhile, left out), read a page at a time."""
     found = []
-    with _plain_client(channel) as (client, prefix):
-        for start in range(0, len(tags), PAGE):
-            page = tags[start:start + PAGE]
-            payloads = client.execute_command("HMGET", prefix + channel.unacked_key, *page)
-            for tag, payload in zip(page, payloads, strict=True):
-                delivery = _ojs_delivery(tag, payload)
-                if delivery is not None:
-                    found.append(delivery)
+    client, prefix = plain_client(channel)
+    for start in range(0, len(tags), PAGE):
+        page = tags[start:start + PAGE]
+        payloads = client.execute_command("HMGET", prefix + channel.unacked_key, *page)
+        for tag, payload in zip(page, payloads, strict=True):
+            delivery = _ojs_delivery(tag, payload)
+            if delivery is not None:
+                found.append(delivery)
     return found
 
 
@@ -117,15 +116,13 @@ def routable(channel: Any, delivery: Delivery) -> bool:
     return bool(channel._lookup(delivery.exchange, delivery.routing_key))
 
 
-@contextmanager
-def _plain_client(channel: Any) -> Iterator[tuple[Any, str]]:
+def plain_client(channel: Any) -> tuple[Any, str]:
     """A redis-py client on the channel's pool that prefixes nothing, and kombu's
     ``global_keyprefix`` to put before each key: kombu's own client prefixes only the commands it
     uses itself (``ZRANGE`` only as its first argument, ``HMGET`` not at all)."""
     import redis  # only with a Redis broker, so with kombu's Redis extra
 
-    client = redis.Redis(connection_pool=channel.pool)
-    yield client, getattr(channel, "global_keyprefix", "") or ""
+    return redis.Redis(connection_pool=channel.pool), getattr(channel, "global_keyprefix", "") or ""
 
 
 def _ojs_delivery(tag: str, payload: Any) -> Delivery | None:
