@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from contextvars import ContextVar
+from contextvars import Context, ContextVar
 from typing import TYPE_CHECKING, Any
 
 from .envelope import Job, JsonValue, json_native, storable_violations
@@ -167,3 +167,8 @@ def current_job() -> JobContext:
 
 def maybe_current_job() -> JobContext | None:
     return _current.get()
+
+
+def job_in(context: Context) -> JobContext | None:
+    """The job running in ``context``, another greenlet's (see :mod:`ojs_celery.softlimit`)."""
+    return context.get(_current)

@@ -339,8 +339,8 @@ class OJSTask(Task):  # type: ignore[misc]
             # bounded by Celery's ``max_retries``.
             return self._call_handler(args, kwargs)
         runtime = get_runtime(self.app)
-        softlimit.watch()
-        softlimit.hold()  # until the handler's first line, and again after its last
+        # held until the handler's first line, and again after its last
+        softlimit.begin(str(self.request.id), self.request.timelimit)
         try:
             entered = time.monotonic()
             ctx = self._start(runtime, str(self.request.id), current_worker_id(), args, kwargs)

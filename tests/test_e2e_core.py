@@ -115,6 +115,10 @@ def test_exhausted_job_is_discarded_and_celery_sees_failure(env: Env) -> None:
 
 
 def test_execution_timeout_grace_period_and_checkpoint(env: Env) -> None:
+    check_execution_timeout_grace_period_and_checkpoint(env)
+
+
+def check_execution_timeout_grace_period_and_checkpoint(env: Env) -> None:
     """Soft signal at `timeout`, checkpoint in the grace period, kill at timeout + grace."""
     common = {"timeout": 1, "grace_period": 1}
     overrun = enqueue({"type": "e2e.checkpointing", "args": ["overrun"], **common,

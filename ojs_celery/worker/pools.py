@@ -13,7 +13,8 @@ WEAK_POOLS = {
     "solo": "soft and hard time limits",
     "threads": "soft and hard time limits",
     "thread": "soft and hard time limits",
-    "gevent": "the soft time limit (and the hard one for blocking code)",
+    "gevent": "time limits in code that does not yield (OJS raises the soft limit and gevent "
+              "the hard one at the handler's next switch)",
     "eventlet": "soft and hard time limits",
 }
 

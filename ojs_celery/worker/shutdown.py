@@ -28,7 +28,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from .. import lifecycle
+from .. import lifecycle, softlimit
 from ..effects import carry_out
 from ..faults import OncePerKind
 from ..header import token_of
@@ -183,11 +183,15 @@ class Drain:
             return  # looked at again at the next poll
         self._cancelled.add(request.id)
         pid = getattr(request, "worker_pid", None)
-        if pid is None or not self.node.children.holds(pid):
-            return  # solo/threads pools run jobs in this process, gevent/eventlet in greenlets
+        in_child = pid is not None and self.node.children.holds(pid)
+        if not in_child and not softlimit.runs_here(request.id):
+            return  # solo/threads pools run jobs in this process, eventlet in greenlets
         try:
             self.node.registry.mark_draining(request.id)
-            os.kill(pid, signal.SIGUSR1)
+            if pid is not None and in_child:
+                os.kill(pid, signal.SIGUSR1)
+            else:
+                softlimit.cancel(request.id)  # a gevent greenlet's
             logger.warning("ojs_celery: cancelling job %s for the shutdown", request.id)
         except (OSError, StoreError) as exc:
             logger.warning("ojs_celery: could not cancel job %s: %s", request.id, exc)

@@ -1,0 +1,123 @@
+"""The soft time limit on Celery's gevent pool, which Celery does not enforce there: OJS throws
+``SoftTimeLimitExceeded`` into the attempt's greenlet at its ``timeout`` (``ctx.cancelled``
+set), so a handler saves its checkpoint in the grace period as on prefork, and the limit is held
+during the attempt's store writes. Needs gevent (a test dependency)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from billiard.exceptions import SoftTimeLimitExceeded
+
+from ojs_celery import softlimit
+from tests.conftest import Env, start_env
+from tests.test_e2e_core import check_execution_timeout_grace_period_and_checkpoint
+
+gevent = pytest.importorskip("gevent")
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    with start_env("redis", tmp_path_factory.mktemp("gevent-soft"), pool="gevent",
+                   concurrency=5) as started:
+        yield started
+
+
+def test_execution_timeout_grace_period_and_checkpoint_on_gevent(env: Env) -> None:
+    """What tests/test_e2e_core.py checks on prefork, on a real ``celery worker -P gevent``:
+    the cancellation at ``timeout``, a checkpoint and a return in the grace period, Celery's
+    hard limit at timeout + grace, and the limit that escapes the handler."""
+    check_execution_timeout_grace_period_and_checkpoint(env)
+
+
+def in_greenlet(body: Any) -> tuple[str, float]:
+    """Run ``body`` in a gevent greenlet as Celery's gevent pool runs a task; what it came to
+    (its return value or the name of what it raised) and how long it took."""
+    def run() -> tuple[str, float]:
+        began = time.monotonic()
+        try:
+            return str(body()), time.monotonic() - began
+        except SoftTimeLimitExceeded:
+            return "SoftTimeLimitExceeded", time.monotonic() - began
+        finally:
+            softlimit.forget()
+
+    return gevent.spawn(run).get(timeout=10)  # type: ignore[no-any-return]
+
+
+def test_the_limit_is_thrown_at_the_greenlet_s_next_switch() -> None:
+    def body() -> str:
+        softlimit.begin("job-a", (None, 0.2))
+        softlimit.release()  # the handler's first line
+        gevent.sleep(5)
+        return "slept"
+
+    outcome, took = in_greenlet(body)
+    assert outcome == "SoftTimeLimitExceeded" and 0.15 <= took < 2
+
+
+def test_a_limit_that_fires_while_held_is_raised_at_the_release() -> None:
+    """The start's store write outlasts the limit: the handler's first line times out."""
+    def body() -> str:
+        softlimit.begin("job-b", (None, 0.1))
+        gevent.sleep(0.3)  # the start's write, waiting on the store: nothing is thrown here
+        softlimit.release()
+        return "ran"
+
+    outcome, took = in_greenlet(body)
+    assert outcome == "SoftTimeLimitExceeded" and took >= 0.3
+
+
+def test_a_limit_that_fires_during_the_outcome_s_write_is_moot() -> None:
+    def body() -> str:
+        softlimit.begin("job-c", (None, 0.1))
+        softlimit.release()
+        softlimit.hold()  # the handler returned: its outcome's write
+        gevent.sleep(0.3)
+        return "written"
+
+    assert in_greenlet(body)[0] == "written"
+
+
+def test_an_ended_attempt_s_timer_never_fires() -> None:
+    def first() -> str:
+        softlimit.begin("job-d", (None, 0.1))
+        softlimit.release()
+        return "done"
+
+    assert in_greenlet(first)[0] == "done"
+    assert in_greenlet(lambda: gevent.sleep(0.3) or "later")[0] == "later"
+    assert not softlimit.runs_here("job-d")
+
+
+def test_the_drain_s_cancel_reaches_only_its_job_s_greenlet() -> None:
+    """Two attempts without a soft limit: :func:`softlimit.cancel` of one throws into its
+    greenlet alone."""
+    def attempt(job_id: str) -> str:
+        softlimit.begin(job_id, (None, None))
+        softlimit.release()
+        gevent.sleep(1)
+        return "finished"
+
+    cancelled = gevent.spawn(in_greenlet, lambda: attempt("job-e"))
+    left = gevent.spawn(in_greenlet, lambda: attempt("job-f"))
+    gevent.sleep(0.1)
+    assert softlimit.runs_here("job-e") and softlimit.runs_here("job-f")
+    softlimit.cancel("job-e")
+    assert cancelled.get(timeout=5)[0] == "SoftTimeLimitExceeded"
+    assert left.get(timeout=5)[0] == "finished"
+
+
+def test_outside_gevent_the_hold_is_the_process_s() -> None:
+    """A prefork child, solo or threads: no greenlet, no timer; the one hold of the process."""
+    softlimit.begin("job-g", (None, 0.05))
+    try:
+        time.sleep(0.1)
+        assert not softlimit.runs_here("job-g")
+        softlimit.release()  # nothing fired: billiard's signal is the only soft limit here
+    finally:
+        softlimit.forget()
