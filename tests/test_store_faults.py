@@ -68,18 +68,23 @@ class PrivateRedis:
     """A ``redis-server`` of this test's own, stopped at the end: without persistence, or
     ``durable``, writing every command to its append-only file, so that it can be stopped (its
     clients' connections refused: a store outage) and started again on the same port with all
-    its data (:meth:`start`)."""
+    its data (:meth:`start`). ``password``: the server asks for it (``--requirepass``); ``url``
+    and ``admin`` give it."""
 
-    def __init__(self, directory: Path, durable: bool = False) -> None:
+    def __init__(self, directory: Path, durable: bool = False,
+                 password: str | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("redis-server is not installed")
         self.binary = binary
         self.directory = directory
         self.durable = durable
+        self.password = password
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.admin = redis.Redis(port=self.port, decode_responses=True)
+        self.address = f"127.0.0.1:{self.port}"
+        given = f":{password}@" if password is not None else ""
+        self.url = f"redis://{given}{self.address}/0"
+        self.admin = redis.Redis(port=self.port, password=password, decode_responses=True)
         self.start()
 
     def start(self) -> None:
@@ -88,6 +93,7 @@ class PrivateRedis:
         self.process = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              *persistence, "--dir", str(self.directory),
+             *(["--requirepass", self.password] if self.password is not None else []),
              "--enable-protected-configs", "local"],  # CONFIG SET dir (the MISCONF test)
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )

@@ -21,11 +21,11 @@ import re
 import zlib
 from collections.abc import Callable, Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import redis
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
+from redis.exceptions import AuthenticationWrongNumberOfArgsError, NoPermissionError, NoScriptError
 from redis.retry import Retry
 
 from .. import compat
@@ -36,12 +36,14 @@ from .base import (
     RECORD_FIELDS,
     JobStore,
     NewRow,
+    StoreMisconfigured,
     Write,
     decode_job,
     encode_job,
     mask_secrets,
     new_nonce,
     store_errors,
+    store_message,
 )
 from .meta import MetaArea
 from .redis_lane import MISSED, Lane
@@ -95,10 +97,118 @@ CLOCKS_ID = format(zlib.crc32(",".join(CLOCKS).encode()), "08x")
 #: ``MISCONF``; ``LOADING`` from a server still reading its data, which redis-py raises as a
 #: connection error), which is the server's answer (:class:`~.base.StoreErrorReply`: the
 #: command is over or was never run). The connection that carried an error reply stays usable.
+#: (At the first session, a refusal only a change of configuration mends, ``NOPERM`` included,
+#: is :class:`~.base.StoreMisconfigured` instead: see :class:`FirstSession` and :func:`_call`.)
 _wrap_errors = store_errors(lambda exc: isinstance(exc, (redis.RedisError, OSError)),
                             is_timeout=lambda exc: isinstance(exc, redis.TimeoutError),
                             is_reply=lambda exc: isinstance(
                                 exc, (redis.ResponseError, redis.BusyLoadingError)))
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+#: The words for a server that asks for a password the URL does not give: ``NOAUTH
+#: Authentication required`` (redis-py 5), the refused ``HELLO`` redis-py 8 sends first, and
+#: the protocol error Redis answers (and closes the connection with) when an unauthenticated
+#: client sends a command of more than a few arguments, such as the store's scripts (redis-py 5,
+#: whose first command it is: a ``ResponseError``).
+_NO_PASSWORD = re.compile(r"Authentication required|must be called with the client already "
+                          r"authenticated|Protocol error: unauthenticated (?:multi)?bulk",
+                          re.IGNORECASE)
+#: ... and for a password given to a server that has none (redis-py 5; 8 lets it pass).
+_PASSWORD_UNASKED = re.compile(r"without any password configured|no password is set",
+                               re.IGNORECASE)
+
+
+class FirstSession:
+    """What the Redis store's first session tells (one per store, shared by its jobs, worker
+    registry and meta area): until the server has answered one of the store's commands, a
+    refusal that only a change of ``store_url`` (or of the server's configuration) mends is
+    :class:`~.base.StoreMisconfigured`, naming the user or the database and what to do: a
+    password or user the server does not accept (redis-py's ``AuthenticationError``, a
+    ``ConnectionError`` to it, retried as an outage), a database number the server does not
+    have (``DB index is out of range`` at ``SELECT``), an ACL user without permission for the
+    store's commands or keys (``NOPERM``). A refusal after an answer is an ordinary
+    :class:`~.base.StoreError`, as the PostgreSQL store's is; a server that is down (the
+    connection refused) is never one of these, and leaves the first session open. The password
+    is never kept here, nor said."""
+
+    def __init__(self, client: redis.Redis, prefix: str) -> None:
+        kwargs = client.connection_pool.connection_kwargs
+        path = kwargs.get("path")
+        self.server = (f"unix:{path}" if path
+                       else f"{kwargs.get('host') or 'localhost'}:{kwargs.get('port') or 6379}")
+        self.db = int(kwargs.get("db") or 0)
+        self.user = str(kwargs.get("username") or "default")
+        self.password_given = kwargs.get("password") is not None
+        self.prefix = prefix
+        #: The server has answered one of the store's commands: refusals are not classified.
+        self.answered = False
+
+    def refusal(self, error: BaseException) -> StoreMisconfigured | None:
+        """The :class:`~.base.StoreMisconfigured` for ``error``, redis-py's exception at the
+        first session, when only a change of configuration mends it; else None."""
+        text = str(error)
+        server, user = f"the Redis server at {self.server}", f'user "{self.user}"'
+        unauthenticated = not self.password_given and _NO_PASSWORD.search(text) is not None
+        if unauthenticated or isinstance(
+                error, (redis.AuthenticationError, AuthenticationWrongNumberOfArgsError)):
+            if unauthenticated:
+                rule = (f"{server} asks for a password and the URL gives none: give the "
+                        f"password of {user} (redis://{self.user}:PASSWORD@host:port/{self.db})")
+            elif self.password_given and _PASSWORD_UNASKED.search(text):
+                rule = (f"{server} has no password for {user} and the URL gives one: give "
+                        "none, or set it on the server (requirepass, or the user's ACL)")
+            else:
+                given = "the URL's password" if self.password_given else "no password"
+                rule = (f"{server} does not accept {user} with {given} (a wrong password, or "
+                        "a user it does not know or has disabled): give the right user and "
+                        "password")
+        elif isinstance(error, NoPermissionError):
+            rule = (f"{user} has no permission on {server} for the job store's commands or "
+                    f'keys: grant it the keys "{self.prefix}:*" and the commands of reads, '
+                    "writes, scripts and transactions in its ACL (ACL SETUSER "
+                    f"{self.user} ~{self.prefix}:* +@read +@write +@scripting +@transaction "
+                    "+@connection), or name a user that has them")
+        elif "DB index is out of range" in text or "Invalid Database" in text:
+            rule = (f"{server} has no database {self.db} (its databases setting allows "
+                    "fewer): name one it has (numbered from 0)")
+        else:
+            return None
+        return StoreMisconfigured(f"ojs.store_url: {rule} ({store_message(error)})")
+
+
+class _Sessioned(Protocol):
+    _session: FirstSession
+
+
+_S = TypeVar("_S", bound=_Sessioned)
+
+
+def _call(method: Callable[Concatenate[_S, _P], _T]) -> Callable[Concatenate[_S, _P], _T]:
+    """A decorator for the store's operations: :data:`_wrap_errors`, and before that, while
+    the first session is open (:class:`FirstSession`), redis-py's refusal that only a change
+    of configuration mends as :class:`~.base.StoreMisconfigured`. A call that returns has had
+    the server's answer (the one that sends without reading, :meth:`RedisStore._insert_begin`,
+    waits for it in the first session): it ends the first session."""
+
+    @functools.wraps(method)
+    def first(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        session = self._session
+        if session.answered:
+            return method(self, *args, **kwargs)
+        try:
+            result = method(self, *args, **kwargs)
+        except redis.RedisError as exc:
+            refusal = session.refusal(exc)
+            if refusal is not None:
+                raise refusal from exc
+            raise
+        session.answered = True
+        return result
+
+    return _wrap_errors(first)
 
 
 def _num(value: float | None) -> str:
@@ -172,8 +282,11 @@ class RedisStore(JobStore):
         self._forget_script = self.client.register_script(script("forget"))
         self._move_due_script = self.client.register_script(script("move_due"))
         self._lane = Lane(self.client)
-        self.workers = RedisWorkerRegistry(self.client, prefix)
-        self.meta = RedisMetaArea(self.client, prefix)
+        #: Shared with the worker registry and the meta area: the first answer of any of them
+        #: ends the first session (see :class:`FirstSession`).
+        self._session = FirstSession(self.client, prefix)
+        self.workers = RedisWorkerRegistry(self.client, prefix, self._session)
+        self.meta = RedisMetaArea(self.client, prefix, self._session)
         forget_in_children(self)
 
     def forget_parent(self) -> None:
@@ -214,16 +327,21 @@ class RedisStore(JobStore):
 
     # ------------------------------------------------------------------ job primitives
 
-    @_wrap_errors
+    @_call
     def _insert(self, record: Record, deadlines: dict[str, float | None]) -> bool:
         keys = self._job_keys(record.job.id)
         return bool(self._insert_script(keys, self._args(record, 1, deadlines)))
 
-    @_wrap_errors
+    @_call
     def _insert_begin(
         self, record: Record, deadlines: dict[str, float | None]
     ) -> Callable[[], bool]:
-        """Send the insert script now, read its answer when asked."""
+        """Send the insert script now, read its answer when asked. Not in the first session:
+        its refusal (``NOPERM``) is a configuration error, to be said before enqueue publishes
+        a message naming a job that was never stored."""
+        if not self._session.answered:
+            inserted = self._insert(record, deadlines)
+            return lambda: inserted
         keys = self._job_keys(record.job.id)
         args = self._args(record, 1, deadlines)
         answer = self._lane.send("EVALSHA", self._insert_script.sha, len(keys), *keys, *args)
@@ -232,7 +350,7 @@ class RedisStore(JobStore):
             return lambda: inserted
         return functools.partial(self._confirm_insert, answer, record, deadlines)
 
-    @_wrap_errors
+    @_call
     def _confirm_insert(
         self, answer: Callable[[], Any], record: Record, deadlines: dict[str, float | None]
     ) -> bool:
@@ -266,7 +384,7 @@ class RedisStore(JobStore):
         insert = functools.partial(self._insert_push, keys, args)
         return self._insert_settled(record, deadlines, insert, insert)
 
-    @_wrap_errors
+    @_call
     def _insert_push(self, keys: list[str], args: list[str]) -> bool:
         """One call of the insert-and-push script (see :meth:`insert_pushing`). A lost reply
         leaves as :class:`~.base.StoreError` and is settled as :meth:`_confirm_insert`'s."""
@@ -277,7 +395,7 @@ class RedisStore(JobStore):
             done = self._insert_push_script(keys, args)
         return bool(done)
 
-    @_wrap_errors
+    @_call
     def _insert_many(self, rows: Sequence[NewRow]) -> str | None:
         """One script call: it checks every id, then writes every record (or none)."""
         keys = [*self._all_due_keys, *(self._job_prefix + record.job.id for record, _ in rows)]
@@ -287,12 +405,12 @@ class RedisStore(JobStore):
         taken: str | None = self._insert_many_script(keys, args)
         return taken
 
-    @_wrap_errors
+    @_call
     def _load(self, job_id: str) -> Record | None:
         fields: dict[str, str] = self.client.hgetall(self._job_prefix + job_id)  # type: ignore[assignment]
         return _record(fields)
 
-    @_wrap_errors
+    @_call
     def _cas(self, record: Record, previous: Record, deadlines: dict[str, float | None]) -> bool:
         keys = self._job_keys(record.job.id)
         args = self._cas_args(record, previous, deadlines)
@@ -304,14 +422,14 @@ class RedisStore(JobStore):
     def _ack_dispatch(self, job_id: str, token: int) -> bool:
         return self._ack_dispatch_many([(job_id, token)])[0]
 
-    @_wrap_errors
+    @_call
     def _load_many(self, job_ids: Sequence[str]) -> list[Record | None]:
         pipe = self.client.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hgetall(self._job_prefix + job_id)
         return [_record(fields) for fields in pipe.execute()]
 
-    @_wrap_errors
+    @_call
     def _cas_many(self, writes: Sequence[Write]) -> list[bool]:
         calls = [
             (self._job_keys(record.job.id), self._cas_args(record, previous, deadlines))
@@ -319,7 +437,7 @@ class RedisStore(JobStore):
         ]
         return [bool(done) for done in self._evalsha_many(self._cas_script, calls)]
 
-    @_wrap_errors
+    @_call
     def _ack_dispatch_many(self, acks: Sequence[tuple[str, int]]) -> list[bool]:
         keys = [self._due_keys["dispatch"], *(self._job_prefix + job_id for job_id, _ in acks)]
         args = [part for job_id, token in acks for part in (job_id, str(token))]
@@ -351,7 +469,7 @@ class RedisStore(JobStore):
             todo = retry
         return results
 
-    @_wrap_errors
+    @_call
     def due(self, clock: str, now: float, limit: int) -> list[tuple[str, float]]:
         try:
             key = self._due_keys[clock]
@@ -362,7 +480,7 @@ class RedisStore(JobStore):
         )
         return [(str(job_id), float(score)) for job_id, score in rows]
 
-    @_wrap_errors
+    @_call
     def scan(self, clock: str, cursor: str | None, limit: int) -> tuple[list[str], str | None]:
         """``ZSCAN`` of the clock's sorted set (its cursor walks the hash table, which a new
         score does not reorder)."""
@@ -370,24 +488,24 @@ class RedisStore(JobStore):
                                             count=int(limit))
         return [str(job_id) for job_id, _ in rows], (str(following) if following else None)
 
-    @_wrap_errors
+    @_call
     def _delete(self, job_id: str, expected: int) -> bool:
         keys = self._job_keys(job_id)
         return bool(self._delete_script(keys, [job_id, str(expected)]))
 
-    @_wrap_errors
+    @_call
     def _delete_many(self, deletes: Sequence[tuple[str, int]]) -> list[bool]:
         calls = [(self._job_keys(job_id), [job_id, str(expected)]) for job_id, expected in deletes]
         return [bool(done) for done in self._evalsha_many(self._delete_script, calls)]
 
-    @_wrap_errors
+    @_call
     def forget_missing(self, clock: str, job_ids: Sequence[str]) -> int:
         if not job_ids:
             return 0
         keys = [self._due_keys[clock], *(self._job_prefix + job_id for job_id in job_ids)]
         return int(self._forget_script(keys, list(job_ids)))
 
-    @_wrap_errors
+    @_call
     def _move_due(self, clock: str, moves: Sequence[tuple[str, float, float]]) -> int:
         args = [str(part) if isinstance(part, str) else _num(part)
                 for move in moves for part in move]
@@ -395,11 +513,11 @@ class RedisStore(JobStore):
 
     # ------------------------------------------------------------------ admin
 
-    @_wrap_errors
+    @_call
     def ping(self) -> None:
         self.client.ping()
 
-    @_wrap_errors
+    @_call
     def clear(self) -> None:
         """Delete every key under ``{prefix}:`` (SCAN, never KEYS: the server is shared)."""
         pattern = _escape_glob(self.prefix) + ":*"
@@ -424,15 +542,17 @@ REMOVAL_MARK_KEPT = 300
 class RedisWorkerRegistry(WorkerRegistry):
     """Worker records: ``P:worker:{id}`` hashes and the ``P:workers`` sorted set by last beat."""
 
-    def __init__(self, client: redis.Redis, prefix: str) -> None:
+    def __init__(self, client: redis.Redis, prefix: str,
+                 session: FirstSession | None = None) -> None:
         self.client = client
+        self._session = session or FirstSession(client, prefix)
         self._worker_prefix = f"{prefix}:worker:"
         self._workers_key = f"{prefix}:workers"
         self._removed_prefix = f"{prefix}:removed-worker:"
         self._list_script = client.register_script(script("list_workers"))
         self._remove_script = client.register_script(script("remove_worker"))
 
-    @_wrap_errors
+    @_call
     def save(self, info: WorkerInfo) -> None:
         """The record and its index entry in one MULTI/EXEC round trip."""
         pipe = self.client.pipeline(transaction=True)
@@ -444,12 +564,12 @@ class RedisWorkerRegistry(WorkerRegistry):
         pipe.zadd(self._workers_key, {info.worker_id: float(info.last_beat)})
         pipe.execute()
 
-    @_wrap_errors
+    @_call
     def get(self, worker_id: str) -> WorkerInfo | None:
         data: str | None = self.client.hget(self._worker_prefix + worker_id, "data")  # type: ignore[assignment]
         return None if data is None else WorkerInfo.from_dict(json.loads(data))
 
-    @_wrap_errors
+    @_call
     def remove(self, worker_id: str) -> bool:
         """One script that leaves a short-lived mark with its nonce: redis-py sends a command
         again when its reply is lost, and a plain delete sent again finds nothing and said
@@ -459,13 +579,13 @@ class RedisWorkerRegistry(WorkerRegistry):
                 self._removed_prefix + worker_id]
         return bool(self._remove_script(keys, [worker_id, new_nonce(), str(REMOVAL_MARK_KEPT)]))
 
-    @_wrap_errors
+    @_call
     def all(self) -> list[WorkerInfo]:
         rows: list[str] = self._list_script([self._workers_key], [self._worker_prefix])
         workers = [WorkerInfo.from_dict(json.loads(data)) for data in rows]
         return sorted(workers, key=lambda w: w.worker_id)
 
-    @_wrap_errors
+    @_call
     def stale(self, cutoff: float, limit: int) -> list[str]:
         ids: list[str] = self.client.zrangebyscore(  # type: ignore[assignment]
             self._workers_key, "-inf", cutoff, start=0, num=limit
@@ -476,32 +596,34 @@ class RedisWorkerRegistry(WorkerRegistry):
 class RedisMetaArea(MetaArea):
     """The meta area: the ``P:meta`` hash."""
 
-    def __init__(self, client: redis.Redis, prefix: str) -> None:
+    def __init__(self, client: redis.Redis, prefix: str,
+                 session: FirstSession | None = None) -> None:
         self.client = client
+        self._session = session or FirstSession(client, prefix)
         self._meta_key = f"{prefix}:meta"
         self._take_script = client.register_script(script("take_meta"))
         self._swap_script = client.register_script(script("swap_meta"))
         self._drop_script = client.register_script(script("drop_meta"))
 
-    @_wrap_errors
+    @_call
     def _put(self, key: str, value: str) -> None:
         self.client.hset(self._meta_key, key, value)
 
-    @_wrap_errors
+    @_call
     def _get(self, key: str) -> str | None:
         value: str | None = self.client.hget(self._meta_key, key)  # type: ignore[assignment]
         return value
 
-    @_wrap_errors
+    @_call
     def _take(self, key: str) -> str | None:
         value: str | None = self._take_script([self._meta_key], [key])
         return value
 
-    @_wrap_errors
+    @_call
     def _drop(self, key: str, expected: str) -> bool:
         return bool(self._drop_script([self._meta_key], [key, expected]))
 
-    @_wrap_errors
+    @_call
     def _swap(self, key: str, expected: str | None, value: str) -> bool:
         none = "1" if expected is None else "0"
         return bool(self._swap_script([self._meta_key], [key, expected or "", value, none]))
