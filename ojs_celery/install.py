@@ -68,7 +68,7 @@ def install(app: Celery) -> Runtime:
         if missing:
             logger.warning(
                 "ojs_celery: the %s pool does not enforce %s: OJS execution timeouts on this "
-                "worker are enforced only by the sweeper (run `celery beat` or "
+                "worker are enforced by the sweeper (run `celery beat` or "
                 "`ojs-celery sweep --loop`), and a timed-out handler is not interrupted "
                 "(on gevent: only at its next switch). "
                 "Use the prefork pool for worker-side timeouts.",

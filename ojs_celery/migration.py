@@ -89,7 +89,7 @@ def build_report(app: Celery) -> Report:
     pool = pool_name(conf.get("worker_pool") or "prefork")
     if pool in WEAK_POOLS:
         warnings.append(f"worker_pool {pool!r} does not enforce {WEAK_POOLS[pool]}: OJS "
-                        "timeouts are enforced by the sweeper only (use prefork)")
+                        "timeouts there are the sweeper's to enforce (use prefork)")
     for name in ("task_serializer", "result_serializer"):
         if conf.get(name) == "pickle":
             warnings.append(f"{name} is pickle: OJS jobs travel as JSON (envelopes from other "
