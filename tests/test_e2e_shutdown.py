@@ -88,6 +88,9 @@ def test_a_long_job_is_cancelled_in_the_window_and_resumes(
     gevent, where Celery has no soft limit, OJS throws it into the job's greenlet."""
     if pool == "gevent":
         pytest.importorskip("gevent")
+        if celery.VERSION < (5, 5):
+            pytest.skip("Celery 5.4's gevent pool cannot stop a greenlet: the drain's end "
+                        "waits for the handler (README, Graceful shutdown)")
     queue = unique("own")
     worker = own_worker(env, tmp_path, drain=10.0, queue=queue, pool=pool,
                         concurrency=5 if pool == "gevent" else 1)
