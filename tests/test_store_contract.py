@@ -1067,6 +1067,38 @@ def test_a_removed_worker_takes_its_directive_and_drain_marks_along(store: JobSt
     assert not store.remove_worker("w-3")  # another sweeper removed it first
 
 
+def test_a_burial_is_claimed_once_and_its_tombstone_stays_first_until_removed(
+    store: JobStore,
+) -> None:
+    """``bury_worker`` turns the record into a tombstone once (the claim among sweepers);
+    ``stale`` returns it first, to any cutoff, until the burial's end removes it; that end
+    removes only a tombstone, not the record of a worker that came back (its save replaces
+    the tombstone) and beat."""
+    store.workers.save(WorkerInfo(worker_id="w-live", hostname="h", pid=1, last_beat=5.0))
+    info = WorkerInfo(worker_id="w-dead", hostname="h", pid=2, last_beat=10.0,
+                      active_job_ids=["job-a"], reserved_job_ids=["job-b"])
+    store.workers.save(info)
+    tombstone = store.bury_worker(info, 50.0)
+    assert tombstone is not None and tombstone.buried and tombstone.buried_at == 50.0
+    assert store.bury_worker(info, 51.0) is None  # another sweeper's claim
+    found = store.workers.get("w-dead")
+    assert found == tombstone and found.last_beat == 10.0
+    assert found.active_job_ids == ["job-a"] and found.reserved_job_ids == ["job-b"]
+    assert store.workers.stale(6.0, 10) == ["w-dead", "w-live"]
+    assert store.workers.stale(0.0, 1) == ["w-dead"]
+    assert store.remove_worker("w-dead", buried=True)
+    assert store.workers.get("w-dead") is None and store.workers.stale(6.0, 10) == ["w-live"]
+
+    assert store.bury_worker(info, 60.0) is None  # gone: nothing to claim
+    store.workers.save(info)
+    assert store.bury_worker(info, 70.0) is not None
+    back = dataclasses.replace(info, last_beat=80.0)
+    store.workers.save(back)  # the worker came back: its record, no tombstone
+    assert store.workers.get("w-dead") == back and store.workers.stale(70.0, 10) == ["w-live"]
+    assert not store.remove_worker("w-dead", buried=True)
+    assert store.workers.get("w-dead") == back
+
+
 def test_directive_races_give_the_value_at_least_once_and_take_it(store: JobStore) -> None:
     """A directive is taken at least once (``MetaArea.take_directive``: read, then deleted if
     unchanged, so that a delete whose reply was lost still delivers it): takers that race (a

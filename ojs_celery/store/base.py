@@ -38,7 +38,7 @@ from ..entropy import random_hex
 from ..envelope import Job, JsonValue
 from ..lifecycle import Policy, Record, Transition
 from .meta import MetaArea
-from .workers import WorkerRegistry
+from .workers import WorkerInfo, WorkerRegistry
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -559,39 +559,68 @@ class JobStore(ABC):
         inserted = self._insert(record, deadlines)
         return lambda: inserted
 
-    def remove_worker(self, worker_id: str, job_ids: Iterable[str] = ()) -> bool:
-        """Remove a worker's record and what was left for it in the meta area (a directive,
-        the drain's marks of ``job_ids``): at its shutdown, or when a sweeper declares it
-        dead. False if there was no record (another sweeper removed it first)."""
+    def bury_worker(self, info: WorkerInfo, now: float) -> WorkerInfo | None:
+        """Begin the burial of a worker a sweeper declared dead at ``now``: its record as read
+        (``info``) becomes its tombstone (:meth:`WorkerRegistry.bury`), which
+        ``workers.stale`` returns to every sweeper until :meth:`remove_worker` (``buried``)
+        ends the burial, so that a pass the store failed half way is resumed. Returns the
+        tombstone, or None if another sweeper began it first (or the worker is gone)."""
+        tombstone = dataclasses.replace(info, buried_at=now, burial=new_nonce())
         try:
-            removed = self.workers.remove(worker_id)
+            won = self.workers.bury(tombstone)
         except StoreTimeout:
             raise  # not answering: a read would wait as long again
         except StoreError as failure:  # a lost reply (redis-py's own tries of it included)
-            removed = self._settle_removal(worker_id, failure)
+            won = self._settle_burial(tombstone, failure)
+        return tombstone if won else None
+
+    def _settle_burial(self, tombstone: WorkerInfo, failure: StoreError) -> bool:
+        """Whether a burial's claim that failed with ``failure`` (a lost reply) was done: the
+        record is this very tombstone (its nonce). Raises ``failure`` when the record is still
+        the worker's (the write was lost: the next pass claims it again) or cannot be read."""
+        try:
+            found = self.workers.get(tombstone.worker_id)
+        except StoreError as unread:
+            raise failure from unread
+        if found is not None and not found.buried:
+            raise failure
+        return found is not None and found.burial == tombstone.burial
+
+    def remove_worker(self, worker_id: str, job_ids: Iterable[str] = (),
+                      buried: bool = False) -> bool:
+        """Remove a worker's record and what was left for it in the meta area (a directive,
+        the drain's marks of ``job_ids``): at its shutdown, or when a sweeper has recovered
+        the jobs of a worker it declared dead (``buried``: only its tombstone, not the record
+        of a worker that came back meanwhile). False if there was no record to remove."""
+        try:
+            removed = self.workers.remove(worker_id, buried)
+        except StoreTimeout:
+            raise  # not answering: a read would wait as long again
+        except StoreError as failure:  # a lost reply (redis-py's own tries of it included)
+            removed = self._settle_removal(worker_id, failure, buried)
         if removed:
-            try:  # leftovers are small: their loss must not stop a dead worker's recovery
+            try:  # leftovers are small: their loss must not fail the worker's shutdown
                 self.meta.forget_worker(worker_id, job_ids)
             except StoreError as exc:
                 logger.warning("ojs_celery: worker %s is removed but what was left for it "
                                "stays in the store's meta area: %s", worker_id, exc)
         return removed
 
-    def _settle_removal(self, worker_id: str, failure: StoreError) -> bool:
+    def _settle_removal(self, worker_id: str, failure: StoreError, buried: bool) -> bool:
         """Whether a worker's removal that failed with ``failure`` (a lost reply) was done:
-        its record is gone. Taken as this caller's removal, so that the caller (a sweeper)
-        recovers the worker's jobs; if another sweeper removed it at the same moment, both
-        recover them, which costs nothing (each recovery is a compare-and-set fenced on the
-        worker; a job held but not started gets one more message, dropped by fencing).
-        Raises ``failure`` when the record is still there (the next pass removes it) or
+        its record is gone (taken as this caller's removal: a removal has no other effect).
+        False if ``buried`` and the record is the worker's again (it came back). Raises
+        ``failure`` when the record is still there (a burial is resumed by the next pass) or
         cannot be read."""
         try:
-            gone = self.workers.get(worker_id) is None
+            found = self.workers.get(worker_id)
         except StoreError as unread:
             raise failure from unread
-        if not gone:
-            raise failure
-        return True
+        if found is None:
+            return True
+        if buried and not found.buried:
+            return False
+        raise failure
 
     def get(self, job_id: str) -> Job | None:
         record = self._load(job_id)

@@ -6,11 +6,12 @@ the fields of :data:`~ojs_celery.store.base.RECORD_FIELDS` (``""`` stands for No
 ``record.lua``);
 ``P:due:{clock}`` is a sorted set of job ids scored by that clock's deadline; ``P:worker:{id}``
 is a hash whose ``data`` is the worker's JSON, ``P:workers`` a sorted set of worker ids by last
-beat (``P:removed-worker:{id}``, for a few minutes, the nonce of the worker's removal: see
-``remove_worker.lua``), and ``P:meta`` a hash. Every write is one ``EVALSHA``, so the hash and
-the deadline index change together, atomically, in one round trip; reads are one command. The
-batch primitives send many of those in one pipeline (one round trip, each command still atomic
-on its own). The scripts are the ``*.lua`` files beside this module, read once per process.
+beat (a tombstone's at ``BURIED``: see ``bury_worker.lua``; ``P:removed-worker:{id}``, for a
+few minutes, the nonce of the worker's removal: see ``remove_worker.lua``), and ``P:meta`` a
+hash. Every write is one ``EVALSHA``, so the hash and the deadline index change together,
+atomically, in one round trip; reads are one command. The batch primitives send many of those
+in one pipeline (one round trip, each command still atomic on its own). The scripts are the
+``*.lua`` files beside this module, read once per process.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from .base import (
 )
 from .meta import MetaArea
 from .redis_lane import MISSED, Lane
-from .workers import WorkerInfo, WorkerRegistry
+from .workers import BURIED, WorkerInfo, WorkerRegistry
 
 __all__ = ["RedisMetaArea", "RedisStore", "RedisWorkerRegistry"]
 
@@ -551,6 +552,7 @@ class RedisWorkerRegistry(WorkerRegistry):
         self._removed_prefix = f"{prefix}:removed-worker:"
         self._list_script = client.register_script(script("list_workers"))
         self._remove_script = client.register_script(script("remove_worker"))
+        self._bury_script = client.register_script(script("bury_worker"))
 
     @_call
     def save(self, info: WorkerInfo) -> None:
@@ -570,14 +572,23 @@ class RedisWorkerRegistry(WorkerRegistry):
         return None if data is None else WorkerInfo.from_dict(json.loads(data))
 
     @_call
-    def remove(self, worker_id: str) -> bool:
+    def remove(self, worker_id: str, buried: bool = False) -> bool:
         """One script that leaves a short-lived mark with its nonce: redis-py sends a command
         again when its reply is lost, and a plain delete sent again finds nothing and said
-        False ("another sweeper removed it"), so the sweeper left the dead worker's jobs to
-        their stall and visibility clocks."""
+        False ("another sweeper removed it")."""
         keys = [self._worker_prefix + worker_id, self._workers_key,
                 self._removed_prefix + worker_id]
-        return bool(self._remove_script(keys, [worker_id, new_nonce(), str(REMOVAL_MARK_KEPT)]))
+        return bool(self._remove_script(keys, [worker_id, new_nonce(), str(REMOVAL_MARK_KEPT),
+                                               repr(BURIED) if buried else ""]))
+
+    @_call
+    def bury(self, tombstone: WorkerInfo) -> bool:
+        """One script (``bury_worker.lua``): the record and its index entry at once; sent
+        again by redis-py after a lost reply, it finds its own nonce in the tombstone."""
+        keys = [self._worker_prefix + tombstone.worker_id, self._workers_key]
+        data = json.dumps(tombstone.to_dict(), separators=(",", ":"))
+        return bool(self._bury_script(keys, [tombstone.worker_id, data, tombstone.burial,
+                                             repr(BURIED)]))
 
     @_call
     def all(self) -> list[WorkerInfo]:

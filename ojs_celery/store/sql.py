@@ -61,7 +61,7 @@ from .base import (
 from .meta import MetaArea
 from .sql_lane import SqliteLane, ready, rolled_back, unanswered
 from .sql_lane import fits as sqlite_lane_fits
-from .workers import WorkerInfo, WorkerRegistry
+from .workers import BURIED, WorkerInfo, WorkerRegistry
 
 if TYPE_CHECKING:
     from .pg_lane import PgLane
@@ -992,7 +992,8 @@ class SQLStore(JobStore):
 
 
 class SQLWorkerRegistry(WorkerRegistry):
-    """Worker records in ``{prefix}_workers`` (JSON data, an indexed ``last_beat``)."""
+    """Worker records in ``{prefix}_workers`` (JSON data, an indexed ``last_beat``: a
+    tombstone's is ``BURIED``)."""
 
     def __init__(self, store: SQLStore) -> None:
         self._store = store
@@ -1005,6 +1006,12 @@ class SQLWorkerRegistry(WorkerRegistry):
         self._get = sa.select(workers.c.data).where(workers.c.worker_id == sa.bindparam("k_id"))
         self._all = sa.select(workers.c.data).order_by(workers.c.worker_id)
         self._delete = sa.delete(workers).where(workers.c.worker_id == sa.bindparam("k_id"))
+        self._delete_buried = self._delete.where(workers.c.last_beat == BURIED)
+        self._bury = (
+            sa.update(workers)
+            .where(workers.c.worker_id == sa.bindparam("k_id"), workers.c.last_beat != BURIED)
+            .values(data=sa.bindparam("k_data"), last_beat=BURIED)
+        )
         self._stale = (
             sa.select(workers.c.worker_id)
             .where(workers.c.last_beat <= sa.bindparam("k_cutoff", type_=sa.Double))
@@ -1029,9 +1036,19 @@ class SQLWorkerRegistry(WorkerRegistry):
         return None if data is None else WorkerInfo.from_dict(json.loads(data))
 
     @_wrap_errors
-    def remove(self, worker_id: str) -> bool:
+    def remove(self, worker_id: str, buried: bool = False) -> bool:
         with self._store.engine.connect() as conn:
-            return conn.execute(self._delete, {"k_id": worker_id}).rowcount > 0
+            return conn.execute(self._delete_buried if buried else self._delete,
+                                {"k_id": worker_id}).rowcount > 0
+
+    @_wrap_errors
+    def bury(self, tombstone: WorkerInfo) -> bool:
+        """One UPDATE, of a record that is not a tombstone yet (a lost reply: see
+        ``JobStore.bury_worker``)."""
+        data = json.dumps(tombstone.to_dict(), separators=(",", ":"))
+        with self._store.engine.connect() as conn:
+            return conn.execute(self._bury, {"k_id": tombstone.worker_id,
+                                             "k_data": data}).rowcount > 0
 
     @_wrap_errors
     def all(self) -> list[WorkerInfo]:
