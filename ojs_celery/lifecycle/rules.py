@@ -892,18 +892,30 @@ def invisible(record: Record, now: float, policy: Policy) -> Transition:
 
 
 def orphaned(record: Record, worker_id: str, now: float, policy: Policy) -> Transition:
-    """An attempt of a worker declared dead: error ``worker_death``, retried per policy."""
+    """An attempt of a worker declared dead at ``now``: error ``worker_death``, retried per
+    policy. An attempt started after ``now`` is left alone: the worker came back (it was
+    frozen) and registered again under its id. So the rule applied again, when a burial is
+    resumed with the same ``now``, changes nothing: the attempt it failed is over, the next
+    one started later."""
     if record.job.state != "active" or record.worker_id != worker_id:
         return rejected("not_owned")
+    started = record.job.started_at
+    if started is not None and started.timestamp() > now:
+        return rejected("started_since")
     error = make_error("worker_death", f"worker {worker_id} stopped sending heartbeats")
     return fail(record, record.job.attempt, None, error, now, policy=policy)
 
 
 def redispatch(record: Record, now: float, policy: Policy) -> Transition:
     """A job a dead worker held but never started: the same message again (same token, no
-    error, no attempt used), so that it need not wait for the broker's redelivery."""
+    error, no attempt used), so that it need not wait for the broker's redelivery. Not if
+    its message was published at or after ``now``, when the worker was declared dead (by
+    this very rule, applied again when a burial is resumed with the same ``now``; by a
+    producer or another clock): that message is not the one the worker held."""
     if record.job.state not in STARTABLE:
         return rejected("not_startable")
+    if record.extended_at is not None and record.extended_at >= now:
+        return rejected("sent_since")
     return _claim(record, now, policy)  # a message held for its ETA keeps it
 
 
