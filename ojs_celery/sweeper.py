@@ -342,14 +342,24 @@ def _bury_dead_workers(
     runtime: Runtime, clock: WorkerClock, now: float, limit: int, report: SweepReport,
     spell: BlindSpell | None = None,
 ) -> None:
-    """Workers silent for the worker heartbeat timeout: remove them, recover their jobs, at
-    most ``limit`` of them. Silence during a blind spell does not count (see
+    """Workers silent for the worker heartbeat timeout: declare them dead, recover their jobs,
+    at most ``limit`` of them. Silence during a blind spell does not count (see
     :class:`~ojs_celery.lifecycle.BlindSpell`): a worker silent since before it is declared
     dead that much later. Workers silent for this process's timeout but not their own longer
-    one are read past, up to :data:`READ_PAST` × ``limit``: they must not hide dead ones. A
-    worker is removed before its jobs are recovered, once: a broker that fails a recovery's
-    publish does not stop the others (each is written, its message left in the outbox for the
-    dispatch clock), and is raised at the end."""
+    one are read past, up to :data:`READ_PAST` × ``limit``: they must not hide dead ones.
+
+    A burial is resumable. The sweeper that declares a worker dead first turns its record
+    into a tombstone (``store.bury_worker``: the claim, which one sweeper wins, so the
+    ``worker.stopped`` event and the warning are said once), then recovers the jobs its beats
+    listed, those it started after its last beat (:func:`_recover_unlisted`) and the messages
+    it received since (:func:`_put_back_unlisted`), and removes the tombstone last. The store
+    failing on the way ends the pass; ``stale`` returns the tombstone first to the next pass,
+    this sweeper's or another's, which recovers the jobs again with the rules of the worker's
+    death (computed at ``buried_at``): compare-and-set rules that change nothing the second
+    time (an attempt failed already, or started since; a message sent since), so only what
+    was not recovered is. A broker that fails a recovery's publish does not stop the others
+    (each is written, its message left in the outbox for the dispatch clock), and is raised at
+    the end, once the burials are done."""
     store = runtime.store
     policy = store.policy
     cutoff = clock.cutoff(now, policy)
@@ -359,43 +369,68 @@ def _bury_dead_workers(
         if len(buried) >= limit:
             break
         info = store.workers.get(worker_id)
-        if info is None or not clock.is_dead(info.last_beat, now, policy, spell,
-                                             info.heartbeat_timeout):
-            continue  # it beat meanwhile, its own timeout is longer, or a blind spell
-        if not store.remove_worker(worker_id, info.active_job_ids):  # the drain marks those
-            continue  # another sweeper took it
+        if info is None:
+            continue
+        if info.buried:  # a burial a failing store interrupted: resumed
+            logger.info("ojs_celery: resuming the burial of worker %s, declared dead %.1fs "
+                        "ago", worker_id, now - (info.buried_at or now))
+        else:
+            if not clock.is_dead(info.last_beat, now, policy, spell, info.heartbeat_timeout):
+                continue  # it beat meanwhile, its own timeout is longer, or a blind spell
+            tombstone = store.bury_worker(info, now)
+            if tombstone is None:
+                continue  # another sweeper took it
+            info = tombstone
+            report.applied[clock.name] += 1
+            logger.warning("ojs_celery: worker %s (%s) missed its beats for %.1fs: declared "
+                           "dead", worker_id, info.nodename or info.hostname,
+                           now - info.last_beat)
+            runtime.bus.emit("worker.stopped", {
+                "worker_id": worker_id, "reason": "error", "detail": "missed heartbeats",
+                "active_jobs": len(info.active_job_ids),
+            }, subject=worker_id)
         buried[worker_id] = info
-        report.applied[clock.name] += 1
-        logger.warning("ojs_celery: worker %s (%s) missed its beats for %.1fs: declared dead",
-                       worker_id, info.nodename or info.hostname, now - info.last_beat)
-        runtime.bus.emit("worker.stopped", {
-            "worker_id": worker_id, "reason": "error", "detail": "missed heartbeats",
-            "active_jobs": len(info.active_job_ids),
-        }, subject=worker_id)
-        recoveries = [(job_id, clock.active_rule(worker_id, now, policy))
-                      for job_id in info.active_job_ids]
-        recoveries += [(job_id, clock.reserved_rule(now, policy))
-                       for job_id in info.reserved_job_ids]
-        for job_id, rule in recoveries:
-            try:
-                done = store.apply(job_id, rule)
-                report.published += carry_out(runtime, done, publish_message=unpublished is None,
-                                              raise_unpublished=True, report_result=True)
-            except BrokerUnavailable as exc:  # written: its message waits in the outbox, and
-                unpublished = unpublished or exc  # so do the rest's (the worker is gone)
-            except OUTAGES:
-                raise
-            except Exception as exc:
-                failure = _skip(runtime, clock.name, job_id, exc, now, report)
-                if failure is not None:
-                    raise failure from exc
+        unpublished = _recover_listed(runtime, clock, info, now, report, unpublished)
     # the put-back first, and at every pass (it retries what a failing broker kept it from):
     # it never raises, and the pass may end in the other
     _put_back_unlisted(runtime, clock, list(buried.values()), now, limit, report, spell)
     if buried:
-        _recover_unlisted(runtime, clock, frozenset(buried), now, limit, report)
+        unpublished = _recover_unlisted(runtime, clock, buried, limit, report, unpublished)
+    for worker_id, info in buried.items():  # the drain marks the active jobs
+        store.remove_worker(worker_id, info.active_job_ids, buried=True)
     if unpublished is not None:
         raise unpublished
+
+
+def _recover_listed(
+    runtime: Runtime, clock: WorkerClock, tombstone: WorkerInfo, now: float,
+    report: SweepReport, unpublished: BrokerUnavailable | None,
+) -> BrokerUnavailable | None:
+    """The jobs a dead worker's last beat listed, running or held, recovered with the rules of
+    its death (at ``buried_at``). Returns the broker's failure, if any: the recoveries after
+    it are written with their messages left in the outbox. Raises a store outage."""
+    store = runtime.store
+    policy = store.policy
+    since = tombstone.buried_at
+    assert since is not None
+    recoveries = [(job_id, clock.active_rule(tombstone.worker_id, since, policy))
+                  for job_id in tombstone.active_job_ids]
+    recoveries += [(job_id, clock.reserved_rule(since, policy))
+                   for job_id in tombstone.reserved_job_ids]
+    for job_id, rule in recoveries:
+        try:
+            done = store.apply(job_id, rule)
+            report.published += carry_out(runtime, done, publish_message=unpublished is None,
+                                          raise_unpublished=True, report_result=True)
+        except BrokerUnavailable as exc:  # written: its message waits in the outbox, and
+            unpublished = unpublished or exc  # so do the rest's (the worker is gone)
+        except OUTAGES:
+            raise
+        except Exception as exc:
+            failure = _skip(runtime, clock.name, job_id, exc, now, report)
+            if failure is not None:
+                raise failure from exc
+    return unpublished
 
 
 #: Counted in ``SweepReport.applied``: messages published again because the broker lost them.
@@ -500,18 +535,20 @@ def _republish_lost(runtime: Runtime, known: BrokerMark, limit: int, report: Swe
 
 
 def _recover_unlisted(
-    runtime: Runtime, clock: WorkerClock, buried: frozenset[str], now: float, limit: int,
-    report: SweepReport,
-) -> None:
-    """The attempts that workers just declared dead started after their last beat, which no
-    beat listed: found among the active jobs (the visibility clock's index holds every one, the
-    ``limit`` nearest their deadline), so that they too fail with ``worker_death`` now rather
-    than stall a ``heartbeat_timeout`` later."""
+    runtime: Runtime, clock: WorkerClock, buried: dict[str, WorkerInfo], limit: int,
+    report: SweepReport, unpublished: BrokerUnavailable | None,
+) -> BrokerUnavailable | None:
+    """The attempts that workers just declared dead (``buried``: their tombstones) started
+    after their last beat, which no beat listed: found among the active jobs (the visibility
+    clock's index holds every one, the ``limit`` nearest their deadline), so that they too fail
+    with ``worker_death`` now rather than stall a ``heartbeat_timeout`` later. A broker that
+    fails a publish does not stop the others (see :func:`_recover_listed`)."""
     store = runtime.store
-    rule = clock.orphans_rule(buried, now, store.policy)
+    rule = clock.orphans_rule({worker_id: info.buried_at for worker_id, info in buried.items()
+                               if info.buried_at is not None}, store.policy)
     active = [job_id for job_id, _ in store.due(lifecycle.VISIBILITY.name, math.inf, limit)]
     if not active:
-        return
+        return unpublished
     try:
         results = store.apply_many(active, rule)
     except OUTAGES:
@@ -523,14 +560,18 @@ def _recover_unlisted(
             if done is None:  # lost a race, or the batch failed: decide again on fresh data
                 done = store.apply(job_id, rule)
             if done.record is not None:
-                report.published += carry_out(runtime, done, raise_unpublished=True,
-                                              report_result=True)
+                report.published += carry_out(runtime, done,
+                                              publish_message=unpublished is None,
+                                              raise_unpublished=True, report_result=True)
+        except BrokerUnavailable as exc:  # written: its message waits in the outbox
+            unpublished = unpublished or exc
         except OUTAGES:
             raise
         except Exception as exc:  # not known to be a dead worker's: counted against nothing
             report.skipped += 1
             logger.warning("ojs_celery: sweep could not check active job %s for a dead "
                            "worker: %s: %s", job_id, type(exc).__name__, exc)
+    return unpublished
 
 
 #: Counted in ``SweepReport.applied``: messages dead workers received after their last beat,
@@ -547,8 +588,9 @@ LISTING_LAG = 1.0
 def _put_back_unlisted(runtime: Runtime, clock: WorkerClock, buried: list[WorkerInfo],
                        now: float, limit: int, report: SweepReport,
                        spell: BlindSpell | None) -> None:
-    """The messages the workers just declared dead received after their last beat, which no
-    beat listed: on a Redis broker kombu keeps them for ``visibility_timeout`` (an hour) while
+    """The messages the workers just declared dead (or whose burial this pass resumed: the
+    pass that began it may have ended before) received after their last beat, which no beat
+    listed: on a Redis broker kombu keeps them for ``visibility_timeout`` (an hour) while
     their jobs wait. kombu stamps a delivery with the receiving host's clock, as the worker
     stamps its beats, so each dead worker's are among those delivered since its last beat (up
     to :data:`READ_PAST` × ``limit``, oldest first) and before every live worker's last beat
@@ -564,14 +606,15 @@ def _put_back_unlisted(runtime: Runtime, clock: WorkerClock, buried: list[Worker
     marker = runtime.broker_marker
     if marker is None:  # RabbitMQ redelivers what a closed connection held
         return
+    ids = {info.worker_id for info in buried}  # a resumed burial's may be owed already
     buried = [info for info in marker.put_back_owed if info.last_beat > now - PUT_BACK_TRIES
-              ] + buried
+              and info.worker_id not in ids] + buried
     marker.put_back_owed = []
     if not buried:
         return
     store = runtime.store
-    try:
-        workers = store.workers.all()
+    try:  # the registered workers, but the tombstones (the dead ones being buried)
+        workers = [info for info in store.workers.all() if not info.buried]
         # what a live worker holds, and what the dead ones held (republished from the store
         # just now); not what they ran: a retry's message received after the beat that
         # listed the attempt is owed if the record waits for its token (checked below)

@@ -377,6 +377,14 @@ def removal(store: JobStore, worker_id: str) -> Match:
     return lambda data: name in data.upper() and b"DELETE" in data.upper()
 
 
+def burial(store: JobStore, worker_id: str) -> Match:
+    """The request that turns ``worker_id``'s record into a tombstone (not a read of it)."""
+    name = worker_id.upper().encode()
+    if isinstance(store, RedisStore):
+        return lambda data: name in data.upper() and b"HGET" not in data.upper()
+    return lambda data: name in data.upper() and b"UPDATE" in data.upper()
+
+
 def dead_worker_with_a_job(store: JobStore, now: float) -> tuple[str, str]:
     """A worker last heard 40 s ago (declared dead after 30 s) running a job it started then
     (not stalled yet: 60 s); their ids."""
@@ -407,16 +415,17 @@ def test_a_removal_whose_reply_was_lost_is_the_callers(
 def test_a_dead_worker_whose_removal_was_cut_has_its_jobs_recovered(
     proxied_url: tuple[str, LosingProxy], tmp_path: pathlib.Path, lose: str,
 ) -> None:
-    """The sweeper's removal of a dead worker is cut: its running job is recovered as
-    ``worker_death`` by that pass (lost reply) or the next one (lost request), not left
-    active until its stall clock (a reserved job: until the broker's redelivery)."""
+    """The sweeper's claim of a dead worker (the write of its tombstone, which the removal
+    was before) is cut: its running job is recovered as ``worker_death`` by that pass (lost
+    reply) or the next one (lost request), not left active until its stall clock (a reserved
+    job: until the broker's redelivery), and its record is gone after."""
     url, proxy = proxied_url
     with proxied_app(url, tmp_path) as app:
         runtime = get_runtime(app)
         store = runtime.store
         now = time.time()
         worker_id, job_id = dead_worker_with_a_job(store, now)
-        proxy.arm(removal(store, worker_id), lose=lose, times=every_try(store))
+        proxy.arm(burial(store, worker_id), lose=lose, times=every_try(store))
         for _ in range(2):
             sweep(runtime, now=now)
             stored = store.get(job_id)

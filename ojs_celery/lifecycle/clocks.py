@@ -208,22 +208,21 @@ class WorkerClock:
                                 owner.heartbeat_timeout)
 
     def active_rule(self, worker_id: str, now: float, policy: Policy) -> Rule:
+        """An attempt the worker declared dead at ``now`` listed as running: see
+        :func:`~ojs_celery.lifecycle.orphaned`."""
         return partial(orphaned, worker_id=worker_id, now=now, policy=policy)
 
-    def orphans_rule(self, worker_ids: frozenset[str], now: float, policy: Policy) -> Rule:
-        """:meth:`active_rule` for an attempt of any of ``worker_ids``, whichever it is: for
-        the active jobs the dead workers' last beats did not list (started after it). An
-        attempt started after ``now``, when the pass began, is left alone: the worker came back
-        (it was frozen) and registered again under its id."""
+    def orphans_rule(self, buried: Mapping[str, float], policy: Policy) -> Rule:
+        """:meth:`active_rule` for an attempt of any of the workers ``buried`` (each with the
+        time it was declared dead), whichever it is: for the active jobs the dead workers'
+        last beats did not list (started after it)."""
 
         def rule(record: Record) -> Transition:
             owner = record.worker_id
-            if owner is None or owner not in worker_ids:
+            since = None if owner is None else buried.get(owner)
+            if owner is None or since is None:
                 return rejected("not_owned")
-            started = Times.of(record).started
-            if started is not None and started > now:
-                return rejected("started_since")
-            return orphaned(record, owner, now, policy)
+            return orphaned(record, owner, since, policy)
 
         return rule
 

@@ -27,11 +27,13 @@ class Registry:
 
     def beat(self, info: WorkerInfo) -> tuple[str | None, bool]:
         """Save the beat; returns the pending directive (taken) and whether the worker was
-        still registered before this beat (False: it was declared dead meanwhile). The
-        directive is taken last: a beat that fails before (its save refused) leaves it for
-        the next beat, where taking it first lost it with the failed beat."""
+        still registered before this beat (False: it was declared dead meanwhile, its record
+        gone or a tombstone, which this save replaces). The directive is taken last: a beat
+        that fails before (its save refused) leaves it for the next beat, where taking it
+        first lost it with the failed beat."""
         store = self.runtime.store
-        known = store.workers.get(self.worker_id) is not None
+        found = store.workers.get(self.worker_id)
+        known = found is not None and not found.buried
         store.workers.save(info)
         return store.meta.take_directive(self.worker_id), known
 
