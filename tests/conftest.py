@@ -19,6 +19,7 @@ from ojs_celery.events import listen
 from ojs_celery.runtime import get_runtime
 from tests import services
 from tests.e2eapp import make_app
+from tests.pgserver import PrivatePostgres
 from tests.test_store_faults import PrivateRedis
 from tests.workers import (
     MADE,
@@ -219,6 +220,16 @@ def redis_server(tmp_path: pathlib.Path) -> Iterator[PrivateRedis]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def pg_server() -> Iterator[PrivatePostgres]:
+    """A private PostgreSQL server of this test's (``tests/pgserver.py``)."""
+    server = PrivatePostgres()
+    try:
+        yield server
+    finally:
+        server.destroy()
 
 
 @pytest.fixture

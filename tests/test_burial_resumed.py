@@ -13,7 +13,6 @@ job the worker finished meanwhile, and says the worker's death once (the warning
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import pathlib
 import time
 from collections import Counter
@@ -34,6 +33,7 @@ from tests.conftest import store_app
 from tests.e2eapp import make_app
 from tests.pgserver import PrivatePostgres
 from tests.test_store_faults import PrivateRedis
+from tests.test_sweeper import sweeps_at_once
 from tests.workers import filesystem_config, unique
 
 #: A worker last heard this long ago is dead (after 30 s), its jobs not stalled yet (60 s).
@@ -185,15 +185,6 @@ def test_a_burial_that_a_redis_restart_cut_is_resumed(
         server.stop()
 
 
-@pytest.fixture
-def pg_server() -> Iterator[PrivatePostgres]:
-    server = PrivatePostgres()
-    try:
-        yield server
-    finally:
-        server.destroy()
-
-
 def test_a_burial_that_a_postgresql_restart_cut_is_resumed(
     pg_server: PrivatePostgres, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture, seen: Counter[str],
@@ -231,10 +222,6 @@ def test_a_worker_that_comes_back_during_its_burial_is_left_to_run(
         assert seen["worker.stopped"] == 0
 
 
-def _sweep_in_process(config: dict[str, Any], now: float, out: Any) -> None:
-    out.put(sweep(get_runtime(make_app(config)), now=now).applied["worker"])
-
-
 def test_concurrent_sweepers_declare_a_worker_dead_once_and_recover_each_job_once(
     app: Celery,
 ) -> None:
@@ -243,16 +230,7 @@ def test_concurrent_sweepers_declare_a_worker_dead_once_and_recover_each_job_onc
     store = get_runtime(app).store
     now = time.time()
     worker_id, running, held, unlisted = dead_worker(store, now)
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    config = app._ojs_e2e_config
-    processes = [context.Process(target=_sweep_in_process, args=(config, now, results))
-                 for _ in range(3)]
-    for process in processes:
-        process.start()
-    declared = [results.get(timeout=60) for _ in processes]
-    for process in processes:
-        process.join(30)
+    declared = sweeps_at_once(app, now, WORKER.name)
     assert sum(declared) == 1, declared
     for job_id in [*running, unlisted]:
         job = store.get(job_id)

@@ -5,7 +5,6 @@ worker`` subprocesses on the shared Redis broker."""
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Iterator
 
 import pytest
 
@@ -25,15 +24,6 @@ from tests.workers import (
     unique,
     wait_for,
 )
-
-
-@pytest.fixture
-def pg_server() -> Iterator[PrivatePostgres]:
-    server = PrivatePostgres()
-    try:
-        yield server
-    finally:
-        server.destroy()
 
 
 @pytest.mark.parametrize("mode", ["fast", "immediate"])

@@ -434,9 +434,25 @@ def test_concurrent_sweepers_apply_each_transition_once(
         assert stored is not None and stored.state == "discarded" and len(stored.errors) == 1
 
 
-def _sweep_in_process(app_config: dict[str, Any], now: float, out: Any) -> None:
+def _sweep_in_process(app_config: dict[str, Any], now: float, counted: str, out: Any) -> None:
     app = make_app(app_config)
-    out.put(sweep(get_runtime(app), now=now, batch=1000).applied["enqueue_ttl"])
+    out.put(sweep(get_runtime(app), now=now, batch=1000).applied[counted])
+
+
+def sweeps_at_once(app: Celery, now: float, counted: str, count: int = 3) -> list[int]:
+    """``count`` sweeper processes (forks, each with its own app and store) pass at once at
+    ``now``; what each applied of clock ``counted``."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    processes = [context.Process(target=_sweep_in_process,
+                                 args=(app._ojs_e2e_config, now, counted, results))
+                 for _ in range(count)]
+    for process in processes:
+        process.start()
+    applied = [results.get(timeout=60) for _ in processes]
+    for process in processes:
+        process.join(30)
+    return applied
 
 
 def test_concurrent_sweeper_processes_never_double_apply(app: Celery) -> None:
@@ -446,17 +462,7 @@ def test_concurrent_sweeper_processes_never_double_apply(app: Celery) -> None:
     for i in range(count):
         runtime.store.create(
             parse_envelope({"type": "e2e.add", "args": [i, 1], "enqueue_ttl": 1}), now=created)
-    config = app._ojs_e2e_config
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    processes = [context.Process(target=_sweep_in_process, args=(config, created + 2, results))
-                 for _ in range(3)]
-    for process in processes:
-        process.start()
-    applied = [results.get(timeout=60) for _ in processes]
-    for process in processes:
-        process.join(30)
-    assert sum(applied) == count
+    assert sum(sweeps_at_once(app, created + 2, "enqueue_ttl")) == count
 
 
 def test_a_store_fault_skips_the_pass_and_the_next_one_recovers(
