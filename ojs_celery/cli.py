@@ -483,7 +483,8 @@ def _worker_rows(app: Celery) -> list[dict[str, Any]]:
     for info in store.workers.all():
         rows.append({
             "worker_id": info.worker_id, "hostname": info.hostname, "pid": info.pid,
-            "nodename": info.nodename, "state": info.state,
+            # a tombstone: declared dead, its jobs' recovery under way (the sweeper removes it)
+            "nodename": info.nodename, "state": "dead" if info.buried else info.state,
             "directive": store.meta.pending_directive(info.worker_id),
             "queues": info.queues, "concurrency": info.concurrency, "labels": info.labels,
             "started_at": format_epoch(info.started_at) if info.started_at

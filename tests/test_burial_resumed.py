@@ -12,6 +12,7 @@ job the worker finished meanwhile, and says the worker's death once (the warning
 
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
 import time
@@ -34,7 +35,7 @@ from tests.e2eapp import make_app
 from tests.pgserver import PrivatePostgres
 from tests.test_store_faults import PrivateRedis
 from tests.test_sweeper import sweeps_at_once
-from tests.workers import filesystem_config, unique
+from tests.workers import filesystem_config, ojs_cli, unique
 
 #: A worker last heard this long ago is dead (after 30 s), its jobs not stalled yet (60 s).
 SILENT = 40.0
@@ -120,6 +121,9 @@ def resumed_burial(
         tombstone = store.workers.get(worker_id)
         assert tombstone is not None and tombstone.buried and tombstone.buried_at == now
         assert store.workers.stale(now - 300, 10) == [worker_id]  # to any sweeper, first
+        listed = ojs_cli(second._ojs_e2e_config, "workers", "--json")
+        assert [(row["worker_id"], row["state"]) for row in json.loads(listed.stdout)] == [
+            (worker_id, "dead")], listed.stderr
         first_job, *rest = [store.get(job_id) for job_id in [*running, unlisted]]
         assert first_job is not None and first_job.state == "retryable"
         assert [r is not None and r.state for r in rest] == ["active"] * 3

@@ -6,6 +6,8 @@ import json
 import os
 import pathlib
 import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -150,6 +152,13 @@ def amqp_config(tmp: pathlib.Path, amqp_url: str, postgres_url: str) -> dict[str
 def _env(config: dict[str, Any]) -> dict[str, str]:
     """The environment ``tests.e2eapp`` reads its config from."""
     return {**os.environ, "OJS_E2E_CONFIG": json.dumps(config), "PYTHONPATH": str(ROOT)}
+
+
+def ojs_cli(config: dict[str, Any], *args: str) -> subprocess.CompletedProcess[str]:
+    """``ojs-celery -A tests.e2eapp:app ARGS`` on ``config``, as a user runs it."""
+    program = pathlib.Path(sys.executable).with_name("ojs-celery")
+    return subprocess.run([str(program), "-A", "tests.e2eapp:app", *args], capture_output=True,
+                          text=True, cwd=ROOT, env=_env(config), timeout=60)
 
 
 class Worker(CeleryProcess):
