@@ -332,6 +332,17 @@ class OJSTask(Task):  # type: ignore[misc]
             return run_eagerly(self, lambda: self._call_handler(args, kwargs))
         if self.request.called_directly:  # as Celery: the request and current_task are set
             return self._call_handler(args, kwargs, direct=True)
+        running = maybe_current_job()
+        if running is not None and running.job_id == str(self.request.id):
+            # The handler calls its own task as a function (recursion): a direct call, as in
+            # Celery, under a request of its own; not the message's attempt started again
+            # (which the store refused as not the job's: Ignore, the job cancelled) nor, on
+            # gevent, its soft limit's timer and hold replaced by the call's and dropped.
+            self.push_request(args=args, kwargs=kwargs)
+            try:
+                return self._call_handler(args, kwargs, direct=True)
+            finally:
+                self.pop_request()
         if not arrival.has_header(self.request):
             # A message without an ``ojs`` header (published before ``install()``, or by a
             # plain Celery producer): it runs as the plain Celery task it was sent as, and its

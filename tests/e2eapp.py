@@ -234,6 +234,19 @@ def make_app(config: dict[str, Any]) -> Celery:
             time.sleep(60)
         return "unreachable"
 
+    @app.task(shared=False, name="e2e.calls_itself", base=OJSTask, bind=True)
+    def calls_itself(self: OJSTask, seconds: float, inner: bool = False) -> Any:
+        """Calls itself directly (as a function) first, then works ``seconds``: cancelled,
+        returns in the grace period."""
+        if inner:
+            return "inner"
+        called = self(0, inner=True)
+        try:
+            time.sleep(seconds)
+        except SoftTimeLimitExceeded:
+            return f"cancelled after {called}"
+        return f"not cancelled after {called}"
+
     @app.task(shared=False, name="e2e.resumable", base=OJSTask)
     def resumable(seconds: float) -> Any:
         """Resumes from its checkpoint at once; without one, works ``seconds``, and when

@@ -5,6 +5,7 @@ during the attempt's store writes. Needs gevent (a test dependency)."""
 
 from __future__ import annotations
 
+import pathlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 from billiard.exceptions import SoftTimeLimitExceeded
 
-from ojs_celery import softlimit
+from ojs_celery import enqueue, softlimit
 from tests.conftest import Env, start_env
 from tests.test_e2e_core import check_execution_timeout_grace_period_and_checkpoint
 
@@ -32,6 +33,27 @@ def test_execution_timeout_grace_period_and_checkpoint_on_gevent(env: Env) -> No
     the cancellation at ``timeout``, a checkpoint and a return in the grace period, Celery's
     hard limit at timeout + grace, and the limit that escapes the handler."""
     check_execution_timeout_grace_period_and_checkpoint(env)
+
+
+@pytest.mark.parametrize("pool", ["prefork", "gevent"])
+def test_a_handler_calling_its_own_task_directly_keeps_its_attempt(
+    env: Env, tmp_path: pathlib.Path, pool: str
+) -> None:
+    """``self(...)`` in a handler is a direct call, as in Celery: not the message's attempt
+    started again (the store refused that as not the job's, and the job ended cancelled) and,
+    on gevent, not a new soft-limit hold replacing the attempt's (its limit was lost)."""
+    def check(on: Env) -> None:
+        job = enqueue({"type": "e2e.calls_itself", "args": [30], "timeout": 1,
+                       "grace_period": 5, "retry": {"max_attempts": 1}}, app=on.app)
+        done = on.wait_state(job.id, "completed", "discarded", "cancelled", timeout=30)
+        assert (done.state, done.result, done.errors) == ("completed", "cancelled after inner",
+                                                          [])
+
+    if pool == "gevent":
+        check(env)
+        return
+    with start_env("redis", tmp_path, concurrency=1) as prefork:
+        check(prefork)
 
 
 def in_greenlet(body: Any) -> tuple[str, float]:
