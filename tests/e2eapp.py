@@ -234,6 +234,19 @@ def make_app(config: dict[str, Any]) -> Celery:
             time.sleep(60)
         return "unreachable"
 
+    @app.task(shared=False, name="e2e.timed", base=OJSTask)
+    def timed(seconds: float) -> Any:
+        """Works ``seconds``; cancelled, returns in the grace period how long after its first
+        line, in which job it was cancelled, and whether ``ctx.cancelled`` said so."""
+        ctx = current_job()
+        began = time.monotonic()
+        try:
+            time.sleep(seconds)
+        except SoftTimeLimitExceeded:
+            return {"job": ctx.job_id, "after": time.monotonic() - began,
+                    "cancelled": ctx.cancelled}
+        return {"job": ctx.job_id, "after": None, "cancelled": ctx.cancelled}
+
     @app.task(shared=False, name="e2e.calls_itself", base=OJSTask, bind=True)
     def calls_itself(self: OJSTask, seconds: float, inner: bool = False) -> Any:
         """Calls itself directly (as a function) first, then works ``seconds``: cancelled,
@@ -246,6 +259,25 @@ def make_app(config: dict[str, Any]) -> Celery:
         except SoftTimeLimitExceeded:
             return f"cancelled after {called}"
         return f"not cancelled after {called}"
+
+    @app.task(shared=False, name="e2e.retries_at_its_limit", base=OJSTask, bind=True)
+    def retries_at_its_limit(self: OJSTask, seconds: float) -> Any:
+        """Attempt 1 works ``seconds`` and, cancelled, retries (``self.retry()``) in the grace
+        period; later attempts return."""
+        ctx = current_job()
+        if ctx.attempt > 1:
+            return f"ok on {ctx.attempt}"
+        try:
+            time.sleep(seconds)
+        except SoftTimeLimitExceeded:
+            raise self.retry(countdown=0.1) from None
+        return "not cancelled"
+
+    @app.task(shared=False, name="e2e.soft_limit_holds", base=OJSTask)
+    def soft_limit_holds() -> int:
+        """How many attempts' soft-limit holds this process keeps (gevent: its own)."""
+        from ojs_celery import softlimit
+        return len(softlimit._greenlet_holds)
 
     @app.task(shared=False, name="e2e.resumable", base=OJSTask)
     def resumable(seconds: float) -> Any:

@@ -15,6 +15,8 @@ from billiard.exceptions import SoftTimeLimitExceeded
 
 from ojs_celery import enqueue, softlimit
 from tests.conftest import Env, start_env
+from tests.e2eapp import SLOW_TYPE
+from tests.test_arrival_limits import runs, slowed
 from tests.test_e2e_core import check_execution_timeout_grace_period_and_checkpoint
 
 gevent = pytest.importorskip("gevent")
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     with start_env("redis", tmp_path_factory.mktemp("gevent-soft"), pool="gevent",
-                   concurrency=5) as started:
+                   concurrency=20, config={"slow_bookkeeping": True}) as started:
         yield started
 
 
@@ -33,6 +35,57 @@ def test_execution_timeout_grace_period_and_checkpoint_on_gevent(env: Env) -> No
     the cancellation at ``timeout``, a checkpoint and a return in the grace period, Celery's
     hard limit at timeout + grace, and the limit that escapes the handler."""
     check_execution_timeout_grace_period_and_checkpoint(env)
+
+
+def test_concurrent_greenlets_each_get_their_own_limit(env: Env) -> None:
+    """20 attempts at once, with limits of 1 to 4 s: each handler is cancelled at its own
+    limit, in its own job (``ctx.cancelled`` set), returns in the grace period, and no
+    attempt's hold is left in the worker after them (one: the probe's own)."""
+    jobs = [(enqueue({"type": "e2e.timed", "args": [30], "timeout": 1 + i % 4,
+                      "grace_period": 5, "retry": {"max_attempts": 1}}, app=env.app).id,
+             1 + i % 4) for i in range(20)]
+    for job_id, limit in jobs:
+        done = env.wait_state(job_id, "completed", "discarded", timeout=60)
+        assert (done.state, done.errors) == ("completed", []), done.errors
+        result = done.result
+        assert isinstance(result, dict)
+        assert result["job"] == job_id and result["cancelled"] is True
+        assert limit - 0.2 <= float(result["after"]) < limit + 1.5, (limit, result)
+    probe = enqueue({"type": "e2e.soft_limit_holds", "args": [], "timeout": 10}, app=env.app)
+    assert env.wait_state(probe.id, "completed").result == 1
+
+
+def test_time_limits_in_the_bookkeeping_end_in_an_outcome_on_gevent(env: Env) -> None:
+    """What tests/test_arrival_limits.py checks of the soft limit on prefork: fired while the
+    start's write waits (before or after it commits), the attempt started and timed out, and
+    the retry completes (never ``available`` at attempt 0); fired while the outcome's write
+    waits, the handler's result stands (never left ``active``)."""
+    before = slowed(env, "start", 4, grace=6)
+    after = slowed(env, "started", 4, grace=6)
+    outcome = slowed(env, "complete", 4, grace=6)
+    for job_id in (before, after):
+        done = env.wait_state(job_id, "completed", timeout=60)
+        assert done.attempt == 2
+        assert [(e["attempt"], e["type"]) for e in done.errors] == [(1, "timeout")]
+        assert runs(env, job_id) == [f"{SLOW_TYPE} {job_id} attempt=2"]
+    done = env.wait_state(outcome, "completed", timeout=60)
+    assert (done.attempt, done.errors, done.result) == (1, [], "ok on 1")
+
+
+def test_self_retry_at_the_soft_limit(env: Env) -> None:
+    job = enqueue({"type": "e2e.retries_at_its_limit", "args": [30], "timeout": 1,
+                   "grace_period": 5, "retry": {"max_attempts": 3, "initial_interval": "PT0.1S"}},
+                  app=env.app)
+    done = env.wait_state(job.id, "completed", "discarded", timeout=30)
+    assert (done.state, done.result, done.attempt) == ("completed", "ok on 2", 2)
+
+
+def test_a_celery_callers_soft_time_limit_is_raised_on_gevent(env: Env) -> None:
+    """README, "Time limits": ``soft_time_limit=1, time_limit=2`` on the task."""
+    result = env.app.tasks["e2e.celery_time_limit"].apply_async(("gevent",))
+    done = env.wait_state(result.id, "discarded", "retryable", "completed", timeout=30)
+    assert done.errors and done.errors[0]["type"] == "timeout"
+    assert float(done.errors[0]["elapsed_seconds"]) < 1.9  # the soft limit, not the hard one
 
 
 @pytest.mark.parametrize("pool", ["prefork", "gevent"])
