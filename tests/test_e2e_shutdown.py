@@ -175,6 +175,42 @@ def test_a_jobs_own_timeout_during_the_drain_is_a_timeout(
         worker.stop()
 
 
+@pytest.mark.parametrize("pool", ["prefork", "gevent"])
+def test_jobs_own_timeouts_and_the_drains_cancellation_at_about_the_same_time(
+    env: Env, tmp_path: pathlib.Path, pool: str
+) -> None:
+    """Drain 8 s, window 5 s, eight jobs at once: those whose own limit fires before or at
+    about the window (2 s, 3 s) end ``timeout``, the others ``shutdown``, each error once, on
+    gevent (OJS's soft limit and the drain's, in greenlets) as on prefork."""
+    if pool == "gevent":
+        pytest.importorskip("gevent")
+        if celery.VERSION < (5, 5):
+            pytest.skip("Celery 5.4's gevent pool cannot stop a greenlet")
+    worker = own_worker(env, tmp_path, drain=8.0, pool=pool, concurrency=10)
+    try:
+        queue = queue_of(worker)
+        once = {"retry": {"max_attempts": 1}, "queue": queue}
+        own = [enqueue({"type": "e2e.checkpointing", "args": ["escape"], "timeout": limit,
+                        "grace_period": 20, **once}, app=env.app) for limit in (2, 2, 3)]
+        own += [enqueue({"type": "e2e.sleep", "args": [60.0], "timeout": 3, **once},
+                        app=env.app) for _ in range(2)]
+        drained = [enqueue({"type": "e2e.checkpointing", "args": ["escape"], "timeout": 100,
+                            **once}, app=env.app) for _ in range(3)]
+        for job in own + drained:
+            env.wait_state(job.id, "active")
+        began = sigterm(worker, group=True)
+        assert worker.process.wait(8 + SLACK) == 0
+        assert time.time() - began < 8 + SLACK
+        for job in own:
+            done = env.job(job.id)
+            assert (done.state, [e["type"] for e in done.errors]) == ("discarded", ["timeout"])
+        for job in drained:
+            done = env.job(job.id)
+            assert (done.state, [e["type"] for e in done.errors]) == ("discarded", ["shutdown"])
+    finally:
+        worker.stop()
+
+
 @pytest.mark.skipif(celery.VERSION < (5, 5), reason="worker_soft_shutdown_timeout is Celery 5.5+")
 def test_the_drain_governs_ojs_jobs_under_celerys_soft_shutdown(
     env: Env, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
