@@ -18,6 +18,8 @@ from tests.conftest import Env, start_env
 from tests.e2eapp import SLOW_TYPE
 from tests.test_arrival_limits import runs, slowed
 from tests.test_e2e_core import check_execution_timeout_grace_period_and_checkpoint
+from tests.test_store_faults import PrivateRedis
+from tests.workers import wait_for
 
 gevent = pytest.importorskip("gevent")
 pytestmark = pytest.mark.timeout(180)
@@ -70,6 +72,32 @@ def test_time_limits_in_the_bookkeeping_end_in_an_outcome_on_gevent(env: Env) ->
         assert runs(env, job_id) == [f"{SLOW_TYPE} {job_id} attempt=2"]
     done = env.wait_state(outcome, "completed", timeout=60)
     assert (done.attempt, done.errors, done.result) == (1, [], "ok on 1")
+
+
+def test_a_soft_limit_while_the_store_is_paused_in_the_outcomes_write(
+    tmp_path: pathlib.Path
+) -> None:
+    """The job store (a private redis-server) pauses all clients just before the handler
+    returns, past the job's 1 s limit: the outcome's write waits, the limit fires meanwhile and
+    is moot; the job completes as attempt 1, not left ``active`` nor timed out."""
+    (tmp_path / "redis").mkdir()
+    server = PrivateRedis(tmp_path / "redis")
+    try:
+        with start_env("redis", tmp_path, pool="gevent", concurrency=5,
+                       config={"ojs": {"store_url": server.url}}) as paused:
+            job = enqueue({"type": "e2e.sleep", "args": [0.6, "done"], "timeout": 1,
+                           "grace_period": 6,
+                           "retry": {"max_attempts": 2, "initial_interval": "PT0.1S"}},
+                          app=paused.app)
+            wait_for(lambda: any(job.id in line for line in paused.lines("runs")), 15,
+                     "the handler's first line")
+            server.admin.execute_command("CLIENT", "PAUSE", 2500, "ALL")
+            done = paused.wait_state(job.id, "completed", "retryable", "discarded", timeout=30)
+            assert (done.state, done.attempt, done.errors, done.result) == (
+                "completed", 1, [], "done")
+            assert f"sleep {job.id} attempt=1" in paused.lines("finished")
+    finally:
+        server.stop()
 
 
 def test_self_retry_at_the_soft_limit(env: Env) -> None:
