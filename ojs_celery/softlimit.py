@@ -64,12 +64,13 @@ def begin(job_id: str, timelimit: Any) -> None:
     if greenlet is None:
         _hold.held = True
         return
-    hold = _greenlet_holds[greenlet] = _Hold(job_id, greenlet)
+    hold = _Hold(job_id, greenlet)
     hold.held = True
     soft = _soft_seconds(timelimit)
-    if soft is not None:
+    if soft is not None:  # it cannot fire before this greenlet yields
         hold.timer = _gevent_loop().timer(soft)
         hold.timer.start(_fire, hold)
+    _greenlet_holds[greenlet] = hold  # last: nothing is left behind if the timer failed
 
 
 def hold() -> None:
