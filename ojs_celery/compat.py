@@ -183,6 +183,28 @@ def delays_natively(app: Any, producer: Any, queue: Any) -> bool:
     return bool(_detect_quorum_queues(app, driver)[0])
 
 
+def stalls_on_green_amqp(pool: str, driver: str, conf: Any, options: dict[str, Any]) -> bool:
+    """Whether this worker meets a Celery 5.7 stall: on a green pool (gevent, eventlet) with
+    AMQP heartbeats, ``celery.worker.loops.synloop`` drains its event dispatcher's connection
+    after every message it takes, waiting up to 0.1 s there (``_quick_drain``) for a frame that
+    rarely comes: the worker takes about 10 tasks a second, whatever its concurrency or
+    prefetch. The dispatcher exists unless task events, gossip and the worker heartbeat are
+    all off (``celery.worker.consumer.events``). Checked on Celery 5.7.0 (5.6 had no AMQP
+    heartbeats on green pools, and no such drain); found by its function, not its version.
+    ``options``: the worker's own (``WorkController.options``: ``-E``, ``--without-*``)."""
+    if pool not in ("gevent", "eventlet") or driver != "amqp" or not conf.broker_heartbeat:
+        return False
+    from celery.worker import loops
+
+    if not hasattr(loops, "_quick_drain"):
+        return False
+    events = options.get("task_events")
+    if events is None:
+        events = conf.worker_send_task_events
+    return bool(events or not options.get("without_gossip")
+                or not options.get("without_heartbeat"))
+
+
 def call_soon(consumer: Any, callback: Any, *args: Any) -> None:
     """Run ``callback(*args)`` in the worker's consumer thread, promptly, from any thread.
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import celery
 from celery import Celery, Task, signals
 from celery.exceptions import ImproperlyConfigured
 from kombu import entity
@@ -73,6 +74,15 @@ def install(app: Celery) -> Runtime:
                 "(on gevent: only at its next switch). "
                 "Use the prefork pool for worker-side timeouts.",
                 name, missing,
+            )
+        if compat.stalls_on_green_amqp(name, runtime.broker_driver, sender.app.conf,
+                                       getattr(sender, "options", None) or {}):
+            logger.warning(
+                "ojs_celery: on the %s pool with an AMQP broker, Celery %s's worker loop waits "
+                "up to 0.1s after every message (for AMQP heartbeats on its event connection): "
+                "this worker will take about 10 tasks a second. Set broker_heartbeat = 0 (as "
+                "Celery 5.6 had it on this pool), or start the worker with --without-heartbeat "
+                "--without-gossip and without task events (-E).", name, celery.__version__,
             )
 
     def on_child_start(**_: Any) -> None:

@@ -8,6 +8,7 @@ import pathlib
 import time
 from collections.abc import Iterator
 
+import celery.worker.loops
 import pytest
 from celery import Celery
 from celery.result import AsyncResult
@@ -27,8 +28,10 @@ from ojs_celery.envelope import CELERY_OPTIONS_FIELD, new_job_id, parse_envelope
 from ojs_celery.lifecycle import Publish
 from ojs_celery.producer import publish
 from ojs_celery.runtime import get_runtime
+from tests import services
 from tests.conftest import Env, start_env
-from tests.workers import Worker, filesystem_config, wait_for
+from tests.e2eapp import make_app
+from tests.workers import Worker, amqp_config, filesystem_config, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -323,6 +326,31 @@ def test_solo_pool_worker_warns_that_time_limits_are_not_enforced(
     try:
         worker.wait_ready()
         assert "the solo pool does not enforce soft and hard time limits" in worker.log()
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize("heartbeat", [None, 0])
+def test_a_gevent_worker_on_rabbitmq_warns_of_celerys_stall_unless_heartbeats_are_off(
+    tmp_path: pathlib.Path, heartbeat: int | None,
+) -> None:
+    """Celery 5.7's synloop waits 0.1 s after each message on a green pool with AMQP heartbeats
+    (about 10 tasks a second, docs/celery-notes.md): the worker says so at its start, with the
+    setting that avoids it, and says nothing once it is set."""
+    pytest.importorskip("gevent")
+    config = amqp_config(tmp_path, services.amqp_url(), services.postgres_url())
+    if heartbeat is not None:
+        config["celery"] = {"broker_heartbeat": heartbeat}
+    worker = Worker(config, tmp_path / "gevent.log", pool="gevent", concurrency=5)
+    try:
+        worker.wait_ready()
+        stalls = hasattr(celery.worker.loops, "_quick_drain")
+        warned = "worker will take about 10 tasks a second" in worker.log()
+        assert warned == (stalls and heartbeat is None), worker.log()[-3000:]
+        app = make_app(config)
+        job = enqueue({"type": "e2e.add", "args": [2, 3]}, app=app)
+        wait_for(lambda: (got := get_job(job.id, app=app)) is not None
+                 and got.state == "completed", 30, "the job to run")
     finally:
         worker.stop()
 
