@@ -5,6 +5,7 @@ worker`` subprocesses on the shared Redis broker."""
 from __future__ import annotations
 
 import pathlib
+import time
 
 import pytest
 
@@ -104,6 +105,11 @@ def test_an_enqueue_with_every_connection_slot_taken_says_the_store_refused_it(
         with psycopg.connect(server.url, autocommit=True) as admin:
             admin.execute("CREATE ROLE app LOGIN")
             admin.execute("GRANT ALL ON SCHEMA public TO app")
+            row = admin.execute("SELECT current_setting('max_connections')::int"
+                                " - current_setting('superuser_reserved_connections')::int"
+                                ).fetchone()
+            assert row is not None
+            slots: int = row[0]
         url = server.url.replace("postgres@", "app@", 1)
         config = filesystem_config(tmp_path)
         config["ojs"] = {**config["ojs"], "store_url": url, "events": False}
@@ -112,11 +118,15 @@ def test_an_enqueue_with_every_connection_slot_taken_says_the_store_refused_it(
         try:
             runtime.store.ping()  # its tables
             runtime.store.close()
-            while True:
+            # A closed session's slot is free only once its backend has exited: take every
+            # slot, waiting for those still held by the sessions just closed.
+            deadline = time.monotonic() + 30
+            while len(hogs) < slots:
                 try:
                     hogs.append(psycopg.connect(url))
                 except psycopg.OperationalError:
-                    break
+                    assert time.monotonic() < deadline, f"only {len(hogs)} of {slots} slots"
+                    time.sleep(0.05)
             with pytest.raises(StoreError) as refused:
                 enqueue({"type": "e2e.add", "args": [1, 2]}, app=app)
             said = str(refused.value)
