@@ -23,8 +23,6 @@ from .handback import plain_client
 if TYPE_CHECKING:
     import redis
 
-    from .store import WorkerInfo
-
 __all__ = ["BrokerMarker", "Unreachable", "mark_key"]
 
 
@@ -48,9 +46,6 @@ class BrokerMarker:
         self._client: redis.Redis | None = None
         self._channel: Any = None
         self._key = ""
-        #: Dead workers whose unlisted messages a pass failed to put back, for the next pass
-        #: (see ``ojs_celery.sweeper._put_back_unlisted``).
-        self.put_back_owed: list[WorkerInfo] = []
         #: Whether the last check failed: said once per outage (of this app's broker), not
         #: once per pass.
         self.failing = False

@@ -357,9 +357,11 @@ def _bury_dead_workers(
     this sweeper's or another's, which recovers the jobs again with the rules of the worker's
     death (computed at ``buried_at``): compare-and-set rules that change nothing the second
     time (an attempt failed already, or started since; a message sent since), so only what
-    was not recovered is. A broker that fails a recovery's publish does not stop the others
-    (each is written, its message left in the outbox for the dispatch clock), and is raised at
-    the end, once the burials are done."""
+    was not recovered is. A put-back the broker or the store failed keeps the tombstone too,
+    so that the next pass, any sweeper's, tries it again (until :data:`PUT_BACK_TRIES` after
+    the last beat). A broker that fails a recovery's publish does not stop the others (each
+    is written, its message left in the outbox for the dispatch clock), and is raised at the
+    end, once the burials are done."""
     store = runtime.store
     policy = store.policy
     cutoff = clock.cutoff(now, policy)
@@ -391,13 +393,14 @@ def _bury_dead_workers(
             }, subject=worker_id)
         buried[worker_id] = info
         unpublished = _recover_listed(runtime, clock, info, now, report, unpublished)
-    # the put-back first, and at every pass (it retries what a failing broker kept it from):
-    # it never raises, and the pass may end in the other
-    _put_back_unlisted(runtime, clock, list(buried.values()), now, limit, report, spell)
-    if buried:
-        unpublished = _recover_unlisted(runtime, clock, buried, limit, report, unpublished)
+    if not buried:
+        return
+    # the put-back first: it never raises, and the pass may end in the other
+    owed = _put_back_unlisted(runtime, clock, list(buried.values()), now, limit, report, spell)
+    unpublished = _recover_unlisted(runtime, clock, buried, limit, report, unpublished)
     for worker_id, info in buried.items():  # the drain marks the active jobs
-        store.remove_worker(worker_id, info.active_job_ids, buried=True)
+        if worker_id not in owed:
+            store.remove_worker(worker_id, info.active_job_ids, buried=True)
     if unpublished is not None:
         raise unpublished
 
@@ -587,31 +590,24 @@ LISTING_LAG = 1.0
 
 def _put_back_unlisted(runtime: Runtime, clock: WorkerClock, buried: list[WorkerInfo],
                        now: float, limit: int, report: SweepReport,
-                       spell: BlindSpell | None) -> None:
-    """The messages the workers just declared dead (or whose burial this pass resumed: the
-    pass that began it may have ended before) received after their last beat, which no beat
-    listed: on a Redis broker kombu keeps them for ``visibility_timeout`` (an hour) while
+                       spell: BlindSpell | None) -> set[str]:
+    """The messages the workers just declared dead (or whose burial this pass resumed: the pass
+    that began it, or its put-back, may have failed) received after their last beat, which no
+    beat listed: on a Redis broker kombu keeps them for ``visibility_timeout`` (an hour) while
     their jobs wait. kombu stamps a delivery with the receiving host's clock, as the worker
-    stamps its beats, so each dead worker's are among those delivered since its last beat (up
-    to :data:`READ_PAST` × ``limit``, oldest first) and before every live worker's last beat
-    (a live worker lists what it received before it). Those that no worker lists as held (nor
-    a live one as running), whose job still waits for that very message and that kombu can
-    route (the app's exchanges, which this channel never declared, are made known to it) go
-    back to their queue (:mod:`ojs_celery.handback`). A message put back that a worker does
-    hold (a frozen one declared dead) only costs a copy, which fencing drops. Best effort: a
-    failure of the broker or the store is logged, and the next passes of this process try
-    again (the workers are buried by then, so no other sweeper knows of them) until
-    :data:`PUT_BACK_TRIES` after their last beat; then, or if this process stops, kombu's
-    ``visibility_timeout`` restores them."""
+    stamps its beats, so each dead worker's are among those delivered since its last beat (up to
+    :data:`READ_PAST` × ``limit``, oldest first) and before every live worker's last beat (a
+    live worker lists what it received before it). Those that no worker lists as held (nor a
+    live one as running), whose job still waits for that very message and that kombu can route
+    (the app's exchanges, which this channel never declared, are made known to it) go back to
+    their queue (:mod:`ojs_celery.handback`). A message put back that a worker does hold (a
+    frozen one declared dead) only costs a copy, which fencing drops. A failure of the broker or
+    the store is logged, and the ids of the workers whose put-back is still owed are returned:
+    their tombstones stay for the next pass, until :data:`PUT_BACK_TRIES` after their last beat;
+    then kombu's ``visibility_timeout`` restores their messages."""
     marker = runtime.broker_marker
     if marker is None:  # RabbitMQ redelivers what a closed connection held
-        return
-    ids = {info.worker_id for info in buried}  # a resumed burial's may be owed already
-    buried = [info for info in marker.put_back_owed if info.last_beat > now - PUT_BACK_TRIES
-              and info.worker_id not in ids] + buried
-    marker.put_back_owed = []
-    if not buried:
-        return
+        return set()
     store = runtime.store
     try:  # the registered workers, but the tombstones (the dead ones being buried)
         workers = [info for info in store.workers.all() if not info.buried]
@@ -634,7 +630,7 @@ def _put_back_unlisted(runtime: Runtime, clock: WorkerClock, buried: list[Worker
         unlisted = [delivery for delivery in handback.deliveries(channel, list(tags))
                     if delivery.job_id not in listed]
         if not unlisted:
-            return
+            return set()
         records = store.get_records([delivery.job_id for delivery in unlisted])
         owed = [delivery for delivery, record in zip(unlisted, records, strict=True)
                 if record is not None and record.token == delivery.token
@@ -642,17 +638,17 @@ def _put_back_unlisted(runtime: Runtime, clock: WorkerClock, buried: list[Worker
                 and handback.routable(channel, delivery)]
         put = set(handback.put_back(channel, [delivery.tag for delivery in owed]))
     except Exception as exc:  # the broker or the store failed: tried again next pass
-        marker.put_back_owed = buried
         logger.warning("ojs_celery: could not put back the messages that workers declared dead "
-                       "received after their last beat (tried again next pass, for %gs; then "
-                       "kombu restores them after the broker's visibility_timeout): %s: %s",
-                       PUT_BACK_TRIES, type(exc).__name__, exc)
-        return
+                       "received after their last beat (tried again next pass, for %gs after "
+                       "their last beat; then kombu restores them after the broker's "
+                       "visibility_timeout): %s: %s", PUT_BACK_TRIES, type(exc).__name__, exc)
+        return {info.worker_id for info in buried if info.last_beat > now - PUT_BACK_TRIES}
     if put:
         report.applied[PUT_BACK] += len(put)
         logger.warning("ojs_celery: put back in their queue %d OJS message(s) that workers "
                        "declared dead received after their last beat: jobs %s", len(put),
                        handback.named([d.job_id for d in owed if d.tag in put]))
+    return set()
 
 
 def last_sweep(runtime: Runtime) -> float | None:

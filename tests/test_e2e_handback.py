@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -29,9 +30,9 @@ from kombu import Exchange, Queue
 
 from ojs_celery import cancel, enqueue
 from ojs_celery.embedded import sqlite_url
-from ojs_celery.runtime import get_runtime
+from ojs_celery.runtime import Runtime, get_runtime
 from ojs_celery.store import WorkerInfo
-from ojs_celery.sweeper import PUT_BACK, SweepReport, sweep
+from ojs_celery.sweeper import PUT_BACK, PUT_BACK_TRIES, SweepReport, sweep
 from tests.e2eapp import make_app
 from tests.test_store_faults import PrivateRedis
 from tests.workers import filesystem_config, unique, wait_for
@@ -156,8 +157,9 @@ def test_a_broker_that_answers_with_an_error_is_tried_again_next_pass(
     app: Celery, broker: PrivateRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
     """kombu's index is not a sorted set (an error reply to the sweeper's read): one line, the
-    worker still declared dead, the pass's other work done, the message left where it was;
-    the next pass, the broker mended, puts it back (no other sweeper knows of the worker)."""
+    worker still declared dead, the pass's other work done, the message left where it was and
+    the worker's tombstone kept; the next pass, the broker mended, puts it back, even the
+    pass of another sweeper, which never saw the failure; then the tombstone goes."""
     queue = unique("held")
     waiting = enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app).id
     held_at = hold_and_die(broker, queue, 1)
@@ -172,15 +174,53 @@ def test_a_broker_that_answers_with_an_error_is_tried_again_next_pass(
         broker.admin.delete("unacked_index")
         broker.admin.zadd("unacked_index", dict(index))
     assert report.applied["worker"] == 1 and report.applied[PUT_BACK] == 0
-    assert get_runtime(app).store.workers.get("dead") is None
+    tombstone = get_runtime(app).store.workers.get("dead")
+    assert tombstone is not None and tombstone.buried
     said = [r for r in caplog.records if "could not put back" in r.message]
     assert len(said) == 1 and said[0].exc_info is None and "WRONGTYPE" in said[0].message
     assert queued(broker, queue) == []
     assert [json.loads(raw)[0]["headers"]["id"]
             for raw in broker.admin.hvals("unacked")] == [waiting]
-    again = checked(sweep(get_runtime(app)))
+    another = Runtime(app)  # another sweeper: it knows the burial from its tombstone only
+    try:
+        again = checked(sweep(another))
+    finally:
+        another.close()
     assert again.applied[PUT_BACK] == 1 and queued(broker, queue) == [waiting]
+    assert "worker" not in again.applied  # declared dead once
+    assert get_runtime(app).store.workers.get("dead") is None
     assert checked(sweep(get_runtime(app))).applied[PUT_BACK] == 0  # done with
+
+
+def test_a_put_back_failing_past_its_tries_is_left_to_kombu(
+    app: Celery, broker: PrivateRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker still fails the put-back :data:`PUT_BACK_TRIES` after the worker's last
+    beat: the burial ends (its tombstone goes), the message left in kombu's record for its
+    ``visibility_timeout`` to restore."""
+    queue = unique("held")
+    waiting = enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app).id
+    held_at = hold_and_die(broker, queue, 1)
+    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
+    broker.admin.delete("unacked_index")
+    broker.admin.set("unacked_index", "not a sorted set")
+    beats(app, held_at, dead_listing=[], live_listing=[])
+    runtime = get_runtime(app)
+    dead = runtime.store.workers.get("dead")
+    assert dead is not None
+    runtime.store.workers.save(replace(dead, last_beat=dead.last_beat - PUT_BACK_TRIES))
+    try:
+        with caplog.at_level(logging.WARNING, logger="ojs_celery"):
+            report = checked(sweep(runtime))
+    finally:
+        broker.admin.delete("unacked_index")
+        broker.admin.zadd("unacked_index", dict(index))
+    assert report.applied["worker"] == 1 and report.applied[PUT_BACK] == 0
+    assert "could not put back" in caplog.text
+    assert runtime.store.workers.get("dead") is None
+    assert queued(broker, queue) == []
+    assert [json.loads(raw)[0]["headers"]["id"]
+            for raw in broker.admin.hvals("unacked")] == [waiting]
 
 
 def test_a_broker_down_as_a_worker_is_buried_still_recovers_every_job_it_listed(
@@ -203,11 +243,13 @@ def test_a_broker_down_as_a_worker_is_buried_still_recovers_every_job_it_listed(
         broker.process.wait(10)
         report = sweep(runtime)
         assert report.error is not None and report.applied["worker"] == 1
-        assert runtime.store.workers.get("dead") is None
+        tombstone = runtime.store.workers.get("dead")  # its put-back is owed
+        assert tombstone is not None and tombstone.buried
         broker.start()
         later = time.time() + runtime.settings.dispatch_grace + 1
         published = checked(sweep(runtime, now=later)).published
         assert published == 3 and sorted(queued(broker, queue)) == sorted(jobs)
+        assert runtime.store.workers.get("dead") is None
 
 
 def test_a_message_routed_by_a_topic_exchange_goes_back_to_its_queue(
