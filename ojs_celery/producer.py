@@ -488,11 +488,13 @@ def celery_time_fields(
 ) -> dict[str, int]:
     """``timeout`` and ``grace_period`` from Celery's time limits (per call, task option, then
     ``task_soft_time_limit``/``task_time_limit``): the soft limit (or the hard one) is the
-    timeout, hard − soft the grace. No limit at all: ``settings.default_timeout`` (the
-    worker warns at start for such tasks, see :func:`tasks_without_limit`)."""
+    timeout, hard − soft the grace; a soft limit at or past the hard one is moot, as on
+    Celery's worker, which kills the task at the hard one first. No limit at all:
+    ``settings.default_timeout`` (the worker warns at start for such tasks, see
+    :func:`tasks_without_limit`)."""
     soft = _time_limit(app, task, options, "soft_time_limit")
     hard = _time_limit(app, task, options, "time_limit")
-    if soft is not None:
+    if soft is not None and (hard is None or float(soft) < float(hard)):
         timeout = max(math.ceil(float(soft)), 1)
         if hard is None:
             return {"timeout": timeout}

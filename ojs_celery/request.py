@@ -70,6 +70,18 @@ class OJSRequest(Request):  # type: ignore[misc]
     #: "stale", "plain", "unstarted": the message goes back to the broker), so that Celery's
     #: repeated reports of one hard timeout write once.
     _ojs_failure_recorded: str | None = None
+    #: Celery's (hard, soft) limits of the message, which its pool is given.
+    time_limits: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        hard, soft = self.time_limits
+        if hard and not soft and self._ojs_token() is not None:
+            # A job's own limits are its only ones: without a grace period it has no soft
+            # limit, where Celery and billiard fall back to the task's ``soft_time_limit`` or
+            # the app's ``task_soft_time_limit``, which would cancel it before its timeout. A
+            # soft limit equal to the hard one never fires (billiard kills at the hard first).
+            self.time_limits = (hard, hard)
 
     def _ojs_token(self) -> int | None:
         return token_of(self)

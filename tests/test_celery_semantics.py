@@ -76,6 +76,10 @@ def test_time_limits_give_timeout_and_grace(app: Celery) -> None:
     assert tasks_without_limit(app) == ["m.ojs", "m.plain"]
     app.conf.task_soft_time_limit = 20
     assert celery_time_fields(app, plain, {}, settings) == {"timeout": 20}
+    # the task's hard limit comes first, as on Celery's worker: the app's soft one is moot
+    assert celery_time_fields(app, hard, {}, settings) == {"timeout": 13, "grace_period": 0}
+    assert celery_time_fields(app, limited, {"soft_time_limit": 5, "time_limit": 5},
+                              settings) == {"timeout": 5, "grace_period": 0}
     app.conf.task_time_limit = 26  # the app's limits fill what the call and the task leave
     assert celery_time_fields(app, plain, {}, settings) == {"timeout": 20, "grace_period": 6}
     assert celery_time_fields(app, limited, {}, settings) == {"timeout": 10, "grace_period": 15}
@@ -438,6 +442,19 @@ def test_time_limits_end_the_job_as_in_celery(env: Env) -> None:
     assert job.attempt == 1
     assert job.error is not None and job.error["type"] == "timeout"
     assert "TimeLimitExceeded" in type(_failure(env, result.id).result).__name__
+    assert _runs(env, tag) == ["attempt=1"]
+
+
+def test_an_envelope_without_a_grace_period_gets_no_soft_limit_from_its_task(env: Env) -> None:
+    """An envelope's ``timeout`` of 3 s with ``grace_period`` 0, for a task whose own
+    ``soft_time_limit`` is 1 s: the job's limits are its only ones, so the attempt runs to its
+    timeout (Celery's worker would fall back to the task's soft limit, at 1 s)."""
+    tag = unique("nograce")
+    job = enqueue({"type": "e2e.celery_time_limit", "args": [tag], "timeout": 3,
+                   "grace_period": 0, "retry": {"max_attempts": 1}}, app=env.app)
+    done = env.wait_state(job.id, "discarded", timeout=40)
+    assert done.error is not None and done.error["type"] == "timeout", done.error
+    assert float(done.error["elapsed_seconds"]) >= 2.9, done.error
     assert _runs(env, tag) == ["attempt=1"]
 
 
