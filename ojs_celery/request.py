@@ -72,16 +72,36 @@ class OJSRequest(Request):  # type: ignore[misc]
     _ojs_failure_recorded: str | None = None
     #: Celery's (hard, soft) limits of the message, which its pool is given.
     time_limits: Any
+    #: An OJS message with a hard limit and no soft one (a job without a grace period).
+    _ojs_hard_only = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         hard, soft = self.time_limits
-        if hard and not soft and self._ojs_token() is not None:
-            # A job's own limits are its only ones: without a grace period it has no soft
-            # limit, where Celery and billiard fall back to the task's ``soft_time_limit`` or
-            # the app's ``task_soft_time_limit``, which would cancel it before its timeout. A
-            # soft limit equal to the hard one never fires (billiard kills at the hard first).
-            self.time_limits = (hard, hard)
+        self._ojs_hard_only = bool(hard and not soft and self._ojs_token() is not None)
+
+    @property
+    def _apply_result(self) -> Any:
+        """Celery's weak reference to the pool's result of this request (its attribute)."""
+        return self.__dict__.get("_ojs_apply_result")
+
+    @_apply_result.setter
+    def _apply_result(self, value: Any) -> None:
+        """Set by Celery's ``execute_using_pool`` as soon as the pool took the message, before
+        the pool process accepts it and its timers are armed. A job's own limits are its only
+        ones: without a grace period it has no soft limit, where Celery and billiard fall back
+        to the task's ``soft_time_limit`` or the app's ``task_soft_time_limit``, which would
+        cancel it before its timeout. Only billiard's result says which soft limit it arms
+        (``_soft_timeout``): 0 is none, both for the prefork pool's event loop and for
+        billiard's timeout thread (which would take None for its own default). A soft limit
+        equal to the hard one is no answer: the event loop sends it, then arms the hard one.
+        The other pools (gevent, eventlet) enforce no soft limit of Celery's."""
+        self.__dict__["_ojs_apply_result"] = value
+        if value is None or not self._ojs_hard_only:
+            return
+        result = value()
+        if result is not None and getattr(result, "_soft_timeout", None):
+            result._soft_timeout = 0
 
     def _ojs_token(self) -> int | None:
         return token_of(self)

@@ -458,6 +458,20 @@ def test_an_envelope_without_a_grace_period_gets_no_soft_limit_from_its_task(env
     assert _runs(env, tag) == ["attempt=1"]
 
 
+def test_an_envelope_without_a_grace_period_is_not_cancelled_at_its_timeout(env: Env) -> None:
+    """A job with ``grace_period`` 0 has no soft limit at all: at its timeout the pool ends
+    it, and its handler never sees a ``SoftTimeLimitExceeded`` (one that catches it, as this
+    one does, records it and saves a checkpoint). Celery's prefork pool sends the soft limit
+    first whenever it is given one, even one equal to the hard limit (its event loop arms the
+    hard limit only once the soft one fires)."""
+    job = enqueue({"type": "e2e.resumable", "args": [30], "timeout": 2, "grace_period": 0,
+                   "retry": {"max_attempts": 1}}, app=env.app)
+    done = env.wait_state(job.id, "discarded", timeout=40)
+    assert done.error is not None and done.error["type"] == "timeout", done.error
+    assert [line for line in env.lines("cancelled") if line.startswith(job.id)] == []
+    assert done.last_checkpoint is None
+
+
 def test_a_hard_time_limit_ends_the_job_as_in_celery(env: Env) -> None:
     tag = unique("hard")
     result = env.app.tasks["e2e.celery_hard_limit"].delay(tag)
