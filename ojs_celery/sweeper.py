@@ -343,10 +343,13 @@ def _bury_dead_workers(
     spell: BlindSpell | None = None,
 ) -> None:
     """Workers silent for the worker heartbeat timeout: declare them dead, recover their jobs,
-    at most ``limit`` of them. Silence during a blind spell does not count (see
-    :class:`~ojs_celery.lifecycle.BlindSpell`): a worker silent since before it is declared
-    dead that much later. Workers silent for this process's timeout but not their own longer
-    one are read past, up to :data:`READ_PAST` × ``limit``: they must not hide dead ones.
+    at most ``limit`` of them, and resume at most ``limit`` burials besides: the tombstones,
+    which come first, may be kept as long as a put-back fails (ten minutes), and must not hold
+    back the burial of the workers that die meanwhile. Silence during a blind spell does not
+    count (see :class:`~ojs_celery.lifecycle.BlindSpell`): a worker silent since before it is
+    declared dead that much later. Workers silent for this process's timeout but not their
+    own longer one are read past, up to :data:`READ_PAST` × ``limit``: they must not hide dead
+    ones.
 
     A burial is resumable. The sweeper that declares a worker dead first turns its record
     into a tombstone (``store.bury_worker``: the claim, which one sweeper wins, so the
@@ -367,13 +370,17 @@ def _bury_dead_workers(
     cutoff = clock.cutoff(now, policy)
     buried: dict[str, WorkerInfo] = {}
     unpublished: BrokerUnavailable | None = None
+    resumed = declared = 0
     for worker_id in store.workers.stale(cutoff, READ_PAST * limit):
-        if len(buried) >= limit:
+        if declared >= limit:
             break
         info = store.workers.get(worker_id)
         if info is None:
             continue
-        if info.buried:  # a burial a failing store interrupted: resumed
+        if info.buried:  # a burial a failing store or put-back interrupted: resumed
+            if resumed >= limit:
+                continue
+            resumed += 1
             logger.info("ojs_celery: resuming the burial of worker %s, declared dead %.1fs "
                         "ago", worker_id, now - (info.buried_at or now))
         else:
@@ -383,6 +390,7 @@ def _bury_dead_workers(
             if tombstone is None:
                 continue  # another sweeper took it
             info = tombstone
+            declared += 1
             report.applied[clock.name] += 1
             logger.warning("ojs_celery: worker %s (%s) missed its beats for %.1fs: declared "
                            "dead", worker_id, info.nodename or info.hostname,

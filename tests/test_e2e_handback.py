@@ -18,6 +18,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -269,3 +270,103 @@ def test_a_message_routed_by_a_topic_exchange_goes_back_to_its_queue(
         report = checked(sweep(get_runtime(app)))
         assert report.applied[PUT_BACK] == 1
         assert queued(broker, queue) == [job_id]
+
+
+def test_a_worker_that_comes_back_while_its_put_back_is_owed_keeps_its_record(
+    app: Celery, broker: PrivateRedis
+) -> None:
+    """The put-back failed, so the dead worker's tombstone stays; the worker comes back (it was
+    frozen: it still holds the message) and its beat replaces the tombstone. The next pass,
+    the broker mended, leaves it alone: no put-back of what it holds, its record kept."""
+    queue = unique("held")
+    waiting = enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app).id
+    held_at = hold_and_die(broker, queue, 1)
+    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
+    broker.admin.delete("unacked_index")
+    broker.admin.set("unacked_index", "not a sorted set")
+    beats(app, held_at, dead_listing=[], live_listing=[])
+    runtime = get_runtime(app)
+    try:
+        report = checked(sweep(runtime))
+    finally:
+        broker.admin.delete("unacked_index")
+        broker.admin.zadd("unacked_index", dict(index))
+    assert report.applied["worker"] == 1 and report.applied[PUT_BACK] == 0
+    tombstone = runtime.store.workers.get("dead")
+    assert tombstone is not None and tombstone.buried
+    runtime.store.workers.save(WorkerInfo("dead", "host", 1, last_beat=time.time(),
+                                          reserved_job_ids=[waiting]))
+    again = checked(sweep(runtime))
+    assert again.applied[PUT_BACK] == 0 and "worker" not in again.applied
+    back = runtime.store.workers.get("dead")
+    assert back is not None and not back.buried
+    assert queued(broker, queue) == []
+
+
+def test_sweepers_that_resume_an_owed_put_back_together_put_it_back_once(
+    app: Celery, broker: PrivateRedis
+) -> None:
+    """Three sweepers resume the same kept tombstone at once, the broker mended: the message
+    goes back once, the tombstone goes."""
+    queue = unique("held")
+    waiting = enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app).id
+    held_at = hold_and_die(broker, queue, 1)
+    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
+    broker.admin.delete("unacked_index")
+    broker.admin.set("unacked_index", "not a sorted set")
+    beats(app, held_at, dead_listing=[], live_listing=[])
+    try:
+        checked(sweep(get_runtime(app)))
+    finally:
+        broker.admin.delete("unacked_index")
+        broker.admin.zadd("unacked_index", dict(index))
+    sweepers = [Runtime(app) for _ in range(3)]
+    reports: list[SweepReport] = []
+    try:
+        threads = [threading.Thread(target=lambda r=r: reports.append(sweep(r)))
+                   for r in sweepers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        for runtime in sweepers:
+            runtime.close()
+    assert len(reports) == 3 and all(report.error is None for report in reports)
+    assert sum(report.applied[PUT_BACK] for report in reports) == 1
+    assert queued(broker, queue) == [waiting]
+    assert get_runtime(app).store.workers.get("dead") is None
+
+
+def test_tombstones_kept_for_their_put_back_do_not_hold_back_new_deaths(
+    app: Celery, broker: PrivateRedis
+) -> None:
+    """A broker that keeps failing the put-back keeps the tombstones of the workers declared
+    dead for ten minutes, and a pass resumes them first (``limit`` of them, here 1): a worker
+    that dies meanwhile is still declared dead at the next pass, its jobs recovered then,
+    not once the outage has outlasted the tombstones' ten minutes."""
+    queue = unique("held")
+    enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app)
+    held_at = hold_and_die(broker, queue, 1)
+    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
+    broker.admin.delete("unacked_index")
+    broker.admin.set("unacked_index", "not a sorted set")
+    try:
+        beats(app, held_at, dead_listing=[], live_listing=[])
+        runtime = get_runtime(app)
+        assert checked(sweep(runtime, batch=1)).applied["worker"] == 1
+        running = enqueue({"type": "e2e.add", "args": [3, 4]}, app=app).id
+        timeout = runtime.settings.worker_heartbeat_timeout
+        assert runtime.store.start(running, 1, "dead2", now=time.time() - timeout - 10).applied
+        runtime.store.workers.save(WorkerInfo("dead2", "host", 3,
+                                              last_beat=time.time() - timeout - 5,
+                                              active_job_ids=[running]))
+        report = checked(sweep(runtime, batch=1))
+        assert report.applied["worker"] == 1  # dead2, while dead's put-back is still owed
+        kept = runtime.store.workers.get("dead")
+        assert kept is not None and kept.buried
+        record = runtime.store.get_record(running)
+        assert record is not None and record.job.state != "active", record.job.state
+    finally:
+        broker.admin.delete("unacked_index")
+        broker.admin.zadd("unacked_index", dict(index))
