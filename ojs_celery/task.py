@@ -189,6 +189,9 @@ class OJSTask(Task):  # type: ignore[misc]
         (README, "Celery callers") unless the task or the settings choose OJS semantics."""
         if options.get("headers", {}) and "ojs" in options["headers"]:
             return super().apply_async(args, kwargs, **options)
+        if (compat.REFUSES_SOFT_LIMIT_PAST_HARD and self.soft_time_limit and self.time_limit
+                and self.soft_time_limit > self.time_limit):
+            raise ValueError("soft_time_limit must be less than or equal to time_limit")  # Celery's
         dump = getattr(self, "_dump_pydantic_arguments", None)  # pydantic=True, Celery 5.7+
         if dump is not None and options.get("serializer") != "pickle":
             args, kwargs = dump(args, kwargs)  # models as the JSON data the task reads back

@@ -274,6 +274,41 @@ def test_client_chose_id_is_decided_from_the_parsed_envelope() -> None:
 # --------------------------------------------------------------------------- task defaults
 
 
+def test_a_task_whose_soft_limit_is_past_its_hard_one_is_called_as_in_celery(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Celery 5.5 and later refuse such a call (``ValueError`` from ``apply_async``), before
+    anything is sent; Celery 5.4 sends it, and its job gets the hard limit as its timeout."""
+    from ojs_celery import compat
+    from ojs_celery.lifecycle import REDISPATCH
+
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    app = Celery("t", broker="filesystem://", set_as_current=False)
+    app.conf.broker_transport_options = {"data_folder_in": str(folder),
+                                         "data_folder_out": str(folder),
+                                         "control_folder": str(tmp_path / "control")}
+    app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
+    runtime = install(app)
+
+    @app.task(shared=False, name="t.inverted", base=OJSTask, soft_time_limit=5, time_limit=1)
+    def inverted() -> None: ...
+
+    try:
+        if compat.REFUSES_SOFT_LIMIT_PAST_HARD:
+            with pytest.raises(ValueError, match="soft_time_limit must be less than or equal"):
+                inverted.delay()
+            assert list(folder.glob("*.msg")) == []
+            assert runtime.store.scan(REDISPATCH.name, None, 10)[0] == []  # nothing stored
+        else:
+            job = runtime.store.get(inverted.delay().id)
+            assert job is not None and (job.timeout, job.grace_period) == (1, 0)
+        assert enqueue({"type": "t.inverted", "args": []}, app=app).timeout  # its own limits
+    finally:
+        runtime.close()
+        app.close()
+
+
 def test_the_tasks_own_expires_and_soft_limit_do_not_reach_the_message(
     tmp_path: pathlib.Path,
 ) -> None:
