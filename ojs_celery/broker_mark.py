@@ -49,6 +49,9 @@ class BrokerMarker:
         #: Whether the last check failed: said once per outage (of this app's broker), not
         #: once per pass.
         self.failing = False
+        #: Whether this process's last put-back of dead workers' messages failed: said once
+        #: per outage too, while their tombstones wait for the put-back pass after pass.
+        self.put_back_failing = False
 
     def where(self) -> str:
         """The broker's URL, password masked (for the log)."""

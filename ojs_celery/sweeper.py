@@ -381,8 +381,10 @@ def _bury_dead_workers(
             if resumed >= limit:
                 continue
             resumed += 1
-            logger.info("ojs_celery: resuming the burial of worker %s, declared dead %.1fs "
-                        "ago", worker_id, now - (info.buried_at or now))
+            marker = runtime.broker_marker  # a failing put-back resumes it at every pass
+            logger.log(logging.DEBUG if marker and marker.put_back_failing else logging.INFO,
+                       "ojs_celery: resuming the burial of worker %s, declared dead %.1fs ago",
+                       worker_id, now - (info.buried_at or now))
         else:
             if not clock.is_dead(info.last_beat, now, policy, spell, info.heartbeat_timeout):
                 continue  # it beat meanwhile, its own timeout is longer, or a blind spell
@@ -637,20 +639,24 @@ def _put_back_unlisted(runtime: Runtime, clock: WorkerClock, buried: list[Worker
                 channel, info.last_beat - LISTING_LAG, until, READ_PAST * limit)))
         unlisted = [delivery for delivery in handback.deliveries(channel, list(tags))
                     if delivery.job_id not in listed]
-        if not unlisted:
-            return set()
         records = store.get_records([delivery.job_id for delivery in unlisted])
         owed = [delivery for delivery, record in zip(unlisted, records, strict=True)
                 if record is not None and record.token == delivery.token
                 and record.job.state in lifecycle.STARTABLE
                 and handback.routable(channel, delivery)]
-        put = set(handback.put_back(channel, [delivery.tag for delivery in owed]))
+        put = set(handback.put_back(channel, [delivery.tag for delivery in owed])
+                  if owed else ())
     except Exception as exc:  # the broker or the store failed: tried again next pass
-        logger.warning("ojs_celery: could not put back the messages that workers declared dead "
-                       "received after their last beat (tried again next pass, for %gs after "
-                       "their last beat; then kombu restores them after the broker's "
-                       "visibility_timeout): %s: %s", PUT_BACK_TRIES, type(exc).__name__, exc)
+        logger.log(logging.DEBUG if marker.put_back_failing else logging.WARNING,
+                   "ojs_celery: could not put back the messages that workers declared dead "
+                   "received after their last beat (tried again at each pass, for %gs after "
+                   "their last beat; then kombu restores them after the broker's "
+                   "visibility_timeout): %s: %s", PUT_BACK_TRIES, type(exc).__name__, exc)
+        marker.put_back_failing = True
         return {info.worker_id for info in buried if info.last_beat > now - PUT_BACK_TRIES}
+    if marker.put_back_failing:
+        marker.put_back_failing = False
+        logger.warning("ojs_celery: the put-back of dead workers' messages works again")
     if put:
         report.applied[PUT_BACK] += len(put)
         logger.warning("ojs_celery: put back in their queue %d OJS message(s) that workers "

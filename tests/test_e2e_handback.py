@@ -193,6 +193,38 @@ def test_a_broker_that_answers_with_an_error_is_tried_again_next_pass(
     assert checked(sweep(get_runtime(app))).applied[PUT_BACK] == 0  # done with
 
 
+def test_a_put_back_failing_pass_after_pass_is_said_once(
+    app: Celery, broker: PrivateRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three passes of one sweeper while the broker fails the put-back: one WARNING, and
+    the burial it resumes at every pass logged at DEBUG only; once the broker is mended the
+    put-back is done, and a line says it works again."""
+    queue = unique("held")
+    waiting = enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app).id
+    held_at = hold_and_die(broker, queue, 1)
+    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
+    broker.admin.delete("unacked_index")
+    broker.admin.set("unacked_index", "not a sorted set")
+    beats(app, held_at, dead_listing=[], live_listing=[])
+    runtime = get_runtime(app)
+    try:
+        with caplog.at_level(logging.INFO, logger="ojs_celery"):
+            for _ in range(3):
+                assert checked(sweep(runtime)).applied[PUT_BACK] == 0
+    finally:
+        broker.admin.delete("unacked_index")
+        broker.admin.zadd("unacked_index", dict(index))
+    said = [r.message for r in caplog.records
+            if "could not put back" in r.message or "resuming the burial" in r.message]
+    assert len(said) == 1 and "could not put back" in said[0], said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ojs_celery"):
+        assert checked(sweep(runtime)).applied[PUT_BACK] == 1
+    assert "put-back of dead workers' messages works again" in caplog.text
+    assert queued(broker, queue) == [waiting]
+    assert runtime.store.workers.get("dead") is None
+
+
 def test_a_put_back_failing_past_its_tries_is_left_to_kombu(
     app: Celery, broker: PrivateRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
