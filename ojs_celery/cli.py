@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 from typing import Any, NoReturn
 
@@ -529,9 +529,10 @@ def _directive(name: str) -> click.Command:
             raise click.UsageError("give WORKER(s) (ids or node names) or --all (not both)")
         runtime = get_runtime(_app(ctx))
         store = runtime.store
-        known = store.workers.all()
+        every = store.workers.all()
+        known = [info for info in every if not info.buried]  # a tombstone beats no more
         targets = sorted(known, key=lambda w: w.worker_id) if everyone else _named_workers(
-            known, workers, store.policy)
+            known, workers, store.policy, buried={w.worker_id for w in every if w.buried})
         for info in targets:
             store.meta.send_directive(info.worker_id, name)
             _line({"worker_id": info.worker_id, "nodename": info.nodename, "directive": name})
@@ -540,13 +541,14 @@ def _directive(name: str) -> click.Command:
 
 
 def _named_workers(known: list[WorkerInfo], names: tuple[str, ...],
-                   policy: Policy) -> list[WorkerInfo]:
+                   policy: Policy, buried: Collection[str] = ()) -> list[WorkerInfo]:
     """The registered workers ``names`` name, each a worker id or a Celery node name, in the
     order named (each once). A node name stands for its live workers, those the sweeper would
     not declare dead (a worker restarted under the same name leaves its old record behind until
     the sweeper removes it): the stale records it also names are left out, one line each on
-    stderr; if none of them is live, all of them. A name that is neither ends the command with
-    status 1 before anything is sent."""
+    stderr; if none of them is live, all of them. A name that is neither, or the id of a
+    worker declared dead (``buried``: its tombstone), ends the command with status 1 before
+    anything is sent."""
     by_id = {info.worker_id: info for info in known}
     now = time.time()
     clock = WorkerClock()
@@ -570,9 +572,11 @@ def _named_workers(known: list[WorkerInfo], names: tuple[str, ...],
                              "it all the same")
         for info in live or node:
             chosen.setdefault(info.worker_id, info)
+    dead = [name for name in unknown if name in buried]
     if unknown:
         _fail([f"error: no registered worker with the id or node name {', '.join(unknown)} "
-               "(see `ojs-celery workers`)"], EXIT_FAILED)
+               "(see `ojs-celery workers`)" + (f"; declared dead: {', '.join(dead)}"
+                                               if dead else "")], EXIT_FAILED)
     for note in notes:
         click.echo(_one_line(note), err=True)
     return list(chosen.values())

@@ -594,6 +594,36 @@ def test_a_directive_takes_a_node_name_and_sends_it_to_its_live_workers(env: Env
             store.remove_worker(info.worker_id)
 
 
+def test_a_directive_is_not_sent_to_a_worker_declared_dead(env: Env) -> None:
+    """A dead worker's tombstone (its burial under way) is listed by ``workers`` as ``dead``
+    but beats no more: ``--all`` leaves it out, and naming it is an error that says so, with
+    nothing sent."""
+    store = get_runtime(env.app).store
+    now = time.time()
+    dead = WorkerInfo(f"worker_{unique('dead')}", "host", 1, f"{unique('node')}@host",
+                      last_beat=now - 3600)
+    live = WorkerInfo(f"worker_{unique('live')}", "host", 2, f"{unique('node')}@host",
+                      last_beat=now)
+    store.workers.save(dead)
+    store.workers.save(live)
+    try:
+        assert store.bury_worker(dead, now) is not None
+        named = run(env, "workers", "quiet", dead.worker_id)
+        assert named.returncode == 1, named.stderr
+        assert named.stderr.splitlines() == [
+            f"error: no registered worker with the id or node name {dead.worker_id} (see "
+            f"`ojs-celery workers`); declared dead: {dead.worker_id}"]
+        everyone = run(env, "workers", "resume", "--all")  # harmless to a running worker
+        assert everyone.returncode == 0, everyone.stderr
+        sent = [json.loads(line)["worker_id"] for line in everyone.stdout.splitlines()]
+        assert live.worker_id in sent and dead.worker_id not in sent
+        assert store.meta.pending_directive(dead.worker_id) is None
+    finally:
+        for info in (dead, live):
+            store.remove_worker(info.worker_id)
+            store.remove_worker(info.worker_id, buried=True)
+
+
 def test_output_that_cannot_be_written_is_one_line_and_status_1(env: Env) -> None:
     """stdout on a full device (``> /dev/full``): ``get`` and ``sweep`` ended with a traceback,
     and ``enqueue`` too, although its job was stored (the line now names it)."""
