@@ -4,6 +4,7 @@
     .venv/bin/python bench/instructions.py --pairs redis-redis,redis-pg,amqp-redis -n 200
     .venv/bin/python bench/instructions.py --batch              # enqueue_batch vs send_task
     .venv/bin/python bench/instructions.py --worker             # the worker's side of a job
+    .venv/bin/python bench/instructions.py --cache -n 150       # plus simulated cache misses
 
 Not part of the test suite. Needs ``valgrind`` and the services of the test suite; everything
 it creates is removed (it reuses ``bench/caller.py``'s pairings).
@@ -14,7 +15,10 @@ Rates and CPU seconds on a shared 2-core machine move by ±20 % with other peopl
 hides the few-percent changes that hot-path work is made of. ``valgrind --tool=callgrind``
 counts the instructions a thread executes, which does not depend on the load (the same run
 twice agrees within about 1 %). It counts no cache misses, system-call time or waiting, so it
-complements ``bench/caller.py`` (the rates users see) and does not replace it.
+complements ``bench/caller.py`` (the rates users see) and does not replace it. ``--cache`` adds
+valgrind's simulation of the caches and branch predictor (the last level sized as this
+machine's 1 MiB L2): same instructions can cost different times when one loop touches more
+memory than the other.
 
 What is counted: the main thread of a process that makes ``-n`` calls (``.apply_async()`` of
 ``bench/callerapp.py``'s task, or with ``--batch`` one ``enqueue_batch`` against ``-n``
@@ -118,33 +122,48 @@ def measured(kind: str, pair: str, run: str, queue: str, n: int, mode: str,
     os._exit(0)
 
 
-def main_thread_instructions(args: list[str]) -> int:
-    """Instructions executed by the main thread of ``bench/instructions.py --measure ...``."""
+#: ``--cache``: valgrind's cache and branch simulation, its last level sized as this machine's
+#: L2 (1 MiB a core, 8-way), so that "LL" misses are what a core fetches from beyond its L2.
+CACHE_OPTIONS = ("--cache-sim=yes", "--branch-sim=yes", "--LL=1048576,8,64")
+#: The counts ``--cache`` prints per call (valgrind's names): instructions, L1 instruction and
+#: data misses, last-level misses, mispredicted conditional and indirect branches.
+CACHE_EVENTS = ("Ir", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw", "Bcm", "Bim")
+
+
+def main_thread_counts(args: list[str], cache: bool = False) -> dict[str, int]:
+    """valgrind's counts for the main thread of ``bench/instructions.py --measure ...``:
+    ``Ir`` (instructions) alone, or with ``cache`` the simulated misses too."""
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "callgrind.out"
         subprocess.run(
             ["valgrind", "--tool=callgrind", "--separate-threads=yes",
+             *(CACHE_OPTIONS if cache else ()),
              f"--callgrind-out-file={out}", sys.executable, __file__, "--measure", *args],
             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         text = (pathlib.Path(tmp) / "callgrind.out-01").read_text(errors="replace")
-    match = re.search(r"^summary: (\d+)", text, re.MULTILINE)
-    if match is None:
+    events = re.search(r"^events: (.+)$", text, re.MULTILINE)
+    summary = re.search(r"^summary: ([\d ]+)$", text, re.MULTILINE)
+    if events is None or summary is None:
         raise SystemExit("valgrind wrote no summary for the main thread")
-    return int(match.group(1))
+    return dict(zip(events.group(1).split(), (int(v) for v in summary.group(1).split()),
+                    strict=True))
 
 
-def per_call(pairing: Any, kind: str, n: int, mode: str, services: list[str]) -> float:
-    """Instructions per call: ``n`` calls minus none (``worker``: taking and running ``n``
-    messages minus taking and acknowledging them)."""
+def per_call(pairing: Any, kind: str, n: int, mode: str, services: list[str],
+             cache: bool = False) -> dict[str, float]:
+    """valgrind's counts per call: ``n`` calls minus none (``worker``: taking and running
+    ``n`` messages minus taking and acknowledging them)."""
 
-    def count(what: str, calls: int) -> int:
+    def count(what: str, calls: int) -> dict[str, int]:
         queue = pairing.new_queue()
-        return main_thread_instructions(
-            [kind, pairing.name, pairing.run, queue, what, *services, "-n", str(calls)])
+        return main_thread_counts(
+            [kind, pairing.name, pairing.run, queue, what, *services, "-n", str(calls)], cache)
 
     if mode == "worker":
-        return (count("worker", n) - count("take", n)) / n
-    return (count(mode, n) - count(mode, 0)) / n
+        done, base = count("worker", n), count("take", n)
+    else:
+        done, base = count(mode, n), count(mode, 0)
+    return {event: (done[event] - base[event]) / n for event in done}
 
 
 def main() -> None:
@@ -160,6 +179,9 @@ def main() -> None:
                         help="which to count (plain, ojs; a change to OJS alone needs only ojs)")
     parser.add_argument("--worker", action="store_true",
                         help="the worker's side: take and run n jobs' messages")
+    parser.add_argument("--cache", action="store_true",
+                        help="also simulate the caches (last level sized as a 1 MiB L2) and "
+                             "branch prediction; print the misses per call (slower)")
     parser.add_argument("--measure", nargs=5, metavar=("KIND", "PAIR", "RUN", "QUEUE", "MODE"),
                         help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -184,16 +206,28 @@ def main() -> None:
     from caller import Pairing
 
     kinds = options.kinds.split(",")
+    cache_rows: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for pair in pairs:
             pairing = Pairing(pair, services, pathlib.Path(tmp))
             try:
-                plain, ojs = (per_call(pairing, kind, options.n, mode, forwarded)
-                              if kind in kinds else 0.0 for kind in ("plain", "ojs"))
+                counts = {kind: per_call(pairing, kind, options.n, mode, forwarded,
+                                         options.cache) if kind in kinds else {}
+                          for kind in ("plain", "ojs")}
             finally:
                 pairing.cleanup()
+            plain, ojs = (counts[kind].get("Ir", 0.0) for kind in ("plain", "ojs"))
             ratio = f"{plain / ojs:.2f}" if plain and ojs else "–"
             print(f"| {pair} | {plain / 1e6:.2f} M | {ojs / 1e6:.2f} M | {ratio} |", flush=True)
+            if options.cache:
+                for kind, values in counts.items():
+                    if values:
+                        cache_rows.append(f"| {pair} | {kind} | " + " | ".join(
+                            f"{values[e]:,.0f}" for e in CACHE_EVENTS) + " |")
+    if cache_rows:
+        print("\nsimulated per call, main thread (--cache; LL = a 1 MiB L2):\n\n| pairing | kind | "
+              + " | ".join(CACHE_EVENTS) + " |\n|---|---|" + "---|" * len(CACHE_EVENTS))
+        print("\n".join(cache_rows))
 
 
 if __name__ == "__main__":
