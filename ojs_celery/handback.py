@@ -12,8 +12,8 @@ hour by default) has passed. Two holders go away sooner without kombu noticing:
   sweeper that declares it dead redispatches the jobs its last beat listed, and puts back the
   messages delivered since that no worker lists (:func:`ojs_celery.sweeper.sweep`).
 
-Both put messages back with kombu's own ``QoS.restore_by_tag``: a transaction that watches the
-record, so a message that kombu or another sweeper put back meanwhile is not put back twice.
+Both put messages back as kombu's own ``QoS.restore_by_tag`` does: a transaction that watches
+the record, so a message that kombu or another sweeper put back meanwhile is not put back twice.
 Only OJS messages: a copy of one is harmless (fencing drops it at its start), a plain task's is
 not.
 """
@@ -24,6 +24,8 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from kombu.utils.json import loads
 
 from . import header
 
@@ -76,17 +78,33 @@ def deliveries(channel: Any, tags: list[str]) -> list[Delivery]:
 
 
 def put_back(channel: Any, tags: Iterable[str]) -> list[str]:
-    """Put each message still in kombu's record back in its queue (kombu's
-    ``QoS.restore_by_tag``); the tags of those it put back (a tag missing from the record was
-    acknowledged or put back meanwhile). A failure of the broker is the caller's: the messages
-    not yet put back stay in the record."""
+    """Put each message still in kombu's record back in its queue; the tags of those it put
+    back (a tag missing from the record was acknowledged or put back meanwhile, by kombu or
+    another sweeper). A failure of the broker is the caller's: the messages not yet put back
+    stay in the record."""
     qos = channel.qos
-    restored = []
     with channel.conn_or_acquire() as client:  # kombu's client: it prefixes HGET and WATCH
-        for tag in tags:
-            if client.hget(qos.unacked_key, tag) is not None:  # only to count what went back
-                qos.restore_by_tag(tag, client=client)
-                restored.append(tag)
+        return [tag for tag in tags if _restore(qos, tag, client)]
+
+
+def _restore(qos: Any, tag: str, client: Any) -> bool:
+    """kombu's ``QoS.restore_by_tag`` (a transaction that watches the record: the message
+    leaves it and goes back to its queue once, whoever else restores it), made of kombu's
+    own parts, which also says whether this call put it back: kombu's says nothing, and two
+    sweepers that both saw it in the record would both count it."""
+    restored = False
+
+    def transaction(pipe: Any) -> None:
+        nonlocal restored
+        payload = pipe.hget(qos.unacked_key, tag)
+        pipe.multi()
+        qos._remove_from_indices(tag, pipe)
+        restored = payload is not None
+        if restored:
+            message, exchange, routing_key = loads(_text(payload))  # type: ignore[no-untyped-call]
+            qos.channel._do_restore_message(message, exchange, routing_key, pipe, False)
+
+    client.transaction(transaction, qos.unacked_key)
     return restored
 
 

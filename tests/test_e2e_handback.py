@@ -402,3 +402,43 @@ def test_tombstones_kept_for_their_put_back_do_not_hold_back_new_deaths(
     finally:
         broker.admin.delete("unacked_index")
         broker.admin.zadd("unacked_index", dict(index))
+
+
+def test_put_backs_racing_for_one_message_count_it_once(
+    app: Celery, broker: PrivateRedis
+) -> None:
+    """Several sweepers' channels put back the same held messages at once, round after round:
+    each message goes back once, and is counted by the one put-back that moved it (kombu's
+    ``restore_by_tag`` says nothing, so each sweeper that saw it in the record counted it)."""
+    import kombu
+
+    from ojs_celery import handback
+
+    queue = unique("race")
+    connections = [kombu.Connection(broker.url) for _ in range(4)]
+    try:
+        channels = [connection.default_channel for connection in connections]
+        for _ in range(10):
+            jobs = [enqueue({"type": "e2e.add", "args": [i, 1], "queue": queue}, app=app).id
+                    for i in range(5)]
+            hold_and_die(broker, queue, len(jobs))
+            tags = [str(tag) for tag in broker.admin.hkeys("unacked")]
+            counts: list[int] = []
+            gate = threading.Barrier(len(channels))
+
+            def put(channel: Any, tags: list[str], gate: threading.Barrier,
+                    counts: list[int]) -> None:
+                gate.wait(10)
+                counts.append(len(handback.put_back(channel, tags)))
+
+            threads = [threading.Thread(target=put, args=(channel, tags, gate, counts))
+                       for channel in channels]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            assert sum(counts) == len(jobs) and sorted(queued(broker, queue)) == sorted(jobs)
+            broker.admin.delete(queue)
+    finally:
+        for connection in connections:
+            connection.release()
