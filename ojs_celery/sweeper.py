@@ -404,6 +404,12 @@ def _bury_dead_workers(
         buried[worker_id] = info
         unpublished = _recover_listed(runtime, clock, info, now, report, unpublished)
     if not buried:
+        marker = runtime.broker_marker
+        if marker is not None and marker.put_back_failing:
+            # no burial owes a put-back any more (another sweeper did it, or it was left to
+            # kombu past its tries): a later one that fails is another failure, said again
+            marker.put_back_failing = False
+            logger.debug("ojs_celery: no put-back of dead workers' messages is owed any more")
         return
     # the put-back first: it never raises, and the pass may end in the other
     owed = _put_back_unlisted(runtime, clock, list(buried.values()), now, limit, report, spell)

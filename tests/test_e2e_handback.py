@@ -442,3 +442,51 @@ def test_put_backs_racing_for_one_message_count_it_once(
     finally:
         for connection in connections:
             connection.release()
+
+
+def test_a_put_back_failing_again_after_the_burials_ended_is_said_again(
+    app: Celery, broker: PrivateRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sweeper saw a put-back fail (one WARNING); another sweeper then did it and the
+    burial ended, so this one had no put-back to try any more. A worker that dies later,
+    whose put-back fails too, is another failure: said again at WARNING, not at DEBUG."""
+    queue = unique("held")
+    enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app)
+    held_at = hold_and_die(broker, queue, 1)
+    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
+    broker.admin.delete("unacked_index")
+    broker.admin.set("unacked_index", "not a sorted set")
+    beats(app, held_at, dead_listing=[], live_listing=[])
+    runtime = get_runtime(app)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ojs_celery"):
+            assert checked(sweep(runtime)).applied[PUT_BACK] == 0
+    finally:
+        broker.admin.delete("unacked_index")
+        broker.admin.zadd("unacked_index", dict(index))
+    assert "could not put back" in caplog.text
+    another = Runtime(app)  # another sweeper does the put-back: the burial ends
+    try:
+        assert checked(sweep(another)).applied[PUT_BACK] == 1
+    finally:
+        another.close()
+    assert runtime.store.workers.get("dead") is None
+    assert "worker" not in checked(sweep(runtime)).applied  # nothing owed any more
+    caplog.clear()
+    queue = unique("held")  # the first job's message is back in the first one
+    waiting = enqueue({"type": "e2e.add", "args": [3, 4], "queue": queue}, app=app).id
+    held_at = hold_and_die(broker, queue, 1)
+    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
+    broker.admin.delete("unacked_index")
+    broker.admin.set("unacked_index", "not a sorted set")
+    beats(app, held_at, dead_listing=[], live_listing=[])
+    try:
+        with caplog.at_level(logging.WARNING, logger="ojs_celery"):
+            assert checked(sweep(runtime)).applied["worker"] == 1
+    finally:
+        broker.admin.delete("unacked_index")
+        broker.admin.zadd("unacked_index", dict(index))
+    said = [r for r in caplog.records if "could not put back" in r.message]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, caplog.text
+    assert checked(sweep(runtime)).applied[PUT_BACK] == 1
+    assert queued(broker, queue) == [waiting]
