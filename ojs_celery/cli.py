@@ -532,7 +532,8 @@ def _directive(name: str) -> click.Command:
         every = store.workers.all()
         known = [info for info in every if not info.buried]  # a tombstone beats no more
         targets = sorted(known, key=lambda w: w.worker_id) if everyone else _named_workers(
-            known, workers, store.policy, buried={w.worker_id for w in every if w.buried})
+            known, workers, store.policy,
+            buried={name for w in every if w.buried for name in (w.worker_id, w.nodename) if name})
         for info in targets:
             store.meta.send_directive(info.worker_id, name)
             _line({"worker_id": info.worker_id, "nodename": info.nodename, "directive": name})
@@ -547,8 +548,8 @@ def _named_workers(known: list[WorkerInfo], names: tuple[str, ...],
     not declare dead (a worker restarted under the same name leaves its old record behind until
     the sweeper removes it): the stale records it also names are left out, one line each on
     stderr; if none of them is live, all of them. A name that is neither, or the id of a
-    worker declared dead (``buried``: its tombstone), ends the command with status 1 before
-    anything is sent."""
+    worker declared dead (``buried``: its tombstone's id and node name), ends the command with
+    status 1 before anything is sent."""
     by_id = {info.worker_id: info for info in known}
     now = time.time()
     clock = WorkerClock()

@@ -624,6 +624,26 @@ def test_a_directive_is_not_sent_to_a_worker_declared_dead(env: Env) -> None:
             store.remove_worker(info.worker_id, buried=True)
 
 
+def test_a_directive_to_the_node_name_of_a_worker_declared_dead_says_so(env: Env) -> None:
+    """A node name whose only record is a tombstone (``workers`` lists it as ``dead`` under
+    that name): an error that says it was declared dead, as naming its id does, nothing sent."""
+    store = get_runtime(env.app).store
+    now = time.time()
+    node = f"{unique('node')}@host"
+    dead = WorkerInfo(f"worker_{unique('dead')}", "host", 1, node, last_beat=now - 3600)
+    store.workers.save(dead)
+    try:
+        assert store.bury_worker(dead, now) is not None
+        named = run(env, "workers", "terminate", node)
+        assert named.returncode == 1, named.stderr
+        assert named.stderr.splitlines() == [
+            f"error: no registered worker with the id or node name {node} (see "
+            f"`ojs-celery workers`); declared dead: {node}"]
+        assert store.meta.pending_directive(dead.worker_id) is None
+    finally:
+        store.remove_worker(dead.worker_id, buried=True)
+
+
 def test_output_that_cannot_be_written_is_one_line_and_status_1(env: Env) -> None:
     """stdout on a full device (``> /dev/full``): ``get`` and ``sweep`` ended with a traceback,
     and ``enqueue`` too, although its job was stored (the line now names it)."""
