@@ -43,7 +43,8 @@ from tests.workers import filesystem_config, unique, wait_for
 HOLDER = """
 import sys, kombu
 url, queue, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
-with kombu.Connection(url) as connection:
+options = {"global_keyprefix": sys.argv[4]} if len(sys.argv) > 4 else {}
+with kombu.Connection(url, transport_options=options) as connection:
     channel = connection.channel()
     held = 0
     while held < count:
@@ -61,10 +62,11 @@ def broker(redis_server: PrivateRedis) -> PrivateRedis:
 
 @contextmanager
 def app_on(broker: PrivateRedis, tmp_path: pathlib.Path, celery: dict[str, Any] | None = None,
-           store_url: str | None = None) -> Iterator[Celery]:
+           store_url: str | None = None,
+           transport: dict[str, Any] | None = None) -> Iterator[Celery]:
     """An app on ``broker``, its job store there too unless ``store_url``."""
     config = filesystem_config(tmp_path)
-    config.update(broker_url=broker.url, broker_transport_options={},
+    config.update(broker_url=broker.url, broker_transport_options=transport or {},
                   result_backend=f"db+sqlite:///{tmp_path / 'results.sqlite3'}",
                   celery=celery or {})
     config["ojs"] = {"store_url": store_url or broker.url, "store_prefix": unique("rd"),
@@ -82,9 +84,11 @@ def app(broker: PrivateRedis, tmp_path: pathlib.Path) -> Iterator[Celery]:
         yield made
 
 
-def hold_and_die(broker: PrivateRedis, queue: str, count: int) -> float:
-    """A consumer takes ``count`` messages and is killed; when it had taken them."""
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, broker.url, queue, str(count)],
+def hold_and_die(broker: PrivateRedis, queue: str, count: int, prefix: str = "") -> float:
+    """A consumer takes ``count`` messages and is killed; when it had taken them. ``prefix``:
+    kombu's ``global_keyprefix``."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, broker.url, queue, str(count),
+                               *([prefix] if prefix else [])],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
@@ -490,3 +494,35 @@ def test_a_put_back_failing_again_after_the_burials_ended_is_said_again(
     assert len(said) == 1 and said[0].levelno == logging.WARNING, caplog.text
     assert checked(sweep(runtime)).applied[PUT_BACK] == 1
     assert queued(broker, queue) == [waiting]
+
+
+def test_a_message_goes_back_under_the_brokers_global_keyprefix(
+    broker: PrivateRedis, tmp_path: pathlib.Path
+) -> None:
+    """kombu's ``global_keyprefix``: the sweeper reads kombu's record and puts the messages
+    back under the prefixed keys a worker reads (the queue, a priority's own list, the record);
+    nothing lands under the bare names."""
+    prefix = unique("pfx") + ":"
+    with app_on(broker, tmp_path, transport={"global_keyprefix": prefix}) as app:
+        queue = unique("held")
+        waiting = enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app).id
+        behind = enqueue({"type": "e2e.add", "args": [3, 4], "queue": queue, "priority": -50},
+                         app=app).id
+        lists = sorted(_text(key) for key in broker.admin.keys(f"{prefix}{queue}*"))
+        assert len(lists) == 2 and lists[0] == prefix + queue  # its priority's list after it
+        assert [queued(broker, key) for key in lists] == [[waiting], [behind]]
+        held_at = hold_and_die(broker, queue, 2, prefix)
+        assert [queued(broker, key) for key in lists] == [[], []]
+        assert broker.admin.hlen(prefix + "unacked") == 2
+        beats(app, held_at, dead_listing=[], live_listing=[])
+        report = checked(sweep(get_runtime(app)))
+        assert report.applied["worker"] == 1 and report.applied[PUT_BACK] == 2
+        assert [queued(broker, key) for key in lists] == [[waiting], [behind]]
+        assert broker.admin.hlen(prefix + "unacked") == 0
+        assert broker.admin.zcard(prefix + "unacked_index") == 0
+        assert not broker.admin.exists(queue, "unacked", "unacked_index")
+        assert get_runtime(app).store.workers.get("dead") is None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
