@@ -50,8 +50,9 @@ __all__ = [
 
 #: The installed Celery's (major, minor).
 _CELERY_VERSION = tuple(int(part) for part in celery.__version__.split(".")[:2])
-#: Celery 5.5 and later refuse a call of a task whose own ``soft_time_limit`` is past its
-#: ``time_limit`` (``ValueError`` from ``Task.apply_async``); 5.4 sends it.
+#: Celery 5.5 and later refuse a call of a task whose ``soft_time_limit`` is past its
+#: ``time_limit`` (``ValueError`` from ``Task.apply_async``; the task's own, else the settings',
+#: which Celery's ``bind`` copies to it; never a call's); 5.4 sends it.
 REFUSES_SOFT_LIMIT_PAST_HARD = _CELERY_VERSION >= (5, 5)
 #: Celery 5.7 searches the settings map by map, each for every spelling of a key; 5.4 to 5.6
 #: spelling by spelling, each in every map (``ConfigurationView.__getitem__``, read in each).

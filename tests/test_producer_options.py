@@ -291,13 +291,20 @@ def test_a_task_whose_soft_limit_is_past_its_hard_one_is_called_as_in_celery(
     app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
     runtime = install(app)
 
+    app.conf.task_time_limit = 2  # the setting counts as the task's own, as in Celery
+
     @app.task(shared=False, name="t.inverted", base=OJSTask, soft_time_limit=5, time_limit=1)
     def inverted() -> None: ...
+
+    @app.task(shared=False, name="t.by_setting", base=OJSTask, soft_time_limit=5)
+    def by_setting() -> None: ...
 
     try:
         if compat.REFUSES_SOFT_LIMIT_PAST_HARD:
             with pytest.raises(ValueError, match="soft_time_limit must be less than or equal"):
                 inverted.delay()
+            with pytest.raises(ValueError, match="soft_time_limit must be less than or equal"):
+                by_setting.s().delay()
             assert list(folder.glob("*.msg")) == []
             assert runtime.store.scan(REDISPATCH.name, None, 10)[0] == []  # nothing stored
         else:
