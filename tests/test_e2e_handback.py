@@ -123,6 +123,29 @@ def checked(report: SweepReport) -> SweepReport:
     return report
 
 
+def held_by_a_dead_worker(app: Celery, broker: PrivateRedis, args: list[int]) -> tuple[str, str]:
+    """A job whose message a worker took after its last beat, then died: the queue and the
+    job's id."""
+    queue = unique("held")
+    job_id = enqueue({"type": "e2e.add", "args": args, "queue": queue}, app=app).id
+    beats(app, hold_and_die(broker, queue, 1), dead_listing=[], live_listing=[])
+    return queue, job_id
+
+
+@contextmanager
+def put_back_failing(broker: PrivateRedis) -> Iterator[None]:
+    """kombu's delivery index is not a sorted set (an error reply, ``WRONGTYPE``, to every
+    put-back's read of it) until the block ends."""
+    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
+    broker.admin.delete("unacked_index")
+    broker.admin.set("unacked_index", "not a sorted set")
+    try:
+        yield
+    finally:
+        broker.admin.delete("unacked_index")
+        broker.admin.zadd("unacked_index", dict(index))
+
+
 def test_only_the_unlisted_messages_of_waiting_jobs_go_back(
     app: Celery, broker: PrivateRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -165,19 +188,9 @@ def test_a_broker_that_answers_with_an_error_is_tried_again_next_pass(
     worker still declared dead, the pass's other work done, the message left where it was and
     the worker's tombstone kept; the next pass, the broker mended, puts it back, even the
     pass of another sweeper, which never saw the failure; then the tombstone goes."""
-    queue = unique("held")
-    waiting = enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app).id
-    held_at = hold_and_die(broker, queue, 1)
-    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
-    broker.admin.delete("unacked_index")
-    broker.admin.set("unacked_index", "not a sorted set")
-    beats(app, held_at, dead_listing=[], live_listing=[])
-    try:
-        with caplog.at_level(logging.WARNING, logger="ojs_celery"):
-            report = checked(sweep(get_runtime(app)))
-    finally:
-        broker.admin.delete("unacked_index")
-        broker.admin.zadd("unacked_index", dict(index))
+    queue, waiting = held_by_a_dead_worker(app, broker, [1, 2])
+    with put_back_failing(broker), caplog.at_level(logging.WARNING, logger="ojs_celery"):
+        report = checked(sweep(get_runtime(app)))
     assert report.applied["worker"] == 1 and report.applied[PUT_BACK] == 0
     tombstone = get_runtime(app).store.workers.get("dead")
     assert tombstone is not None and tombstone.buried
@@ -203,21 +216,11 @@ def test_a_put_back_failing_pass_after_pass_is_said_once(
     """Three passes of one sweeper while the broker fails the put-back: one WARNING, and
     the burial it resumes at every pass logged at DEBUG only; once the broker is mended the
     put-back is done, and a line says it works again."""
-    queue = unique("held")
-    waiting = enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app).id
-    held_at = hold_and_die(broker, queue, 1)
-    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
-    broker.admin.delete("unacked_index")
-    broker.admin.set("unacked_index", "not a sorted set")
-    beats(app, held_at, dead_listing=[], live_listing=[])
+    queue, waiting = held_by_a_dead_worker(app, broker, [1, 2])
     runtime = get_runtime(app)
-    try:
-        with caplog.at_level(logging.INFO, logger="ojs_celery"):
-            for _ in range(3):
-                assert checked(sweep(runtime)).applied[PUT_BACK] == 0
-    finally:
-        broker.admin.delete("unacked_index")
-        broker.admin.zadd("unacked_index", dict(index))
+    with put_back_failing(broker), caplog.at_level(logging.INFO, logger="ojs_celery"):
+        for _ in range(3):
+            assert checked(sweep(runtime)).applied[PUT_BACK] == 0
     said = [r.message for r in caplog.records
             if "could not put back" in r.message or "resuming the burial" in r.message]
     assert len(said) == 1 and "could not put back" in said[0], said
@@ -235,23 +238,13 @@ def test_a_put_back_failing_past_its_tries_is_left_to_kombu(
     """The broker still fails the put-back :data:`PUT_BACK_TRIES` after the worker's last
     beat: the burial ends (its tombstone goes), the message left in kombu's record for its
     ``visibility_timeout`` to restore."""
-    queue = unique("held")
-    waiting = enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app).id
-    held_at = hold_and_die(broker, queue, 1)
-    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
-    broker.admin.delete("unacked_index")
-    broker.admin.set("unacked_index", "not a sorted set")
-    beats(app, held_at, dead_listing=[], live_listing=[])
+    queue, waiting = held_by_a_dead_worker(app, broker, [1, 2])
     runtime = get_runtime(app)
     dead = runtime.store.workers.get("dead")
     assert dead is not None
     runtime.store.workers.save(replace(dead, last_beat=dead.last_beat - PUT_BACK_TRIES))
-    try:
-        with caplog.at_level(logging.WARNING, logger="ojs_celery"):
-            report = checked(sweep(runtime))
-    finally:
-        broker.admin.delete("unacked_index")
-        broker.admin.zadd("unacked_index", dict(index))
+    with put_back_failing(broker), caplog.at_level(logging.WARNING, logger="ojs_celery"):
+        report = checked(sweep(runtime))
     assert report.applied["worker"] == 1 and report.applied[PUT_BACK] == 0
     assert "could not put back" in caplog.text
     assert runtime.store.workers.get("dead") is None
@@ -314,19 +307,10 @@ def test_a_worker_that_comes_back_while_its_put_back_is_owed_keeps_its_record(
     """The put-back failed, so the dead worker's tombstone stays; the worker comes back (it was
     frozen: it still holds the message) and its beat replaces the tombstone. The next pass,
     the broker mended, leaves it alone: no put-back of what it holds, its record kept."""
-    queue = unique("held")
-    waiting = enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app).id
-    held_at = hold_and_die(broker, queue, 1)
-    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
-    broker.admin.delete("unacked_index")
-    broker.admin.set("unacked_index", "not a sorted set")
-    beats(app, held_at, dead_listing=[], live_listing=[])
+    queue, waiting = held_by_a_dead_worker(app, broker, [1, 2])
     runtime = get_runtime(app)
-    try:
+    with put_back_failing(broker):
         report = checked(sweep(runtime))
-    finally:
-        broker.admin.delete("unacked_index")
-        broker.admin.zadd("unacked_index", dict(index))
     assert report.applied["worker"] == 1 and report.applied[PUT_BACK] == 0
     tombstone = runtime.store.workers.get("dead")
     assert tombstone is not None and tombstone.buried
@@ -344,18 +328,9 @@ def test_sweepers_that_resume_an_owed_put_back_together_put_it_back_once(
 ) -> None:
     """Three sweepers resume the same kept tombstone at once, the broker mended: the message
     goes back once, the tombstone goes."""
-    queue = unique("held")
-    waiting = enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app).id
-    held_at = hold_and_die(broker, queue, 1)
-    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
-    broker.admin.delete("unacked_index")
-    broker.admin.set("unacked_index", "not a sorted set")
-    beats(app, held_at, dead_listing=[], live_listing=[])
-    try:
+    queue, waiting = held_by_a_dead_worker(app, broker, [1, 2])
+    with put_back_failing(broker):
         checked(sweep(get_runtime(app)))
-    finally:
-        broker.admin.delete("unacked_index")
-        broker.admin.zadd("unacked_index", dict(index))
     sweepers = [Runtime(app) for _ in range(3)]
     reports: list[SweepReport] = []
     try:
@@ -381,14 +356,8 @@ def test_tombstones_kept_for_their_put_back_do_not_hold_back_new_deaths(
     dead for ten minutes, and a pass resumes them first (``limit`` of them, here 1): a worker
     that dies meanwhile is still declared dead at the next pass, its jobs recovered then,
     not once the outage has outlasted the tombstones' ten minutes."""
-    queue = unique("held")
-    enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app)
-    held_at = hold_and_die(broker, queue, 1)
-    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
-    broker.admin.delete("unacked_index")
-    broker.admin.set("unacked_index", "not a sorted set")
-    try:
-        beats(app, held_at, dead_listing=[], live_listing=[])
+    held_by_a_dead_worker(app, broker, [1, 2])
+    with put_back_failing(broker):
         runtime = get_runtime(app)
         assert checked(sweep(runtime, batch=1)).applied["worker"] == 1
         running = enqueue({"type": "e2e.add", "args": [3, 4]}, app=app).id
@@ -403,9 +372,6 @@ def test_tombstones_kept_for_their_put_back_do_not_hold_back_new_deaths(
         assert kept is not None and kept.buried
         record = runtime.store.get_record(running)
         assert record is not None and record.job.state != "active", record.job.state
-    finally:
-        broker.admin.delete("unacked_index")
-        broker.admin.zadd("unacked_index", dict(index))
 
 
 def test_put_backs_racing_for_one_message_count_it_once(
@@ -454,20 +420,10 @@ def test_a_put_back_failing_again_after_the_burials_ended_is_said_again(
     """A sweeper saw a put-back fail (one WARNING); another sweeper then did it and the
     burial ended, so this one had no put-back to try any more. A worker that dies later,
     whose put-back fails too, is another failure: said again at WARNING, not at DEBUG."""
-    queue = unique("held")
-    enqueue({"type": "e2e.add", "args": [1, 2], "queue": queue}, app=app)
-    held_at = hold_and_die(broker, queue, 1)
-    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
-    broker.admin.delete("unacked_index")
-    broker.admin.set("unacked_index", "not a sorted set")
-    beats(app, held_at, dead_listing=[], live_listing=[])
+    held_by_a_dead_worker(app, broker, [1, 2])
     runtime = get_runtime(app)
-    try:
-        with caplog.at_level(logging.WARNING, logger="ojs_celery"):
-            assert checked(sweep(runtime)).applied[PUT_BACK] == 0
-    finally:
-        broker.admin.delete("unacked_index")
-        broker.admin.zadd("unacked_index", dict(index))
+    with put_back_failing(broker), caplog.at_level(logging.WARNING, logger="ojs_celery"):
+        assert checked(sweep(runtime)).applied[PUT_BACK] == 0
     assert "could not put back" in caplog.text
     another = Runtime(app)  # another sweeper does the put-back: the burial ends
     try:
@@ -477,19 +433,10 @@ def test_a_put_back_failing_again_after_the_burials_ended_is_said_again(
     assert runtime.store.workers.get("dead") is None
     assert "worker" not in checked(sweep(runtime)).applied  # nothing owed any more
     caplog.clear()
-    queue = unique("held")  # the first job's message is back in the first one
-    waiting = enqueue({"type": "e2e.add", "args": [3, 4], "queue": queue}, app=app).id
-    held_at = hold_and_die(broker, queue, 1)
-    index = broker.admin.zrange("unacked_index", 0, -1, withscores=True)
-    broker.admin.delete("unacked_index")
-    broker.admin.set("unacked_index", "not a sorted set")
-    beats(app, held_at, dead_listing=[], live_listing=[])
-    try:
-        with caplog.at_level(logging.WARNING, logger="ojs_celery"):
-            assert checked(sweep(runtime)).applied["worker"] == 1
-    finally:
-        broker.admin.delete("unacked_index")
-        broker.admin.zadd("unacked_index", dict(index))
+    # a queue of its own: the first job's message is back in the first one
+    queue, waiting = held_by_a_dead_worker(app, broker, [3, 4])
+    with put_back_failing(broker), caplog.at_level(logging.WARNING, logger="ojs_celery"):
+        assert checked(sweep(runtime)).applied["worker"] == 1
     said = [r for r in caplog.records if "could not put back" in r.message]
     assert len(said) == 1 and said[0].levelno == logging.WARNING, caplog.text
     assert checked(sweep(runtime)).applied[PUT_BACK] == 1

@@ -14,6 +14,7 @@ from ojs_celery.envelope import Job, from_epoch, parse_envelope
 from ojs_celery.header import build as ojs_header
 from ojs_celery.header import snapshot as record_from_header
 from ojs_celery.producer import broker_priority, celery_queue, time_limits
+from ojs_celery.runtime import Runtime
 
 T0 = 1_800_000_000.0
 
@@ -274,6 +275,19 @@ def test_client_chose_id_is_decided_from_the_parsed_envelope() -> None:
 # --------------------------------------------------------------------------- task defaults
 
 
+def folder_app(tmp_path: pathlib.Path) -> tuple[Celery, pathlib.Path, Runtime]:
+    """An installed app on the filesystem transport (its messages are files in the folder
+    returned) and a SQLite store."""
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    app = Celery("t", broker="filesystem://", set_as_current=False)
+    app.conf.broker_transport_options = {"data_folder_in": str(folder),
+                                         "data_folder_out": str(folder),
+                                         "control_folder": str(tmp_path / "control")}
+    app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
+    return app, folder, install(app)
+
+
 def test_a_task_whose_soft_limit_is_past_its_hard_one_is_called_as_in_celery(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -282,14 +296,7 @@ def test_a_task_whose_soft_limit_is_past_its_hard_one_is_called_as_in_celery(
     from ojs_celery import compat
     from ojs_celery.lifecycle import REDISPATCH
 
-    folder = tmp_path / "broker"
-    folder.mkdir()
-    app = Celery("t", broker="filesystem://", set_as_current=False)
-    app.conf.broker_transport_options = {"data_folder_in": str(folder),
-                                         "data_folder_out": str(folder),
-                                         "control_folder": str(tmp_path / "control")}
-    app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
-    runtime = install(app)
+    app, folder, runtime = folder_app(tmp_path)
 
     app.conf.task_time_limit = 2  # the setting counts as the task's own, as in Celery
 
@@ -323,14 +330,7 @@ def test_the_tasks_own_expires_and_soft_limit_do_not_reach_the_message(
     OJS message carries the job's limits alone, and never a Celery ``expires``: the task's
     ``expires`` is the job's ``expires_at`` (with it in the message, the worker would drop
     the message and the job would wait on, ``scheduled``, for the sweeper's backstop)."""
-    folder = tmp_path / "broker"
-    folder.mkdir()
-    app = Celery("t", broker="filesystem://", set_as_current=False)
-    app.conf.broker_transport_options = {"data_folder_in": str(folder),
-                                         "data_folder_out": str(folder),
-                                         "control_folder": str(tmp_path / "control")}
-    app.conf.ojs = {"store_url": f"sqlite:///{tmp_path / 'store.sqlite3'}", "events": False}
-    runtime = install(app)
+    app, folder, runtime = folder_app(tmp_path)
 
     @app.task(shared=False, name="t.limited", base=OJSTask, expires=5, soft_time_limit=100,
               time_limit=110)
