@@ -547,8 +547,8 @@ def _named_workers(known: list[WorkerInfo], names: tuple[str, ...],
     order named (each once). A node name stands for its live workers, those the sweeper would
     not declare dead (a worker restarted under the same name leaves its old record behind until
     the sweeper removes it): the stale records it also names are left out, one line each on
-    stderr; if none of them is live, all of them. A name that is neither, or the id of a
-    worker declared dead (``buried``: its tombstone's id and node name), ends the command with
+    stderr; if none of them is live, all of them. A name that is neither (the id or node name
+    of a worker declared dead among them, ``buried``: the error says so) ends the command with
     status 1 before anything is sent."""
     by_id = {info.worker_id: info for info in known}
     now = time.time()

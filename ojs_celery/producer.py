@@ -489,7 +489,7 @@ def celery_time_fields(
     """``timeout`` and ``grace_period`` from Celery's time limits (per call, task option, then
     ``task_soft_time_limit``/``task_time_limit``): the soft limit (or the hard one) is the
     timeout, hard − soft the grace; a soft limit at or past the hard one is dropped: the hard
-    one is the timeout, with no grace (Celery 5.7 refuses such a task's own limits at the call;
+    one is the timeout, with no grace (Celery 5.5+ refuses such a task's own limits at the call;
     its prefork pool on an event loop, given such a call's or app's limits, arms the hard limit
     only once the soft one fired, so it sends that late soft limit and kills the task just after
     it: OJS keeps the hard one, as billiard's own timeout thread does). No limit at all:
